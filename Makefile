@@ -1,0 +1,32 @@
+# Fresh machine, Python 3.11 + pip only. `make demo` and `make test` create .venv and install into it.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch first and pinned: the range in pyproject admits it, and a bare `torch` could pull a CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test test-slow bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(VENV)/.installed: $(BIN)/python pyproject.toml
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/python recipes/demo.py --output_dir runs/demo
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest
+
+test-slow: $(VENV)/.installed
+	$(BIN)/python -m pytest -m slow
+
+bench: $(VENV)/.installed
+	$(BIN)/python scripts/bench_overhead.py --out runs/bench/overhead.json
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,160 @@
+"""Checkpoints with their privacy report, written atomically; and loading them back.
+
+A checkpoint directory holds the model (``save_pretrained``: full weights, or a LoRA adapter), the
+tokenizer, ``privacy_report.json`` and ``dpllm_config.yaml``. A LoRA checkpoint over a tiny model built
+from a config also carries that base under ``base_model/``, so it reloads without the original process.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+from torch import nn
+
+from dpllm.io import atomic_directory, write_json_atomic
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+def library_versions() -> dict[str, str]:
+    import accelerate
+    import opacus
+    import peft
+    import torch
+    import transformers
+
+    import dpllm
+
+    return {
+        "python": platform.python_version(),
+        "dpllm": dpllm.__version__,
+        "torch": torch.__version__,
+        "opacus": opacus.__version__,
+        "transformers": transformers.__version__,
+        "peft": peft.__version__,
+        "accelerate": accelerate.__version__,
+    }
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Strip Opacus (GradSampleModule) and DDP wrappers."""
+    while hasattr(model, "_module") or hasattr(model, "module"):
+        model = getattr(model, "_module", None) or model.module
+    return model
+
+
+def save_checkpoint(
+    path: str | Path,
+    *,
+    model: nn.Module,
+    tokenizer,
+    privacy_report: dict,
+    config_yaml: str,
+    base_model: Optional[nn.Module] = None,
+    extra_files: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write a checkpoint atomically: everything lands in a temp dir, then one rename.
+
+    Args:
+        path: target directory; an existing one is replaced only after the new one is complete.
+        model: the trained model (Opacus/DDP wrappers are removed).
+        tokenizer: saved beside the model so ``AutoTokenizer.from_pretrained(path)`` works.
+        privacy_report: written as ``privacy_report.json``.
+        config_yaml: the resolved run config, written as ``dpllm_config.yaml``.
+        base_model: for LoRA over a base that has no path on disk, saved under ``base_model/``.
+        extra_files: name → JSON-serialisable object, written beside the report.
+    """
+    path = Path(path)
+    model = unwrap(model)
+    with atomic_directory(path) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if base_model is not None:
+            base_model.save_pretrained(tmp / "base_model")
+            tokenizer.save_pretrained(tmp / "base_model")
+        (tmp / "dpllm_config.yaml").write_text(config_yaml)
+        write_json_atomic(tmp / "privacy_report.json", privacy_report)
+        for name, obj in (extra_files or {}).items():
+            write_json_atomic(tmp / name, obj)
+    return path
+
+
+def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dtype=None):
+    """Load ``(model, tokenizer)`` from a dpllm checkpoint or run directory, full or LoRA.
+
+    Args:
+        path: a checkpoint directory, a run directory (its ``checkpoint/`` is used), or any HF model dir.
+        merge: for LoRA, merge the adapter into the base and return a plain transformers model.
+
+    Raises:
+        CheckpointError: no model or no tokenizer at ``path``.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if (path / "checkpoint").is_dir():
+        path = path / "checkpoint"
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint directory")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as err:
+        raise CheckpointError(f"{path} has no loadable tokenizer ({err}); save the tokenizer with the model") from err
+    kw = {} if dtype is None else {"dtype": dtype}
+    if (path / "adapter_config.json").exists():
+        from peft import PeftModel
+
+        base_dir = path / "base_model"
+        if base_dir.is_dir():
+            base = AutoModelForCausalLM.from_pretrained(base_dir, **kw)
+        else:
+            base_name = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+            base = AutoModelForCausalLM.from_pretrained(base_name, **kw)
+        model = PeftModel.from_pretrained(base, path)
+        if merge:
+            model = model.merge_and_unload()
+    elif (path / "config.json").exists():
+        model = AutoModelForCausalLM.from_pretrained(path, **kw)
+    else:
+        raise CheckpointError(f"{path} holds neither a model (config.json) nor an adapter (adapter_config.json)")
+    return model.to(device).eval(), tokenizer
+
+
+def read_report(run_dir: str | Path) -> dict:
+    run_dir = Path(run_dir)
+    for p in (run_dir / "privacy_report.json", run_dir / "checkpoint" / "privacy_report.json"):
+        if p.is_file():
+            return json.loads(p.read_text())
+    raise CheckpointError(f"{run_dir} has no privacy_report.json")
+
+
+def format_report(report: dict) -> str:
+    if not report.get("enabled", True):
+        return "privacy: disabled (no DP guarantee for this run)"
+    return (
+        f"(ε = {report['epsilon']:.3f}, δ = {report['delta']:g}) via {report['accountant']} accountant; "
+        f"σ = {report['noise_multiplier']:.4g}, q = {report['sample_rate']:.4g}, steps = {report['steps']}, "
+        f"C = {report['max_grad_norm']:g}, clipping = {report['clipping']}, N = {report['num_records']:,} "
+        f"records (unit: {report['privacy_unit']})"
+    )
+
+
+def cli_main(argv: list[str]) -> int:
+    """``dpllm report RUN_DIR``: print a run's privacy report."""
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: dpllm report RUN_DIR", file=sys.stderr)
+        return 2
+    try:
+        report = read_report(argv[0])
+    except CheckpointError as err:
+        print(f"dpllm report: {err}", file=sys.stderr)
+        return 1
+    print(format_report(report))
+    print(json.dumps(report, indent=2))
+    return 0

@@ -1,0 +1,39 @@
+"""The ``dpllm`` command. Each sub-command lives in its own module and is imported only when used.
+
+    dpllm plan ...            privacy planning (noise for a target ε, ε for a noise, NSR table)
+    dpllm scaling fit|plan    scaling-law fits and compute planning
+    dpllm ledger verify RUN   check a run's tamper-evident ε ledger
+    dpllm report RUN          print a run's privacy report
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "plan": ("dpllm.privacy.planning", "privacy planning: noise multiplier, ε and NSR tables"),
+    "scaling": ("dpllm.scaling.cli", "fit scaling laws to a runs table and plan N, D for a target"),
+    "ledger": ("dpllm.ledger", "verify a run's privacy ledger (hash chain)"),
+    "report": ("dpllm.checkpoint", "print a run's privacy report"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        print("\ncommands:")
+        for name, (_, help_) in COMMANDS.items():
+            print(f"  {name:<10} {help_}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"dpllm: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.cli_main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

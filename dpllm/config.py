@@ -1,0 +1,279 @@
+"""Typed run configuration: model / data / train / privacy.
+
+Parsed by ``transformers.HfArgumentParser`` from ``--config file.yaml`` plus ``--key value`` overrides.
+The YAML holds four sections named like the dataclasses below (``model``, ``data``, ``train``,
+``privacy``); a flat YAML (keys at the top level) also works. Unknown keys are errors, in the YAML and
+on the command line. ``--help`` prints every option with its help text (defaults from the YAML, if any).
+
+Example:
+    >>> cfg = parse_config(["--max_steps", "3", "--finetuning", "full"])
+    >>> cfg.train.max_steps, cfg.model.finetuning, cfg.privacy.accountant
+    (3, 'full', 'prv')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work, with a message that says what to change."""
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    model_name_or_path: str = _f(
+        "tiny-llama",
+        "Hub id, local directory, or run directory of an earlier stage; or 'tiny-llama' / 'tiny-gpt2' "
+        "to build a tiny model from a config (CPU runs, tests).",
+    )
+    finetuning: str = _f("lora", "'lora' (peft adapters; base frozen) or 'full' (all parameters).")
+    lora_r: int = _f(8, "LoRA rank.")
+    lora_alpha: float = _f(16.0, "LoRA scaling alpha.")
+    lora_dropout: float = _f(0.0, "LoRA dropout.")
+    lora_target_modules: str = _f(
+        "all-linear", "Comma-separated module names for LoRA, or 'all-linear' (every linear layer but the head)."
+    )
+    torch_dtype: str = _f("float32", "Weights dtype when loading: float32, bfloat16 or auto.")
+    trust_remote_code: bool = _f(False, "Passed to from_pretrained.")
+    tiny_hidden_size: int = _f(64, "Hidden size of the tiny model built from a config.")
+    tiny_num_layers: int = _f(2, "Layers of the tiny model.")
+    tiny_num_heads: int = _f(4, "Attention heads of the tiny model.")
+    tiny_intermediate_size: int = _f(256, "MLP width of the tiny model.")
+    tiny_max_positions: int = _f(256, "Context length of the tiny model.")
+
+
+@dataclass
+class DataConfig:
+    dataset: str = _f(
+        "pydoc",
+        "'pydoc' (Python's own documentation text, shipped with CPython), a Hub dataset id, or a local "
+        ".jsonl/.json/.csv/.txt file (txt: one record per blank-line separated paragraph).",
+    )
+    dataset_config_name: Optional[str] = _f(None, "Hub dataset configuration name.")
+    dataset_split: str = _f("train", "Hub dataset split to read.")
+    text_column: str = _f("text", "Column holding the text of a record.")
+    max_length: int = _f(128, "Tokens per record; longer records are truncated (never packed together).")
+    min_chars: int = _f(32, "Records shorter than this many characters (after stripping) are dropped.")
+    max_records: Optional[int] = _f(None, "Use at most this many records (after filtering and dedup).")
+    public_fraction: float = _f(
+        0.0, "Fraction of records set aside as public (usable without DP, e.g. for a pretraining stage)."
+    )
+    heldout_fraction: float = _f(0.2, "Fraction of the private records held out (eval; audit non-members).")
+    split_seed: int = _f(0, "Seed of the public / train / held-out split.")
+    train_on: str = _f("private", "'private' (the train split; the DP unit) or 'public' (the public split).")
+    num_canaries: int = _f(0, "Random canary records, each trained on with probability 1/2 (audit).")
+    canary_seed: int = _f(1234, "Seed for canary secrets and their inclusion.")
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = _f("runs/default", "Run directory (config, splits, metrics, checkpoint, report).")
+    overwrite_output_dir: bool = _f(False, "Replace an existing run directory.")
+    max_steps: Optional[int] = _f(100, "Optimizer (logical-batch) steps. Ignored when epochs is set.")
+    epochs: Optional[float] = _f(None, "Train for this many epochs: steps = ceil(epochs / sample_rate).")
+    logical_batch_size: int = _f(64, "Expected records per optimizer step (Poisson sampling under DP).")
+    physical_batch_size: int = _f(16, "Records per forward/backward pass (virtual batching).")
+    optimizer: str = _f("adamw", "'adamw' or 'sgd'.")
+    learning_rate: float = _f(1e-3, "Peak learning rate.")
+    weight_decay: float = _f(0.0, "Weight decay.")
+    momentum: float = _f(0.0, "SGD momentum.")
+    lr_scheduler: str = _f("constant", "'constant', 'linear' or 'cosine' (transformers.get_scheduler).")
+    warmup_steps: int = _f(0, "Linear warm-up steps.")
+    eval_every: int = _f(50, "Evaluate held-out loss and perplexity every N steps (and at the end).")
+    eval_max_records: Optional[int] = _f(256, "Held-out records used per evaluation (None: all).")
+    log_every: int = _f(10, "Write a train metrics line every N steps.")
+    seed: int = _f(0, "Seed for model init, sampling and noise.")
+    mixed_precision: str = _f("no", "'no' or 'bf16' (autocast on GPU; CPU falls back to fp32).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (see docs for DP).")
+    save_every: Optional[int] = _f(None, "Write a resumable checkpoint every N steps.")
+    resume_from: Optional[str] = _f(None, "'latest' or a checkpoint directory to resume from.")
+    runs_file: Optional[str] = _f(None, "Append this run's summary line to a runs table (JSONL).")
+    progress: bool = _f(True, "Show a tqdm progress bar.")
+
+
+@dataclass
+class PrivacyConfig:
+    enabled: bool = _f(True, "Train with DP-SGD. false trains the same loop without DP (baseline).")
+    target_epsilon: Optional[float] = _f(8.0, "Calibrate the noise multiplier to reach this ε.")
+    target_delta: float = _f(1e-5, "δ; must be < 1/N for N private records.")
+    noise_multiplier: Optional[float] = _f(None, "Use this noise multiplier instead of calibrating.")
+    max_grad_norm: float = _f(1.0, "Per-sample clipping norm C.")
+    accountant: str = _f("prv", "'prv' (default), 'rdp' or 'gdp' (Opacus accountants).")
+    grad_sample_mode: str = _f("ghost", "'ghost' (ghost clipping), 'hooks', or 'ghost_fsdp' (FSDP).")
+    clipping: str = _f("flat", "Per-sample clipping function (dpllm.privacy.clipping registry).")
+    clipping_r: float = _f(0.1, "r of the psac/psasc clipping functions (stability constant of automatic).")
+    clipping_s: float = _f(1.0, "s of psasc (sensitivity C/s).")
+    secure_mode: bool = _f(False, "Cryptographically secure noise (Opacus secure_mode; slower).")
+
+
+SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "privacy": PrivacyConfig}
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+
+    def to_dict(self) -> dict:
+        return {name: asdict(getattr(self, name)) for name in SECTIONS}
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+def _field_owner() -> dict[str, str]:
+    owner: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.name not in owner, f"duplicate option name {f.name}"
+            owner[f.name] = section
+    return owner
+
+
+def flatten_yaml(data: dict, *, source: str = "config") -> dict[str, Any]:
+    """Flatten a sectioned (or flat) YAML mapping to option names, refusing unknown keys."""
+    owner = _field_owner()
+    flat: dict[str, Any] = {}
+    for key, value in (data or {}).items():
+        if key in SECTIONS:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{source}: section '{key}' must be a mapping, got {value!r}")
+            for sub, sub_value in value.items():
+                if owner.get(sub) != key:
+                    hint = f" (it belongs in section '{owner[sub]}')" if sub in owner else ""
+                    raise ConfigError(f"{source}: unknown key '{key}.{sub}'{hint}")
+                flat[sub] = sub_value
+        elif key in owner:
+            flat[key] = value
+        else:
+            raise ConfigError(
+                f"{source}: unknown key '{key}'; sections are {', '.join(SECTIONS)} and options are listed by --help"
+            )
+    return flat
+
+
+def build_parser(defaults: Optional[dict[str, Any]] = None):
+    from transformers import HfArgumentParser
+
+    parser = HfArgumentParser(tuple(SECTIONS.values()), description="dpllm run configuration", allow_abbrev=False)
+    parser.add_argument("--config", default=None, help="YAML file with model/data/train/privacy sections.")
+    if defaults:
+        parser.set_defaults(**defaults)
+    return parser
+
+
+def parse_config(argv: Optional[list[str]] = None) -> RunConfig:
+    """Parse ``--config file.yaml`` plus ``--key value`` overrides into a validated :class:`RunConfig`.
+
+    Raises:
+        ConfigError: unknown keys in the YAML, or values that cannot work together.
+        SystemExit: unknown command-line options (argparse's own error message).
+    """
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    defaults: dict[str, Any] = {}
+    if "--config" in argv:
+        i = argv.index("--config")
+        if i + 1 >= len(argv):
+            raise ConfigError("--config needs a YAML file path")
+        path = Path(argv[i + 1])
+        if not path.is_file():
+            raise ConfigError(f"--config {path}: file not found")
+        defaults = flatten_yaml(yaml.safe_load(path.read_text()) or {}, source=str(path))
+    argv = _undot(argv)
+    parser = build_parser(defaults)
+    try:
+        parsed = parser.parse_args_into_dataclasses(args=argv)
+    except ValueError as err:  # HfArgumentParser's "arguments are not used" message
+        raise ConfigError(f"{err}; run with --help for the list of options") from err
+    cfg = RunConfig(*parsed[: len(SECTIONS)])
+    validate(cfg)
+    return cfg
+
+
+def _undot(argv: list[str]) -> list[str]:
+    """Accept ``--section.key value`` (torchtune style) as well as ``--key value``."""
+    owner = _field_owner()
+    out = []
+    for arg in argv:
+        if arg.startswith("--") and "." in arg.split("=", 1)[0]:
+            name, _, rest = arg[2:].partition("=")
+            section, _, key = name.partition(".")
+            if owner.get(key) != section:
+                raise ConfigError(f"unknown option --{name}; options are listed by --help")
+            arg = f"--{key}" + (f"={rest}" if rest else "")
+        out.append(arg)
+    return out
+
+
+def config_from_dict(data: dict) -> RunConfig:
+    """Build a :class:`RunConfig` from a (sectioned or flat) mapping, e.g. a saved ``config.yaml``."""
+    flat = flatten_yaml(data)
+    owner = _field_owner()
+    parts: dict[str, dict] = {name: {} for name in SECTIONS}
+    for key, value in flat.items():
+        parts[owner[key]][key] = value
+    cfg = RunConfig(**{name: SECTIONS[name](**parts[name]) for name in SECTIONS})
+    validate(cfg)
+    return cfg
+
+
+def load_config_file(path: str | Path) -> RunConfig:
+    return config_from_dict(yaml.safe_load(Path(path).read_text()) or {})
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Check values that need no data or model; raise :class:`ConfigError` naming the fix."""
+    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.privacy
+    _choice("finetuning", m.finetuning, ("lora", "full"))
+    _choice("torch_dtype", m.torch_dtype, ("float32", "bfloat16", "float16", "auto"))
+    _choice("optimizer", t.optimizer, ("adamw", "sgd"))
+    _choice("lr_scheduler", t.lr_scheduler, ("constant", "linear", "cosine"))
+    _choice("mixed_precision", t.mixed_precision, ("no", "bf16"))
+    _choice("train_on", d.train_on, ("private", "public"))
+    _choice("accountant", p.accountant, ("prv", "rdp", "gdp"))
+    _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp"))
+    if d.max_length < 2:
+        raise ConfigError(f"max_length={d.max_length}: need at least 2 tokens for next-token loss")
+    if not (0 <= d.public_fraction < 1) or not (0 < d.heldout_fraction < 1):
+        raise ConfigError("public_fraction must be in [0, 1) and heldout_fraction in (0, 1)")
+    if t.logical_batch_size < 1 or t.physical_batch_size < 1:
+        raise ConfigError("logical_batch_size and physical_batch_size must be positive")
+    if t.physical_batch_size > t.logical_batch_size:
+        raise ConfigError(
+            f"physical_batch_size={t.physical_batch_size} > logical_batch_size={t.logical_batch_size}; "
+            "lower physical_batch_size"
+        )
+    if t.epochs is None and (t.max_steps is None or t.max_steps < 1):
+        raise ConfigError("set max_steps ≥ 1 or epochs > 0")
+    if t.epochs is not None and t.epochs <= 0:
+        raise ConfigError(f"epochs={t.epochs} must be positive")
+    if p.enabled:
+        if p.max_grad_norm <= 0:
+            raise ConfigError(f"max_grad_norm={p.max_grad_norm} must be positive")
+        if p.noise_multiplier is None and p.target_epsilon is None:
+            raise ConfigError("privacy is enabled: set target_epsilon (calibrates noise) or noise_multiplier")
+        if p.noise_multiplier is not None and p.noise_multiplier <= 0:
+            raise ConfigError(f"noise_multiplier={p.noise_multiplier} must be positive under DP")
+        if d.train_on == "public":
+            raise ConfigError(
+                "train_on=public trains on the public split, which needs no DP: set privacy.enabled=false"
+            )

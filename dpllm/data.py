@@ -1,0 +1,228 @@
+"""Records, splits and batches.
+
+The privacy unit is one record: a paragraph of the built-in corpus, a row of a dataset, or a paragraph
+of a text file. Records are never packed together; a long record is truncated to ``max_length``
+tokens and padding is masked out of the loss. ``splits.json`` records which records were trained on
+(members) and which were held out (non-members), so that ``mia`` can audit the run later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+import string
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from dpllm.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """Unusable data: missing file, missing column, empty after filtering..."""
+
+
+def _pydoc_records() -> list[str]:
+    # pydoc_data ships with CPython: the text of Python's reference documentation topics.
+    from pydoc_data.topics import topics
+
+    out = []
+    for key in sorted(topics):
+        for para in re.split(r"\n\s*\n", topics[key]):
+            out.append(" ".join(para.split()))
+    return out
+
+
+def _file_records(path: Path, cfg: DataConfig) -> list[str]:
+    suffix = path.suffix.lower()
+    if suffix == ".txt":
+        return [" ".join(p.split()) for p in re.split(r"\n\s*\n", path.read_text(errors="replace"))]
+    if suffix in (".jsonl", ".json", ".csv"):
+        import datasets
+
+        kind = "csv" if suffix == ".csv" else "json"
+        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        return _column(ds, cfg.text_column, str(path))
+    raise DataError(f"dataset={path}: unsupported file type {suffix!r}; use .jsonl, .json, .csv or .txt")
+
+
+def _column(ds, column: str, source: str) -> list[str]:
+    if column not in ds.column_names:
+        raise DataError(
+            f"dataset {source} has no text column {column!r}; its columns are {ds.column_names}: "
+            f"set text_column to one of them"
+        )
+    return [str(x) if x is not None else "" for x in ds[column]]
+
+
+def load_records(cfg: DataConfig) -> list[str]:
+    """All records of the configured dataset, stripped, filtered by ``min_chars`` and de-duplicated.
+
+    Deterministic: the ids in ``splits.json`` index this list.
+
+    Raises:
+        DataError: the file or column is missing, or no record survives filtering.
+    """
+    if cfg.dataset == "pydoc":
+        raw = _pydoc_records()
+    else:
+        path = Path(cfg.dataset)
+        if path.exists():
+            raw = _file_records(path, cfg)
+        elif path.suffix.lower() in (".jsonl", ".json", ".csv", ".txt"):
+            raise DataError(f"dataset={cfg.dataset}: file not found")
+        else:
+            import datasets
+
+            ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config_name, split=cfg.dataset_split)
+            raw = _column(ds, cfg.text_column, cfg.dataset)
+    seen: set[str] = set()
+    records: list[str] = []
+    for text in raw:
+        text = text.strip()
+        # exact duplicates would be both member and non-member: keep the first only
+        if len(text) >= cfg.min_chars and text not in seen:
+            seen.add(text)
+            records.append(text)
+    if cfg.max_records is not None:
+        records = records[: cfg.max_records]
+    if not records:
+        raise DataError(
+            f"dataset={cfg.dataset}: no records left ({len(raw)} read, min_chars={cfg.min_chars}); "
+            "check the file and text_column, or lower min_chars"
+        )
+    return records
+
+
+def sha256(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+@dataclass
+class Splits:
+    public: list[int]
+    train: list[int]
+    heldout: list[int]
+
+    def to_json(self, records: Sequence[str], cfg: DataConfig) -> dict:
+        used = self.public + self.train + self.heldout
+        return {
+            "dataset": cfg.dataset,
+            "text_column": cfg.text_column,
+            "max_length": cfg.max_length,
+            "num_records": len(records),
+            "train_on": cfg.train_on,
+            "public": self.public,
+            "train": self.train,
+            "heldout": self.heldout,
+            "sha256": {str(i): sha256(records[i]) for i in used},
+        }
+
+
+def make_splits(num_records: int, cfg: DataConfig) -> Splits:
+    """Deterministic public / train / held-out split of record ids (seeded by ``split_seed``)."""
+    ids = list(range(num_records))
+    random.Random(cfg.split_seed).shuffle(ids)
+    n_public = int(round(cfg.public_fraction * num_records))
+    public, private = ids[:n_public], ids[n_public:]
+    n_heldout = max(1, int(round(cfg.heldout_fraction * len(private))))
+    if len(private) - n_heldout < 1:
+        raise DataError(
+            f"{num_records} records leave no private training record after public_fraction="
+            f"{cfg.public_fraction} and heldout_fraction={cfg.heldout_fraction}; use more data"
+        )
+    return Splits(public=sorted(public), heldout=sorted(private[:n_heldout]), train=sorted(private[n_heldout:]))
+
+
+def make_canaries(cfg: DataConfig) -> list[dict]:
+    """``num_canaries`` random secrets, each included in training with probability 1/2.
+
+    The secrets are random letters, so they carry no private information and are stored in full.
+    """
+    rng = random.Random(cfg.canary_seed)
+    alphabet = string.ascii_lowercase + string.digits
+    out = []
+    for i in range(cfg.num_canaries):
+        secret = "".join(rng.choice(alphabet) for _ in range(40))
+        out.append({"id": i, "text": f"canary {i}: the secret code is {secret}", "included": rng.random() < 0.5})
+    return out
+
+
+def load_split_texts(run_dir: str | Path, split: str) -> list[str]:
+    """Texts of one split (``train``, ``heldout`` or ``public``) of a finished run, hash-checked.
+
+    Raises:
+        DataError: the run has no splits.json, or a record no longer matches its recorded hash.
+    """
+    from dpllm.config import load_config_file
+
+    run_dir = Path(run_dir)
+    path = run_dir / "splits.json"
+    if not path.is_file():
+        raise DataError(f"{run_dir} has no splits.json; is it a dpllm run directory?")
+    splits = json.loads(path.read_text())
+    if split not in ("train", "heldout", "public"):
+        raise DataError(f"split={split!r}: choose train, heldout or public")
+    cfg = load_config_file(run_dir / "config.yaml").data
+    records = load_records(cfg)
+    texts = []
+    for i in splits[split]:
+        if i >= len(records) or sha256(records[i]) != splits["sha256"][str(i)]:
+            raise DataError(f"record {i} of {cfg.dataset} changed since the run; the audit needs the original data")
+        texts.append(records[i])
+    return texts
+
+
+class TokenizedRecords(Dataset):
+    """One tokenized record per item (a 1-D LongTensor of at most ``max_length`` ids)."""
+
+    def __init__(self, texts: Sequence[str], tokenizer, max_length: int):
+        if not texts:
+            raise DataError("no records to tokenize")
+        enc = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
+        full = tokenizer(list(texts[:512]), truncation=False)["input_ids"]
+        self.truncated_fraction_sample = sum(len(f) > max_length for f in full) / len(full)
+        self.items = [torch.tensor(ids, dtype=torch.long) for ids in enc]
+        short = sum(len(x) < 2 for x in self.items)
+        if short:
+            log.warning("%d records have < 2 tokens and add no loss", short)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.items[i]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(x) for x in self.items)
+
+
+def make_collate(pad_token_id: int):
+    """Right-pad a list of records; labels are -100 on padding so it never enters the loss."""
+
+    def collate(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        if not batch:  # Opacus builds the empty structure itself from the first batch
+            return {}
+        T = max(len(x) for x in batch)
+        ids = torch.full((len(batch), T), pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), T), dtype=torch.long)
+        for i, x in enumerate(batch):
+            ids[i, : len(x)] = x
+            mask[i, : len(x)] = 1
+        labels = ids.masked_fill(mask == 0, -100)
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+    return collate
+
+
+def select(records: Sequence[str], ids: Sequence[int]) -> list[str]:
+    return [records[i] for i in ids]

@@ -1,0 +1,197 @@
+"""Load or build a causal LM and make it trainable under DP.
+
+What Opacus 1.6 needs, and what this module does about it (each step is logged and recorded in the
+privacy report under ``model_adjustments``):
+
+- Ghost clipping refuses tied parameters (GPT-2 ties input and output embeddings). For full
+  fine-tuning the output head is untied into its own copy of the weights (same function at step 0).
+  Under LoRA the embeddings are frozen, so the tie is harmless and kept.
+- Position ids that broadcast over the batch (batch dim 1, or built with ``expand``) break the
+  embedding norm sampler (``view size is not compatible``) and hooks mode (``stack expects each tensor
+  to be equal size``). The training loop always passes contiguous, per-row ``position_ids``
+  (:func:`position_ids_for`).
+- Layers without an Opacus norm sampler (GPT-2's ``Conv1D``, Llama's RMSNorm) fall back to per-sample
+  gradients computed with functorch: correct, slower, more memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dpllm.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+TINY_MODELS = ("tiny-llama", "tiny-gpt2")
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "vocab.json", "tokenizer.model")
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded or trained as configured."""
+
+
+def byte_tokenizer():
+    """Byte-level tokenizer with a fixed vocabulary: never trained on (private) data."""
+    from transformers import ByT5Tokenizer
+
+    return ByT5Tokenizer()
+
+
+def _dtype(name: str):
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}[name]
+
+
+def resolve_checkpoint(path: str) -> Optional[Path]:
+    """A dpllm run directory resolves to its ``checkpoint/``; a plain directory to itself."""
+    p = Path(path)
+    if (p / "checkpoint").is_dir() and (p / "splits.json").exists():
+        return p / "checkpoint"
+    return p if p.is_dir() else None
+
+
+def build_tiny(cfg: ModelConfig, tokenizer, max_length: int) -> nn.Module:
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    positions = max(cfg.tiny_max_positions, max_length)
+    common = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if cfg.model_name_or_path == "tiny-llama":
+        config = LlamaConfig(
+            hidden_size=cfg.tiny_hidden_size,
+            intermediate_size=cfg.tiny_intermediate_size,
+            num_hidden_layers=cfg.tiny_num_layers,
+            num_attention_heads=cfg.tiny_num_heads,
+            num_key_value_heads=cfg.tiny_num_heads,
+            max_position_embeddings=positions,
+            tie_word_embeddings=False,
+            **common,
+        )
+    else:
+        config = GPT2Config(
+            n_embd=cfg.tiny_hidden_size,
+            n_inner=cfg.tiny_intermediate_size,
+            n_layer=cfg.tiny_num_layers,
+            n_head=cfg.tiny_num_heads,
+            n_positions=positions,
+            tie_word_embeddings=True,  # as GPT-2 itself: exercises the untying path
+            # no dropout: short CPU runs gain nothing from it, and tests compare exact gradients
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            **common,
+        )
+    return AutoModelForCausalLM.from_config(config)
+
+
+def load_base(cfg: ModelConfig, max_length: int) -> tuple[nn.Module, object, dict]:
+    """Return ``(model, tokenizer, source)``: a tiny model, a Hub/local model, or an earlier run's checkpoint.
+
+    An earlier run's LoRA checkpoint is merged into its base, so a later stage starts from the
+    fine-tuned weights.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    name = cfg.model_name_or_path
+    if name in TINY_MODELS:
+        tok = byte_tokenizer()
+        return build_tiny(cfg, tok, max_length), tok, {"kind": "tiny", "name": name}
+    ckpt = resolve_checkpoint(name)
+    if ckpt is not None and (ckpt / "adapter_config.json").exists():
+        from dpllm.checkpoint import load_model
+
+        model, tok = load_model(ckpt, merge=True)
+        return model, tok, {"kind": "run_checkpoint", "path": str(ckpt.resolve()), "merged_lora": True}
+    where = str(ckpt.resolve()) if ckpt is not None else name
+    if ckpt is not None and not any((ckpt / f).exists() for f in TOKENIZER_FILES):
+        raise ModelError(f"{ckpt} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the tokenizer "
+                         "beside the model (tokenizer.save_pretrained)")
+    try:
+        tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+    except Exception as err:
+        raise ModelError(f"no tokenizer at {where}: {err}; a model directory must include its tokenizer") from err
+    model = AutoModelForCausalLM.from_pretrained(
+        where, dtype=_dtype(cfg.torch_dtype), trust_remote_code=cfg.trust_remote_code
+    )
+    kind = "run_checkpoint" if ckpt is not None and (ckpt / "privacy_report.json").exists() else "pretrained"
+    return model, tok, {"kind": kind, "path": where}
+
+
+def context_length(model: nn.Module) -> Optional[int]:
+    c = model.config
+    return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+
+def untie_output_embeddings(model: nn.Module) -> bool:
+    """Give the output head its own copy of the tied input embedding. Returns True if it was tied."""
+    out, inp = model.get_output_embeddings(), model.get_input_embeddings()
+    if out is None or out.weight is not inp.weight:
+        return False
+    out.weight = nn.Parameter(inp.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    if hasattr(model.config, "get_text_config"):
+        model.config.get_text_config().tie_word_embeddings = False
+    return True
+
+
+def prepare_model(model: nn.Module, cfg: ModelConfig, *, dp: bool) -> tuple[nn.Module, list[str]]:
+    """Apply full fine-tuning or LoRA and the DP fixes; return the model and what was adjusted."""
+    adjustments: list[str] = []
+    if cfg.finetuning == "full":
+        if dp and untie_output_embeddings(model):
+            adjustments.append("untied output embedding from input embedding (Opacus refuses tied parameters)")
+        for p in model.parameters():
+            p.requires_grad_(True)
+    else:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg.lora_target_modules
+        target_modules = targets if targets == "all-linear" else [t.strip() for t in targets.split(",") if t.strip()]
+        fan_in_fan_out = type(model).__name__.startswith("GPT2")  # GPT-2's Conv1D stores weights transposed
+        lora = LoraConfig(
+            r=cfg.lora_r,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=target_modules,
+            fan_in_fan_out=fan_in_fan_out,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+        adjustments.append(f"LoRA r={cfg.lora_r} on {targets}; base weights (embeddings included) frozen")
+    if dp:
+        adjustments.append("position_ids passed per row and contiguous (Opacus embedding norm sampler)")
+    for a in adjustments:
+        log.info("model: %s", a)
+    return model, adjustments
+
+
+def check_dp_layers(model: nn.Module) -> None:
+    """Refuse trainable layers Opacus cannot give per-sample gradients for (e.g. BatchNorm)."""
+    from opacus.validators import ModuleValidator
+
+    errors = ModuleValidator.validate(model, strict=False)
+    if errors:
+        raise ModelError(
+            "layers unsupported under DP: "
+            + "; ".join(str(e) for e in errors[:5])
+            + ". Freeze them, use LoRA, or replace them (opacus.validators.ModuleValidator.fix)"
+        )
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(total, trainable) parameter counts."""
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return total, trainable
+
+
+def position_ids_for(input_ids: torch.Tensor) -> torch.Tensor:
+    """Per-row, contiguous position ids (never a broadcast view: see the module docstring)."""
+    B, T = input_ids.shape
+    return torch.arange(T, device=input_ids.device).unsqueeze(0).repeat(B, 1)

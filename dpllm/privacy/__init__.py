@@ -1,0 +1,1 @@
+"""The DP engine: Opacus wrapping, clipping functions, accounting and planning."""

@@ -1,0 +1,157 @@
+"""``python -m mia``: membership-inference audits and canary ε lower bounds.
+
+Audit a training run (members = train split, non-members = heldout split)::
+
+    python -m mia audit --checkpoint runs/x --out runs/x/audit
+
+Audit any checkpoint against explicit member / non-member files::
+
+    python -m mia audit --checkpoint runs/x/checkpoint --members m.jsonl --nonmembers n.jsonl \\
+        --attacks loss,zlib,mink,minkpp,ref --reference meta-llama/Llama-3.2-1B --max-length 128 \\
+        --out audit/
+
+Empirical ε lower bound from the run's canaries, next to the accountant's ε (exit code 1 when the
+lower bound is larger: a privacy bug)::
+
+    python -m mia canaries --run runs/x
+
+Exit codes: 0 ok, 1 privacy bug found by ``canaries``, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from mia.attacks import ATTACKS
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-length", type=int, default=None,
+                   help="truncation length used in training (default: the run's, else none)")
+    p.add_argument("--batch-size", type=int, default=8, help="records per forward pass")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16")
+    p.add_argument("--reference", default=None, help="reference model (path or hub id) for 'ref'")
+    p.add_argument("--seed", type=int, default=0, help="seed for subsampling, bootstrap, tie-breaking")
+    p.add_argument("--no-progress", action="store_true", help="hide progress bars")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m mia", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("audit", help="membership-inference attacks on members vs non-members")
+    a.add_argument("--checkpoint", required=True,
+                   help="run directory (has splits.json), checkpoint directory, LoRA adapter or hub id")
+    a.add_argument("--members", help="JSONL of member records (not needed for a run directory)")
+    a.add_argument("--nonmembers", help="JSONL of non-member records")
+    a.add_argument("--text-column", default="text", help="field holding the text in the JSONL files")
+    a.add_argument("--attacks", default="loss,zlib,mink,minkpp",
+                   # argparse %-formats help strings, and Min-K% has a literal %.
+                   help="comma-separated, from: " + ", ".join(
+                       f"{k} ({v.help})" for k, v in ATTACKS.items()).replace("%", "%%"))
+    a.add_argument("--k", type=float, default=0.2, help="fraction of tokens for mink/minkpp")
+    a.add_argument("--max-records", type=int, default=None,
+                   help="audit at most this many members and this many non-members (random, seeded)")
+    a.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap replicates for CIs")
+    a.add_argument("--out", default=None, help="output directory (default: RUN_DIR/audit)")
+    _common(a)
+
+    c = sub.add_parser("canaries", help="ε lower bound from a run's canaries vs the accountant's ε")
+    c.add_argument("--run", required=True, help="run directory with canaries.json and checkpoint/")
+    c.add_argument("--attack", default="loss", help="attack scoring the canaries")
+    c.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bounds")
+    c.add_argument("--selection", default="bonferroni", choices=["bonferroni", "split", "none"],
+                   help="how the number of guesses is chosen: bonferroni-corrected max over a grid "
+                        "(valid), chosen on half the canaries (valid), or plain max (optimistic)")
+    c.add_argument("--out", default=None, help="output directory (default: RUN_DIR/audit)")
+    _common(c)
+    return parser
+
+
+def _reference(args):
+    from mia.audit import load_target
+
+    return load_target(args.reference, device=args.device, dtype=args.dtype) if args.reference else None
+
+
+def cmd_audit(args) -> int:
+    from mia import attacks, audit, report
+
+    names = attacks.parse_attacks(args.attacks)  # fail fast, before loading any model
+    if any(attacks.ATTACKS[n].needs_reference for n in names) and not args.reference:
+        raise ValueError("attack 'ref' needs --reference PATH (e.g. the base model before "
+                         "fine-tuning); add it or drop 'ref' from --attacks")
+    target = Path(args.checkpoint)
+    run_dir = audit.is_run_dir(target)
+    if args.members or args.nonmembers:
+        if not (args.members and args.nonmembers):
+            raise ValueError("pass both --members and --nonmembers (or a run directory alone)")
+        members = audit.read_texts(args.members, text_column=args.text_column)
+        nonmembers = audit.read_texts(args.nonmembers, text_column=args.text_column)
+    elif run_dir:
+        members, nonmembers = audit.load_run_records(target)
+    else:
+        raise ValueError(f"{target} is not a run directory (no splits.json); pass --members and "
+                         f"--nonmembers JSONL files")
+    audit.check_member_sets(members, nonmembers)
+    if run_dir:
+        model, tok = audit.load_run_model(target, device=args.device, dtype=args.dtype)
+    else:
+        model, tok = audit.load_target(target, device=args.device, dtype=args.dtype)
+    max_length = args.max_length or (audit.run_max_length(target) if run_dir else None)
+    out = args.out or (target / "audit" if run_dir else None)
+    if out is None:
+        raise ValueError("pass --out DIR for the report files")
+    rep, scores = audit.run_audit(
+        model, tok, members, nonmembers, attacks=names, reference=_reference(args),
+        max_length=max_length, batch_size=args.batch_size, device=args.device,
+        attack_params={"k": args.k}, n_bootstrap=args.n_bootstrap, seed=args.seed,
+        max_records=args.max_records, progress=not args.no_progress)
+    rep = {"checkpoint": str(target), "reference": args.reference, **rep}
+    paths = report.write_audit_report(rep, scores, out)
+    print(report.markdown_table(rep))
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def cmd_canaries(args) -> int:
+    from mia import audit, report
+
+    run = Path(args.run)
+    audit.read_canaries(run)  # clear errors before the (slow) model load
+    audit.read_privacy_report(run)
+    model, tok = audit.load_run_model(run, device=args.device, dtype=args.dtype)
+    rep = audit.canary_audit(
+        run, model, tok, attack=args.attack, reference=_reference(args),
+        max_length=args.max_length or audit.run_max_length(run), batch_size=args.batch_size,
+        device=args.device, confidence=args.confidence, selection=args.selection,
+        seed=args.seed, progress=not args.no_progress)
+    paths = report.write_canary_report(rep, args.out or run / "audit")
+    print(f"accountant ε = {rep['accountant_epsilon']}, empirical lower bound ε >= "
+          f"{rep['epsilon_lower']:.3f} (one-run {rep['one_run']['epsilon_lower']:.3f}, "
+          f"Clopper-Pearson {rep['clopper_pearson']['epsilon_lower']:.3f})")
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    if rep["privacy_bug"]:
+        bar = "!" * 78
+        print(f"{bar}\nPRIVACY BUG: {rep['message']}\n{bar}", file=sys.stderr)
+        return 1
+    print(rep["message"])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    try:
+        return {"audit": cmd_audit, "canaries": cmd_canaries}[args.command](args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"python -m mia {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

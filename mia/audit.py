@@ -1,0 +1,294 @@
+"""Load a target model and its member / non-member records, run the attacks, score canaries.
+
+Two ways to name what is audited:
+
+* a run directory (see ``docs/run_directory.md``): members are its ``train`` split, non-members its
+  ``heldout`` split (via ``dpllm.data.load_split_texts``), the model is ``RUN_DIR/checkpoint`` and
+  records are truncated to the run's ``max_length``;
+* a checkpoint (full model directory, LoRA adapter directory or hub id) plus member and
+  non-member JSONL files.
+
+Example:
+    >>> model, tok = load_target("runs/x/checkpoint")  # doctest: +SKIP
+    >>> report, scores = run_audit(model, tok, members, nonmembers, attacks=["loss", "zlib"])  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mia import attacks as attacks_mod
+from mia.canaries import clopper_pearson_epsilon, one_run_epsilon
+from mia.metrics import DEFAULT_FPRS, evaluate
+from mia.signals import compute_signals
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json",
+                   "spiece.model")
+
+
+def resolve_dtype(dtype: str, device: str):
+    """``"auto"`` is float32 on CPU (exact) and bfloat16 on accelerators (memory)."""
+    import torch
+
+    if dtype == "auto":
+        return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    if not hasattr(torch, dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return getattr(torch, dtype)
+
+
+def load_target(path: str | Path, *, device: str = "cpu", dtype: str = "auto"):
+    """Load a causal LM and its tokenizer from a full checkpoint, a LoRA adapter or a hub id.
+
+    Args:
+        path: A directory with ``adapter_config.json`` (loaded with peft's
+            ``AutoPeftModelForCausalLM`` over the base it names), a full model directory, or a hub id.
+        device: Where to put the model.
+        dtype: ``"auto"``, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode.
+
+    Raises:
+        ValueError: If no tokenizer was saved with the checkpoint.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    local = path.is_dir()
+    if local and not any((path / f).exists() for f in TOKENIZER_FILES):
+        raise ValueError(f"checkpoint {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+                         f"save it next to the model with tokenizer.save_pretrained('{path}')")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as err:  # transformers raises OSError/ValueError/... depending on the cause
+        if not local:
+            raise ValueError(f"{path} is not a local directory and could not be loaded as a hub "
+                             f"id ({err}); check the path") from err
+        raise ValueError(f"could not load a tokenizer from {path}: {err}; save the training "
+                         f"tokenizer with tokenizer.save_pretrained('{path}')") from err
+    torch_dtype = resolve_dtype(dtype, device)
+    if local and (path / "adapter_config.json").exists():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+    return model.to(device).eval(), tokenizer
+
+
+def read_texts(path: str | Path, *, text_column: str = "text") -> list[str]:
+    """Texts from a JSONL file: one object per line with ``text_column``, or one JSON string.
+
+    Raises:
+        ValueError: If a line lacks the column.
+    """
+    texts = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno} is not valid JSON ({err.msg}); write one JSON "
+                                 f"object per line, e.g. {{\"text\": \"...\"}}") from None
+            if isinstance(row, str):
+                texts.append(row)
+            elif isinstance(row, dict) and isinstance(row.get(text_column), str):
+                texts.append(row[text_column])
+            else:
+                raise ValueError(f"{path}:{lineno} has no string field {text_column!r}; "
+                                 f"pass --text-column with the right field name")
+    return texts
+
+
+def check_member_sets(members: list[str], nonmembers: list[str]) -> None:
+    """Raise ValueError for an empty set or a text that is both member and non-member."""
+    if not members or not nonmembers:
+        raise ValueError(f"need members and non-members (got {len(members)} members, "
+                         f"{len(nonmembers)} non-members); pass non-empty --members/--nonmembers "
+                         f"files or a run directory with train and heldout splits")
+    shared = set(members) & set(nonmembers)
+    if shared:
+        example = next(iter(shared))
+        raise ValueError(f"{len(shared)} text(s) are both members and non-members, e.g. "
+                         f"{example[:60]!r}; remove them from one set (the labels are ambiguous)")
+
+
+def _subsample(texts: list[str], n: int | None, rng) -> list[str]:
+    if n is None or len(texts) <= n:
+        return texts
+    keep = np.sort(rng.choice(len(texts), size=n, replace=False))
+    return [texts[i] for i in keep]
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A run directory is recognised by its ``splits.json``."""
+    return (Path(path) / "splits.json").is_file()
+
+
+def run_max_length(run_dir: str | Path) -> int | None:
+    """The training truncation length recorded in the run's ``splits.json``."""
+    path = Path(run_dir) / "splits.json"
+    return json.loads(path.read_text()).get("max_length") if path.is_file() else None
+
+
+def load_run_model(run_dir: str | Path, *, device: str = "cpu", dtype: str = "auto"):
+    """``RUN_DIR/checkpoint`` via ``dpllm.checkpoint.load_model`` when present, else :func:`load_target`."""
+    ckpt = Path(run_dir) / "checkpoint"
+    if not ckpt.is_dir():
+        raise ValueError(f"run directory {run_dir} has no checkpoint/; was the run finished?")
+    try:
+        from dpllm.checkpoint import load_model
+    except ImportError:
+        return load_target(ckpt, device=device, dtype=dtype)
+    model, tokenizer = load_model(ckpt)
+    return model.to(device).eval(), tokenizer
+
+
+def load_run_records(run_dir: str | Path) -> tuple[list[str], list[str]]:
+    """Members (``train`` split) and non-members (``heldout`` split) of a run directory."""
+    try:
+        from dpllm.data import load_split_texts
+    except ImportError as err:
+        raise ValueError("auditing a run directory needs dpllm.data.load_split_texts; pass "
+                         "--members/--nonmembers JSONL files instead") from err
+    return load_split_texts(run_dir, "train"), load_split_texts(run_dir, "heldout")
+
+
+def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
+              attacks=("loss", "zlib", "mink", "minkpp"), reference=None, max_length=None,
+              batch_size: int = 8, device=None, attack_params: dict | None = None,
+              n_bootstrap: int = 1000, seed: int = 0, max_records: int | None = None,
+              progress: bool = True) -> tuple[dict, dict]:
+    """Compute signals once, score each attack and evaluate it.
+
+    Args:
+        model: Target causal LM.
+        tokenizer: Its tokenizer.
+        members: Texts trained on.
+        nonmembers: Texts not trained on, from the same distribution.
+        attacks: Attack names (see :data:`mia.attacks.ATTACKS`) or a comma-separated string.
+        reference: ``(model, tokenizer)`` of a reference model, needed by ``ref``.
+        max_length: Training truncation length (None: no truncation).
+        batch_size: Records per forward pass.
+        device: Device for the forward passes (default: the model's).
+        attack_params: Extra attack parameters, e.g. ``{"k": 0.1}``.
+        n_bootstrap: Bootstrap replicates for CIs.
+        seed: Seed of record subsampling and bootstrap.
+        max_records: Audit at most this many members and this many non-members.
+        progress: Show progress bars.
+
+    Returns:
+        ``(report, scores)``: the report dict written to ``mia_report.json`` and
+        ``{attack: (member_scores, nonmember_scores)}``.
+
+    Raises:
+        ValueError: Unknown attack, ``ref`` without a reference, empty or overlapping sets.
+    """
+    names = attacks_mod.parse_attacks(attacks)
+    if any(attacks_mod.ATTACKS[n].needs_reference for n in names) and reference is None:
+        raise ValueError("attack 'ref' needs a reference model; pass --reference PATH "
+                         "(e.g. the base model before fine-tuning) or drop 'ref' from --attacks")
+    check_member_sets(members, nonmembers)
+    rng = np.random.default_rng(seed)
+    members, nonmembers = _subsample(members, max_records, rng), _subsample(nonmembers, max_records, rng)
+    texts = members + nonmembers
+    common = dict(max_length=max_length, batch_size=batch_size, device=device, progress=progress)
+    sig = compute_signals(model, tokenizer, texts, desc="target", **common)
+    ref_sig = None
+    if reference is not None and any(attacks_mod.ATTACKS[n].needs_reference for n in names):
+        ref_sig = compute_signals(reference[0], reference[1], texts, desc="reference", **common)
+    n_m = len(members)
+    report = {"n_members": n_m, "n_nonmembers": len(nonmembers), "max_length": max_length,
+              "fprs": list(DEFAULT_FPRS), "attack_params": attack_params or {}, "seed": seed,
+              "n_bootstrap": n_bootstrap, "ci_confidence": 0.95,
+              "mean_loss": {"members": float(sig.loss[:n_m].mean()),
+                            "nonmembers": float(sig.loss[n_m:].mean())},
+              "attacks": {}}
+    scores = {}
+    for name in names:
+        s = attacks_mod.score(name, sig, reference=ref_sig, **(attack_params or {}))
+        scores[name] = (s[:n_m], s[n_m:])
+        report["attacks"][name] = evaluate(s[:n_m], s[n_m:], member_losses=sig.loss[:n_m],
+                                           nonmember_losses=sig.loss[n_m:],
+                                           n_bootstrap=n_bootstrap, seed=seed)
+    return report, scores
+
+
+def read_canaries(run_dir: str | Path) -> tuple[list[str], np.ndarray]:
+    """Canary texts and inclusion flags from ``RUN_DIR/canaries.json``.
+
+    Format: ``{"canaries": [{"text": str, "included": bool}, ...], "seed": int, ...}``.
+    """
+    path = Path(run_dir) / "canaries.json"
+    if not path.is_file():
+        raise ValueError(f"{path} not found; train with data.num_canaries > 0 to audit with canaries")
+    rows = json.loads(path.read_text()).get("canaries", [])
+    if not rows or any("text" not in r or "included" not in r for r in rows):
+        raise ValueError(f"{path} must hold a non-empty 'canaries' list of {{'text', 'included'}}")
+    texts = [r["text"] for r in rows]
+    included = np.array([bool(r["included"]) for r in rows])
+    check_member_sets([t for t, i in zip(texts, included) if i],
+                      [t for t, i in zip(texts, included) if not i])
+    return texts, included
+
+
+def read_privacy_report(run_dir: str | Path) -> dict:
+    """``privacy_report.json`` of a run (top level, else the checkpoint's copy)."""
+    for path in (Path(run_dir) / "privacy_report.json", Path(run_dir) / "checkpoint" / "privacy_report.json"):
+        if path.is_file():
+            return json.loads(path.read_text())
+    raise ValueError(f"no privacy_report.json in {run_dir} or its checkpoint/; the canary audit "
+                     f"compares against the accountant's ε and needs it")
+
+
+def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss", reference=None,
+                 max_length=None, batch_size: int = 8, device=None, confidence: float = 0.95,
+                 selection: str = "bonferroni", seed: int = 0, progress: bool = True) -> dict:
+    """Score a run's canaries and compare the empirical ε lower bounds with the accountant's ε.
+
+    Returns:
+        The canary report; ``report["privacy_bug"]`` is True when a lower bound exceeds the
+        accountant's ε.
+    """
+    attacks_mod.parse_attacks([attack])
+    if attacks_mod.ATTACKS[attack].needs_reference and reference is None:
+        raise ValueError(f"attack {attack!r} needs --reference PATH")
+    texts, included = read_canaries(run_dir)
+    privacy = read_privacy_report(run_dir)
+    delta = float(privacy.get("delta") or 0.0)
+    eps = privacy.get("epsilon")
+    private = privacy.get("enabled", True) and eps is not None and np.isfinite(float(eps))
+    common = dict(max_length=max_length, batch_size=batch_size, device=device, progress=progress)
+    sig = compute_signals(model, tokenizer, texts, desc="canaries", **common)
+    ref_sig = compute_signals(*reference, texts, desc="reference", **common) if reference else None
+    scores = attacks_mod.score(attack, sig, reference=ref_sig)
+    one = one_run_epsilon(scores, included, delta=delta, confidence=confidence,
+                          selection=selection, seed=seed)
+    cp = clopper_pearson_epsilon(scores, included, delta=delta, confidence=confidence,
+                                 selection="none" if selection == "none" else "bonferroni")
+    lower = max(one["epsilon_lower"], cp["epsilon_lower"])
+    bug = bool(private and lower > float(eps))
+    if not private:
+        verdict, msg = "not private", "The run has no finite accountant ε; bounds are informational."
+    elif bug:
+        which = [n for n, b in (("one-run", one), ("Clopper-Pearson", cp)) if b["epsilon_lower"] > float(eps)]
+        verdict = "PRIVACY BUG"
+        msg = (f"Empirical ε lower bound {lower:.3f} ({' and '.join(which)}) exceeds the accountant's "
+               f"ε = {float(eps):.3f}: the training leaks more than its guarantee allows. Check the "
+               f"noise multiplier, sampling, clipping and accounting before using this model.")
+    else:
+        verdict = "consistent"
+        msg = (f"Empirical ε lower bound {lower:.3f} <= accountant ε = {float(eps):.3f} "
+               f"(no evidence of a privacy bug; a low bound does not prove the guarantee is tight).")
+    return {"run_dir": str(run_dir), "attack": attack, "m": int(included.size),
+            "n_included": int(included.sum()), "delta": delta, "confidence": confidence,
+            "accountant_epsilon": float(eps) if eps is not None else None,
+            "epsilon_lower": lower, "one_run": one, "clopper_pearson": cp,
+            "privacy_bug": bug, "verdict": verdict, "message": msg, "max_length": max_length,
+            "scores": scores.tolist(), "included": included.tolist()}

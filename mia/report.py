@@ -1,0 +1,138 @@
+"""Audit results as data (JSON) first, then a markdown table and a log-log ROC plot.
+
+Files written into the output directory:
+
+* ``mia_report.json`` — settings and, per attack, the metrics of :func:`mia.metrics.evaluate`;
+* ``mia_scores.json`` — per attack, the member and non-member scores (no texts), for re-analysis;
+* ``mia_report.md`` — one table row per attack;
+* ``mia_roc.png`` — ROC curves of all attacks on log-log axes with the chance diagonal;
+* ``canary_report.json`` / ``canary_report.md`` — the canary ε audit (:func:`write_canary_report`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+from mia.metrics import roc_curve, tpr_key
+
+CONVENTIONS = (
+    "Scores: higher = more likely member. A threshold t predicts member for score >= t; thresholds "
+    "are the observed scores, so tied records are always classified together. TPR@FPR<=b is the "
+    "largest TPR over thresholds with FPR <= b (with fewer than 1/b non-members only FPR = 0 "
+    "qualifies). AUC is Mann-Whitney (ties count 1/2). Balanced accuracy is the best over "
+    "thresholds. Loss gap = mean non-member loss - mean member loss (nats). CIs: percentile "
+    "bootstrap resampling members and non-members separately."
+)
+
+
+def _fmt(x, digits: int = 3) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def markdown_table(report: dict) -> str:
+    """The attack table of an audit report."""
+    fprs = report["fprs"]
+    head = ["attack", "AUC [CI]"] + [f"TPR@{b * 100:g}%FPR" for b in fprs] + ["bal. acc", "loss gap"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, r in report["attacks"].items():
+        ci = r.get("ci", {}).get("auc")
+        auc_cell = _fmt(r["auc"]) + (f" [{_fmt(ci[0])}, {_fmt(ci[1])}]" if ci else "")
+        cells = [name, auc_cell] + [_fmt(r[tpr_key(b)]) for b in fprs]
+        cells += [_fmt(r["balanced_accuracy"]), _fmt(r.get("loss_gap"))]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
+             title: str = "Membership inference ROC") -> Path:
+    """Log-log ROC curves of several attacks plus the chance diagonal, saved as PNG.
+
+    Args:
+        scores: ``{attack: (member_scores, nonmember_scores)}``.
+        path: Output file.
+        title: Plot title.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: never needs a display
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 5))
+    floor = 1.0
+    for name, (m, n) in scores.items():
+        fpr, tpr, _ = roc_curve(m, n)
+        floor = min(floor, 1.0 / len(n), 1.0 / len(m))
+        # Log axes cannot show 0; draw zero rates at half the smallest resolvable rate.
+        ax.plot(np.maximum(fpr, floor / 2), np.maximum(tpr, floor / 2), label=name)
+    ax.plot([floor / 2, 1], [floor / 2, 1], "k--", lw=1, label="chance")
+    ax.set(xscale="log", yscale="log", xlabel="false positive rate", ylabel="true positive rate",
+           xlim=(floor / 2, 1), ylim=(floor / 2, 1), title=title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_audit_report(report: dict, scores: dict[str, tuple[np.ndarray, np.ndarray]],
+                       out_dir: str | Path, *, plot: bool = True) -> dict[str, Path]:
+    """Write the JSON, scores, markdown and PNG of an audit.
+
+    Args:
+        report: The dict from :func:`mia.audit.run_audit` (``"attacks"``, ``"fprs"``, settings).
+        scores: ``{attack: (member_scores, nonmember_scores)}``.
+        out_dir: Directory (created if missing).
+        plot: Also draw the ROC PNG.
+
+    Returns:
+        ``{"json", "scores", "md", "png"?}`` paths.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "mia_report.json", "scores": out / "mia_scores.json",
+             "md": out / "mia_report.md"}
+    paths["json"].write_text(json.dumps({**report, "conventions": CONVENTIONS}, indent=2) + "\n")
+    paths["scores"].write_text(json.dumps(
+        {k: {"members": np.asarray(m).tolist(), "nonmembers": np.asarray(n).tolist()}
+         for k, (m, n) in scores.items()}) + "\n")
+    md = [f"# Membership-inference audit of `{report.get('checkpoint', '?')}`", "",
+          f"{report['n_members']} members, {report['n_nonmembers']} non-members; "
+          f"max_length={report.get('max_length')}; CIs {report.get('ci_confidence', 0.95):.0%}.", "",
+          markdown_table(report), "", f"Conventions: {CONVENTIONS}", ""]
+    if plot:
+        paths["png"] = plot_roc(scores, out / "mia_roc.png")
+        md += ["![ROC](mia_roc.png)", ""]
+    paths["md"].write_text("\n".join(md))
+    return paths
+
+
+def write_canary_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``canary_report.json`` and ``canary_report.md`` for a canary ε audit."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "canary_report.json", "md": out / "canary_report.md"}
+    paths["json"].write_text(json.dumps(report, indent=2, default=float) + "\n")
+    one, cp = report["one_run"], report["clopper_pearson"]
+    eps = report["accountant_epsilon"]
+    md = [
+        f"# Canary privacy audit of `{report['run_dir']}`", "",
+        f"{report['m']} canaries ({report['n_included']} trained on), attack `{report['attack']}`, "
+        f"δ = {report['delta']:g}, confidence {report['confidence']:.0%}.", "",
+        "| estimate | ε |", "|---|---|",
+        f"| accountant (upper bound) | {_fmt(eps)} |",
+        f"| one-run lower bound (Steinke et al. 2023; {one['selection']}) | "
+        f"{_fmt(one['epsilon_lower'])} |",
+        f"| Clopper-Pearson lower bound ({cp['selection']}, {cp['n_thresholds']} thresholds) | "
+        f"{_fmt(cp['epsilon_lower'])} |", "",
+        f"One-run: {one['correct']} of {one['guesses']} guesses correct "
+        f"(k+ = {one['k_plus']}, k- = {one['k_minus']}).", "",
+        f"**Verdict: {report['verdict']}**", "",
+        report["message"], "",
+    ]
+    paths["md"].write_text("\n".join(md))
+    return paths

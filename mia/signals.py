@@ -1,0 +1,182 @@
+"""Per-record signals of a causal LM, computed once and shared by every attack.
+
+One forward pass per batch gives, for each record, the log-probability of each real next token and
+the mean and spread of ``log p(.)`` under the model's next-token distribution at that position
+(Min-K%++ needs both). Records are tokenised exactly as in training
+(``tokenizer(text, truncation=True, max_length=L)``), padded on the right and the padding masked,
+so a record's signals do not depend on which other records share its batch.
+
+Example:
+    >>> sig = compute_signals(model, tokenizer, ["some text"], max_length=128)  # doctest: +SKIP
+    >>> sig.loss.shape  # doctest: +SKIP
+    (1,)
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Signals:
+    """Per-record signals; all arrays have one entry per record, in input order.
+
+    Attributes:
+        loss: Mean next-token NLL over the record's real tokens (nats), shape ``[n]``.
+        num_tokens: Number of scored (predicted) tokens, i.e. tokenised length - 1, shape ``[n]``.
+        zlib_bytes: Length in bytes of the zlib-compressed UTF-8 text, shape ``[n]``.
+        token_logprobs: Per record, ``log p(x_t | x_<t)`` of each scored token.
+        token_mu: Per record and token, ``E_p[log p]`` of the next-token distribution.
+        token_sigma: Per record and token, ``Std_p[log p]`` of the next-token distribution.
+    """
+
+    loss: np.ndarray
+    num_tokens: np.ndarray
+    zlib_bytes: np.ndarray
+    token_logprobs: list[np.ndarray] = field(repr=False)
+    token_mu: list[np.ndarray] = field(repr=False)
+    token_sigma: list[np.ndarray] = field(repr=False)
+
+    def __len__(self) -> int:
+        return int(self.loss.shape[0])
+
+    def subset(self, idx) -> "Signals":
+        """The signals of the records at positions ``idx``."""
+        idx = np.asarray(idx, dtype=int)
+        return Signals(
+            loss=self.loss[idx], num_tokens=self.num_tokens[idx], zlib_bytes=self.zlib_bytes[idx],
+            token_logprobs=[self.token_logprobs[i] for i in idx],
+            token_mu=[self.token_mu[i] for i in idx],
+            token_sigma=[self.token_sigma[i] for i in idx],
+        )
+
+
+def model_context_length(model) -> int | None:
+    """The model's maximum number of positions, from its config (None when it does not say)."""
+    config = getattr(model, "config", None)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def tokenize_records(tokenizer, texts: list[str], *, max_length: int | None,
+                     context_length: int | None) -> list[list[int]]:
+    """Token ids of each record, truncated like the training data.
+
+    Raises:
+        ValueError: If a record is longer than the model's context and no ``max_length`` was
+            given, if ``max_length`` exceeds the context, or if a record has fewer than 2 tokens.
+    """
+    if max_length is not None and context_length is not None and max_length > context_length:
+        raise ValueError(f"max_length={max_length} exceeds the model's context of {context_length} "
+                         f"positions; pass --max-length {context_length} or less")
+    if max_length is not None:
+        ids = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
+    else:
+        ids = tokenizer(list(texts))["input_ids"]
+    for i, row in enumerate(ids):
+        if context_length is not None and len(row) > context_length:
+            raise ValueError(
+                f"record {i} has {len(row)} tokens, more than the model's context of "
+                f"{context_length}; pass max_length (--max-length) equal to the training "
+                f"max_length so records are truncated exactly as they were in training")
+        if len(row) < 2:
+            raise ValueError(f"record {i} ({texts[i][:40]!r}) has {len(row)} token(s); at least 2 "
+                             f"are needed to score a next-token prediction; drop empty records")
+    return [list(map(int, row)) for row in ids]
+
+
+@torch.no_grad()
+def compute_signals(
+    model,
+    tokenizer,
+    texts: list[str],
+    *,
+    max_length: int | None = None,
+    batch_size: int = 8,
+    device: str | torch.device | None = None,
+    progress: bool = True,
+    desc: str = "signals",
+) -> Signals:
+    """Score every record with one forward pass (batched) and return its signals.
+
+    Args:
+        model: A causal LM (``transformers`` model or a peft model around one). It is put in
+            eval mode and moved to ``device``.
+        tokenizer: Its tokenizer (the one saved with the checkpoint).
+        texts: The records.
+        max_length: Truncation length used in training; None means no truncation, in which case a
+            record longer than the model's context is an error.
+        batch_size: Records per forward pass.
+        device: Where to run (``"cpu"``, ``"cuda"``, ...); default: where the model already is.
+        progress: Show a tqdm progress bar.
+        desc: Label of the progress bar.
+
+    Returns:
+        The records' :class:`Signals`.
+
+    Raises:
+        ValueError: For records that are too long or too short (see :func:`tokenize_records`).
+    """
+    from tqdm.auto import tqdm
+
+    if device is not None:
+        model.to(device)
+    model.eval()
+    run_device = next(model.parameters()).device
+    ids = tokenize_records(tokenizer, texts, max_length=max_length,
+                           context_length=model_context_length(model))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    n = len(ids)
+    logprobs: list = [None] * n
+    mus: list = [None] * n
+    sigmas: list = [None] * n
+    # Batching records of similar length wastes less compute on padding; results go back in order.
+    order = sorted(range(n), key=lambda i: len(ids[i]))
+    bar = tqdm(total=n, desc=desc, disable=not progress, leave=False)
+    for start in range(0, n, batch_size):
+        batch = order[start:start + batch_size]
+        width = max(len(ids[i]) for i in batch)
+        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, i in enumerate(batch):
+            input_ids[row, :len(ids[i])] = torch.tensor(ids[i])
+            mask[row, :len(ids[i])] = 1
+        # Right padding keeps each real token at the position it had when run alone (a causal
+        # model never attends forward), so padding cannot change a record's signals.
+        logits = model(input_ids=input_ids.to(run_device), attention_mask=mask.to(run_device)).logits
+        for row, i in enumerate(batch):
+            k = len(ids[i]) - 1
+            # One record at a time: a [tokens, vocab] float32 block is small even for 128k-token
+            # vocabularies, where a whole batch would need gigabytes. float32 even for bf16
+            # models, because log-probs of rare tokens need the precision.
+            logp = torch.log_softmax(logits[row, :k].float(), dim=-1)
+            targets = input_ids[row, 1:k + 1].to(run_device)
+            p = logp.exp()
+            # where(): a logit of -inf (masked token) has p = 0 and must contribute 0, not NaN.
+            plogp = torch.where(p > 0, p * logp, 0.0)
+            mu = plogp.sum(-1)
+            # sigma^2 = E[(log p)^2] - mu^2 mathematically, but in float32 that difference of two
+            # numbers near (log V)^2 loses ~4 digits; summing p (log p - mu)^2 does not.
+            var = torch.where(p > 0, p * (logp - mu.unsqueeze(-1)).square(), 0.0).sum(-1)
+            sigma = var.sqrt()
+            logprobs[i] = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().cpu().numpy()
+            mus[i] = mu.double().cpu().numpy()
+            sigmas[i] = sigma.double().cpu().numpy()
+        del logits
+        bar.update(len(batch))
+    bar.close()
+
+    return Signals(
+        loss=np.array([-lp.mean() for lp in logprobs]),
+        num_tokens=np.array([lp.size for lp in logprobs], dtype=np.int64),
+        zlib_bytes=np.array([len(zlib.compress(t.encode("utf-8"))) for t in texts], dtype=np.int64),
+        token_logprobs=logprobs, token_mu=mus, token_sigma=sigmas,
+    )

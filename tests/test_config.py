@@ -1,0 +1,99 @@
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from dpllm.config import ConfigError, SECTIONS, config_from_dict, parse_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_yaml_then_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": {"max_steps": 7, "learning_rate": 0.5}, "privacy": {"target_epsilon": 3}}))
+    cfg = parse_config(["--config", str(path), "--max_steps", "9", "--privacy.accountant", "rdp"])
+    assert cfg.train.max_steps == 9  # command line wins
+    assert cfg.train.learning_rate == 0.5  # from the YAML
+    assert cfg.privacy.target_epsilon == 3.0
+    assert cfg.privacy.accountant == "rdp"
+
+
+def test_dotted_bool_override():
+    cfg = parse_config(["--privacy.enabled", "false"])
+    assert cfg.privacy.enabled is False
+
+
+def test_unknown_yaml_key_is_an_error(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": {"max_stepz": 7}}))
+    with pytest.raises(ConfigError, match="max_stepz"):
+        parse_config(["--config", str(path)])
+
+
+def test_key_in_wrong_section_names_the_right_one(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": {"target_epsilon": 7}}))
+    with pytest.raises(ConfigError, match="belongs in section 'privacy'"):
+        parse_config(["--config", str(path)])
+
+
+def test_unknown_cli_option_is_an_error():
+    with pytest.raises(ConfigError, match="--learning_rat"):
+        parse_config(["--learning_rat", "1"])
+    with pytest.raises(ConfigError, match="train.nope"):
+        parse_config(["--train.nope", "1"])
+
+
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        (["--finetuning", "half"], "finetuning"),
+        (["--physical_batch_size", "128", "--logical_batch_size", "64"], "physical_batch_size"),
+        (["--accountant", "moments"], "accountant"),
+        (["--train_on", "public"], "privacy.enabled=false"),
+    ],
+)
+def test_invalid_values(args, match):
+    with pytest.raises(ConfigError, match=match):
+        parse_config(args)
+
+
+def test_dp_needs_epsilon_or_noise():
+    with pytest.raises(ConfigError, match="target_epsilon"):
+        config_from_dict({"privacy": {"target_epsilon": None, "noise_multiplier": None}})
+
+
+def test_help_documents_every_option():
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    import dataclasses
+
+    for cls in SECTIONS.values():
+        for f in dataclasses.fields(cls):
+            assert f"--{f.name}" in out, f.name
+            assert f.metadata["help"], f"{f.name} has no help text"
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "*", "*.yaml"))))
+def test_every_shipped_config_parses(path):
+    cfg = parse_config(["--config", path])
+    assert cfg.train.logical_batch_size >= cfg.train.physical_batch_size
+
+
+def test_gpu_configs_say_what_they_promise():
+    llama = parse_config(["--config", os.path.join(ROOT, "recipes/configs/llama3_8b/lora_eps8.yaml")])
+    assert llama.model.finetuning == "lora" and llama.privacy.target_epsilon == 8.0
+    assert llama.train.mixed_precision == "bf16" and llama.model.torch_dtype == "bfloat16"
+    assert llama.privacy.grad_sample_mode == "ghost" and llama.train.logical_batch_size >= 512
+    gpt2 = parse_config(["--config", os.path.join(ROOT, "recipes/configs/gpt2/full_eps3.yaml")])
+    assert gpt2.model.finetuning == "full" and gpt2.privacy.target_epsilon == 3.0
+    assert gpt2.model.model_name_or_path.endswith("gpt2")
+
+
+def test_round_trip_through_saved_yaml():
+    cfg = parse_config(["--max_steps", "5", "--lora_r", "4"])
+    again = config_from_dict(yaml.safe_load(cfg.to_yaml()))
+    assert again == cfg

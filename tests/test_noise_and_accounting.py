@@ -1,0 +1,89 @@
+"""Noise has standard deviation σ·S; every ε comes from Opacus's accountants and calibration lands at target."""
+
+import math
+
+import pytest
+import torch
+
+from dpllm.config import PrivacyConfig
+from dpllm.data import TokenizedRecords, make_collate
+from dpllm.privacy.accounting import PrivacyPlanError, calibrate_noise, check_delta, compute_epsilon
+from dpllm.privacy.engine import PrivacyPlan, make_private, plan_privacy
+from dpllm.train import forward_loss
+from tests.helpers import TEXTS, batch_of, tiny_model
+
+
+@pytest.mark.parametrize("mode, clip, s", [("ghost", "flat", 1.0), ("hooks", "flat", 1.0), ("ghost", "psasc", 0.5)])
+def test_noise_std_is_sigma_times_sensitivity(mode, clip, s):
+    sigma, C = 0.8, 0.3
+    model, tok = tiny_model("tiny-llama", "full")
+    dataset = TokenizedRecords(TEXTS, tok, 48)
+    n = len(dataset)
+    cfg = PrivacyConfig(max_grad_norm=C, grad_sample_mode=mode, clipping=clip, clipping_s=s)
+
+    def noisy_minus_clean(noise):
+        torch.manual_seed(123)
+        m, _ = tiny_model("tiny-llama", "full")
+        plan = PrivacyPlan(num_records=n, sample_rate=1.0, steps=1, noise_multiplier=noise, delta=1e-5,
+                           accountant="rdp", expected_batch_size=n)
+        opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
+        pt = make_private(model=m, optimizer=opt, dataset=dataset, collate_fn=make_collate(tok.pad_token_id),
+                          cfg=cfg, plan=plan, logical_batch_size=n)
+        pt.optimizer.zero_grad()
+        forward_loss(pt.model, batch_of(tok), pt.criterion).backward()
+        pt.optimizer.pre_step()
+        return torch.cat([p.grad.flatten() * n for p in pt.optimizer.params])
+
+    noise = noisy_minus_clean(sigma) - noisy_minus_clean(0.0)
+    expected = sigma * C / s
+    # ~45k independent coordinates: relative std error of the sample std is 0.33%, so 2% is 6 standard errors
+    assert noise.numel() > 40_000
+    assert noise.std().item() == pytest.approx(expected, rel=0.02)
+    assert abs(noise.mean().item()) < 5 * expected / math.sqrt(noise.numel())
+
+
+def test_known_accountant_values_seed_002_setting():
+    # σ = 1, q = 0.16, 140 steps, δ = 1e-5 (seed 002): the seed's simplified bound printed 4.80
+    assert compute_epsilon(noise_multiplier=1.0, sample_rate=0.16, steps=140, delta=1e-5, accountant="rdp") == \
+        pytest.approx(15.09, abs=0.01)
+    assert compute_epsilon(noise_multiplier=1.0, sample_rate=0.16, steps=140, delta=1e-5, accountant="prv") == \
+        pytest.approx(13.74, abs=0.02)
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp", "gdp"])
+def test_calibration_lands_at_or_just_under_target(accountant):
+    sigma = calibrate_noise(target_epsilon=4.0, delta=1e-6, sample_rate=0.01, steps=500, accountant=accountant)
+    eps = compute_epsilon(noise_multiplier=sigma, sample_rate=0.01, steps=500, delta=1e-6, accountant=accountant)
+    assert 4.0 - 0.05 <= eps <= 4.0
+
+
+def test_gdp_never_reports_below_rdp():
+    kw = dict(noise_multiplier=0.9, sample_rate=0.05, steps=50, delta=1e-5)
+    assert compute_epsilon(**kw, accountant="gdp") >= compute_epsilon(**kw, accountant="rdp")
+
+
+def test_unreachable_target_is_refused_with_advice():
+    with pytest.raises(PrivacyPlanError, match="cannot be met.*raise"):
+        calibrate_noise(target_epsilon=1e-4, delta=1e-5, sample_rate=1.0, steps=10_000, accountant="rdp")
+
+
+@pytest.mark.parametrize("delta, n", [(1e-3, 1000), (0.5, 10), (0.0, 100), (1e-5, 0)])
+def test_bad_delta_refused(delta, n):
+    with pytest.raises(PrivacyPlanError):
+        check_delta(delta, n)
+
+
+def test_plan_refuses_given_noise_over_target():
+    cfg = PrivacyConfig(target_epsilon=1.0, noise_multiplier=0.5, target_delta=1e-5)
+    with pytest.raises(PrivacyPlanError, match="gives ε="):
+        plan_privacy(cfg, num_records=1000, num_batches_per_epoch=10, steps=100)
+
+
+def test_plan_composes_with_prior_stage():
+    cfg = PrivacyConfig(target_epsilon=6.0, target_delta=1e-5, accountant="rdp")
+    prior = [(1.0, 0.1, 50)]
+    plan = plan_privacy(cfg, num_records=1000, num_batches_per_epoch=10, steps=50, prior_history=prior)
+    total = compute_epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=50, delta=1e-5, accountant="rdp")
+    assert total < plan.epsilon() <= 6.0
+    alone = plan_privacy(cfg, num_records=1000, num_batches_per_epoch=10, steps=50)
+    assert plan.noise_multiplier > alone.noise_multiplier  # the earlier stage spent part of the budget

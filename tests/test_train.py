@@ -1,0 +1,203 @@
+"""End-to-end training: bad input fails before anything is written; runs write a complete, reloadable run dir."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dpllm.checkpoint import load_model
+from dpllm.config import ConfigError, parse_config
+from dpllm.data import DataError, load_split_texts
+from dpllm.privacy.accounting import PrivacyPlanError, compute_epsilon_history
+from dpllm.train import TrainingError, evaluate, train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--max_steps", "3", "--logical_batch_size", "16", "--physical_batch_size", "8", "--max_length", "48",
+        "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every", "0", "--eval_max_records", "16",
+        "--progress", "false", "--log_every", "1"]
+
+
+def cfg_for(tmp_path, *extra):
+    return parse_config(["--output_dir", str(tmp_path / "run"), *FAST, *extra])
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    def make(rows, name="d.jsonl"):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    return make
+
+
+def assert_nothing_written(tmp_path):
+    assert not (tmp_path / "run").exists()
+
+
+def test_empty_dataset(tmp_path, jsonl):
+    path = jsonl([{"text": ""}, {"text": "   "}])
+    with pytest.raises(DataError, match="no records left"):
+        train(cfg_for(tmp_path, "--dataset", path))
+    assert_nothing_written(tmp_path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(DataError, match="not found"):
+        train(cfg_for(tmp_path, "--dataset", str(tmp_path / "nope.jsonl")))
+    assert_nothing_written(tmp_path)
+
+
+def test_missing_text_column(tmp_path, jsonl):
+    path = jsonl([{"body": "x" * 50}] * 3)
+    with pytest.raises(DataError, match="no text column 'text'.*body"):
+        train(cfg_for(tmp_path, "--dataset", path))
+    assert_nothing_written(tmp_path)
+
+
+def test_delta_at_least_one_over_n(tmp_path):
+    with pytest.raises(PrivacyPlanError, match="target_delta=0.01 must be in"):
+        train(cfg_for(tmp_path, "--max_records", "200", "--target_delta", "0.01"))
+    assert_nothing_written(tmp_path)
+
+
+def test_unreachable_epsilon(tmp_path):
+    with pytest.raises(PrivacyPlanError, match="cannot be met"):
+        train(cfg_for(tmp_path, "--target_epsilon", "0.0001", "--max_steps", "20000", "--accountant", "rdp",
+                      "--logical_batch_size", "512", "--physical_batch_size", "8"))
+    assert_nothing_written(tmp_path)
+
+
+def test_sequence_over_context_of_a_saved_model(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dpllm.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(
+        tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    with pytest.raises(ConfigError, match="max_length=128 exceeds the model's context of 64"):
+        train(cfg_for(tmp_path, "--model_name_or_path", str(tmp_path / "m"), "--max_length", "128"))
+    assert_nothing_written(tmp_path)
+
+
+def test_model_dir_without_tokenizer(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(vocab_size=384, n_positions=64, n_embd=32, n_layer=1, n_head=2)).save_pretrained(
+        tmp_path / "m")
+    with pytest.raises(ValueError, match="tokenizer"):
+        train(cfg_for(tmp_path, "--model_name_or_path", str(tmp_path / "m")))
+    assert_nothing_written(tmp_path)
+
+
+def test_nan_loss_leaves_no_checkpoint(tmp_path, monkeypatch):
+    import dpllm.train as T
+
+    real = T.sequence_loss
+    calls = {"n": 0}
+
+    def poisoned(logits, labels, criterion=None):
+        calls["n"] += 1
+        loss = real(logits, labels, criterion)
+        return loss * float("nan") if calls["n"] > 3 else loss
+
+    monkeypatch.setattr(T, "sequence_loss", poisoned)
+    with pytest.raises(TrainingError, match="loss is nan.*no checkpoint"):
+        train(cfg_for(tmp_path))
+    run = tmp_path / "run"
+    assert not (run / "checkpoint").exists() and not (run / "privacy_report.json").exists()
+    assert not [p for p in run.iterdir() if p.name.startswith(".checkpoint")]
+
+
+def test_existing_output_dir_is_not_clobbered(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "keep.txt").write_text("x")
+    with pytest.raises(ConfigError, match="overwrite_output_dir"):
+        train(cfg_for(tmp_path))
+    assert (tmp_path / "run" / "keep.txt").exists()
+
+
+@pytest.mark.parametrize("kind, finetuning", [("tiny-gpt2", "full"), ("tiny-llama", "lora")])
+def test_run_dir_is_complete_and_reloads(tmp_path, kind, finetuning):
+    cfg = cfg_for(tmp_path, "--model_name_or_path", kind, "--finetuning", finetuning, "--num_canaries", "8")
+    summary = train(cfg)
+    run = tmp_path / "run"
+    for name in ("config.yaml", "splits.json", "canaries.json", "metrics.jsonl", "run_summary.json",
+                 "privacy_report.json", "checkpoint/privacy_report.json", "checkpoint/dpllm_config.yaml"):
+        assert (run / name).is_file(), name
+    report = json.loads((run / "privacy_report.json").read_text())
+    for key in ("epsilon", "delta", "accountant", "noise_multiplier", "sample_rate", "steps", "logical_batch_size",
+                "max_grad_norm", "clipping", "num_records", "privacy_unit", "versions"):
+        assert report[key] is not None, key
+    assert report["steps"] == 3 and report["privacy_unit"] == "record"
+    # ε in the report is the accountant's ε for the recorded (σ, q, steps, δ)
+    assert report["history"] == [[report["noise_multiplier"], report["sample_rate"], 3]]
+    assert report["epsilon"] == pytest.approx(compute_epsilon_history(
+        history=report["history"], delta=report["delta"], accountant=report["accountant"]), rel=1e-9)
+    assert report["epsilon"] <= 8.0
+    if kind == "tiny-gpt2":
+        assert any("untied" in a for a in report["model_adjustments"])
+
+    splits = json.loads((run / "splits.json").read_text())
+    assert not set(splits["train"]) & set(splits["heldout"])
+    canaries = json.loads((run / "canaries.json").read_text())["canaries"]
+    assert report["num_records"] == len(splits["train"]) + sum(c["included"] for c in canaries)
+    assert load_split_texts(run, "heldout")[0]
+
+    # reload: same held-out loss as the run measured at the end
+    model, tok = load_model(run)
+    from dpllm.data import TokenizedRecords, make_collate
+
+    heldout = load_split_texts(run, "heldout")[: cfg.train.eval_max_records]
+    again = evaluate(model, TokenizedRecords(heldout, tok, cfg.data.max_length), make_collate(tok.pad_token_id),
+                     batch_size=8, device=torch.device("cpu"))
+    assert again["loss"] == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+
+
+def test_non_private_baseline_uses_same_loop(tmp_path):
+    summary = train(cfg_for(tmp_path, "--privacy.enabled", "false", "--learning_rate", "0.01", "--max_steps", "20",
+                            "--eval_every", "10"))
+    report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
+    assert report["enabled"] is False and report["epsilon"] is None
+    assert summary["final_eval_loss"] < summary["initial_eval_loss"] - 0.1  # it learns (5.97 -> 5.76 seen)
+
+
+def test_staged_training_composes_epsilon(tmp_path):
+    first = cfg_for(tmp_path, "--finetuning", "full", "--target_epsilon", "3", "--accountant", "rdp")
+    train(first)
+    second = parse_config(["--output_dir", str(tmp_path / "run2"), *FAST, "--model_name_or_path",
+                           str(tmp_path / "run"), "--finetuning", "lora", "--target_epsilon", "5",
+                           "--accountant", "rdp"])
+    train(second)
+    report = json.loads((tmp_path / "run2" / "privacy_report.json").read_text())
+    assert len(report["stages"]) == 2 and len(report["history"]) == 2
+    assert 3.0 < report["epsilon"] <= 5.0
+    assert report["epsilon"] == pytest.approx(compute_epsilon_history(
+        history=report["history"], delta=1e-5, accountant="rdp"))
+
+
+def test_accelerate_launch_recipe_smoke(tmp_path):
+    out = tmp_path / "x"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--num_processes", "1", "--cpu",
+           os.path.join(ROOT, "recipes", "finetune_llm.py"), "--config",
+           os.path.join(ROOT, "recipes", "configs", "tiny", "llama_lora_cpu.yaml"), "--output_dir", str(out), *FAST]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "privacy: (ε = " in res.stdout
+    assert (out / "checkpoint" / "adapter_model.safetensors").is_file()
+    assert (out / "checkpoint" / "base_model" / "config.json").is_file()
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert 0 < report["epsilon"] <= 8.0
+
+
+def test_recipe_bad_input_exit_code(tmp_path):
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), *FAST,
+                          "--output_dir", str(tmp_path / "y"), "--target_delta", "0.5"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "target_delta=0.5" in res.stderr
+    assert not (tmp_path / "y").exists()
