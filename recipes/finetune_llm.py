@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         report = json.loads((Path(summary["run_dir"]) / "privacy_report.json").read_text())
         print(f"\nheld-out loss {summary['final_eval_loss']:.4f} (perplexity {summary['final_eval_ppl']:.2f})")
-        print(f"privacy: {format_report(report)}")
+        print(format_report(report) if not report.get("enabled", True) else f"privacy: {format_report(report)}")
         print(f"checkpoint: {summary['run_dir']}/checkpoint   report: {summary['run_dir']}/privacy_report.json")
     return summary
 
