@@ -79,6 +79,16 @@ def test_help_documents_every_option():
 
 @pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "recipes", "configs", "*", "*.yaml"))))
 def test_every_shipped_config_parses(path):
+    doc = yaml.safe_load(open(path))
+    if "sweep" in doc:  # a scaling-sweep config: every point of its grids must be a valid run config
+        sys.path.insert(0, os.path.join(ROOT, "recipes"))
+        from scaling_sweep import expand
+
+        points = expand(doc, quick=False) + expand(doc, quick=True)
+        assert len(points) >= 8
+        for _, cfg in points:
+            config_from_dict(cfg)
+        return
     cfg = parse_config(["--config", path])
     assert cfg.train.logical_batch_size >= cfg.train.physical_batch_size
 
