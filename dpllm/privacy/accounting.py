@@ -79,7 +79,12 @@ def compute_epsilon_history(*, history: History, delta: float, accountant: str =
     if any(s <= 0 for s, _, _ in history):
         return math.inf
     if accountant == "gdp":
-        return max(_epsilon_of("gdp", history, delta), _epsilon_of("rdp", history, delta))
+        rdp = _epsilon_of("rdp", history, delta)
+        try:
+            return max(_epsilon_of("gdp", history, delta), rdp)
+        except Exception as err:  # Opacus's GDP root-finding fails in some (σ, q) regions
+            warnings.warn(f"GDP accountant failed ({err}); reporting the RDP bound instead")
+            return rdp
     if accountant == "prv":
         try:
             eps = _epsilon_of("prv", history, delta)

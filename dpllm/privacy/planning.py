@@ -1,0 +1,213 @@
+"""``dpllm plan``: noise multiplier for a target ε, ε for a noise multiplier, and the noise-to-signal ratio.
+
+Every ε and σ here comes from :mod:`dpllm.privacy.accounting` (Opacus accountants); nothing is
+approximated by formula. Printed σ are rounded *up* (to 4 significant figures) and the printed ε is
+computed at that rounded σ, so copying the printed σ into a config never overshoots the budget.
+
+    dpllm plan --num-records 1000000 --batch 1024 --epochs 1 --target-epsilon 8 --delta 1e-7
+    dpllm plan --num-records 50000 --batch 512 --steps 2000 --noise-multiplier 0.8 --delta 1e-6 --json
+
+NSR = σ·C / (B·ḡ): the per-coordinate standard deviation of the Gaussian noise in the averaged clipped
+gradient (σ·C/B) over the mean per-example gradient norm ḡ (``--grad-norm``; ḡ ≤ C after clipping).
+The noise *vector* over d coordinates has norm ≈ √d times that, so compare NSRs between plans rather
+than reading one as an absolute signal-to-noise figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import warnings
+from typing import Any, Sequence
+
+from dpllm.privacy.accounting import ACCOUNTANTS, PrivacyPlanError, calibrate_noise, check_delta, compute_epsilon
+
+DEFAULT_EPSILONS = (1.0, 2.0, 4.0, 8.0, 10.0)
+SIGMA_DIGITS = 4
+
+
+def steps_for(*, num_records: int, batch: int, epochs: float | None = None, steps: int | None = None) -> int:
+    """Optimizer steps: ``steps`` if given, else ceil(epochs·N/B).
+
+    Raises:
+        PrivacyPlanError: neither or both given, or a non-positive value.
+    """
+    if (epochs is None) == (steps is None):
+        raise PrivacyPlanError("give exactly one of epochs or steps")
+    if steps is not None:
+        if steps <= 0:
+            raise PrivacyPlanError(f"steps={steps} must be positive")
+        return int(steps)
+    if not epochs > 0:
+        raise PrivacyPlanError(f"epochs={epochs} must be positive")
+    return math.ceil(epochs * num_records / batch)
+
+
+def noise_to_signal(*, noise_multiplier: float, max_grad_norm: float, batch: int, grad_norm: float) -> float:
+    """NSR = σ·C/(B·ḡ): per-coordinate noise std of the averaged gradient over the mean gradient norm.
+
+    >>> noise_to_signal(noise_multiplier=1.0, max_grad_norm=1.0, batch=1000, grad_norm=0.5)
+    0.002
+    """
+    return noise_multiplier * max_grad_norm / (batch * grad_norm)
+
+
+def round_up(x: float, digits: int = SIGMA_DIGITS) -> float:
+    """Round ``x > 0`` up to ``digits`` significant figures (so a printed σ never adds ε).
+
+    >>> round_up(0.4338378)
+    0.4339
+    """
+    scale = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
+    return round(math.ceil(x / scale - 1e-9) * scale, 12)
+
+
+def _accounted(fn, accountant: str, **kw: Any) -> float:
+    """Call an accounting function, turning an accountant's numeric failure into a clear error."""
+    try:
+        return fn(accountant=accountant, **kw)
+    except PrivacyPlanError:
+        raise
+    except (ValueError, ArithmeticError, RuntimeError) as err:
+        raise PrivacyPlanError(
+            f"the {accountant} accountant failed at sample rate {kw['sample_rate']:.4g}, {kw['steps']:,} steps, "
+            f"delta={kw['delta']:g} ({err}); use accountant='prv' or 'rdp'") from err
+
+
+def plan_privacy(*, num_records: int, batch: int, delta: float, target_epsilon: float | None = None,
+                 epochs: float | None = None, steps: int | None = None, accountant: str = "prv",
+                 noise_multiplier: float | None = None, max_grad_norm: float = 1.0, grad_norm: float = 1.0,
+                 epsilons: Sequence[float] = DEFAULT_EPSILONS) -> dict:
+    """A full privacy plan as data (what ``dpllm plan --json`` prints).
+
+    Args:
+        num_records: N, private records (the privacy unit).
+        batch: expected logical batch B (Poisson sampling at rate q = B/N).
+        delta: target δ; must be < 1/N.
+        target_epsilon: if given, the σ that meets it (``plan["target"]``).
+        epochs, steps: exactly one; steps = ceil(epochs·N/B).
+        accountant: ``prv`` (default), ``rdp`` or ``gdp``.
+        noise_multiplier: if given, the ε it spends (``plan["given_noise"]``).
+        max_grad_norm: clipping bound C; grad_norm: assumed mean per-example gradient norm ḡ.
+        epsilons: ε values for the table (σ and NSR per ε).
+
+    Returns:
+        ``{"num_records", "batch", "steps", "sample_rate", "delta", "accountant", "max_grad_norm",
+        "grad_norm", "target", "given_noise", "table"}``; each of target / table rows holds
+        ``target_epsilon, noise_multiplier, epsilon, nsr`` (``epsilon`` = accountant ε at that σ).
+
+    Raises:
+        PrivacyPlanError: δ ≥ 1/N, B > N, bad sizes, or an unreachable ε.
+    """
+    check_delta(delta, num_records)
+    if not 0 < batch <= num_records:
+        raise PrivacyPlanError(f"batch={batch} must be in [1, num_records={num_records:,}]")
+    for name, v in (("max_grad_norm", max_grad_norm), ("grad_norm", grad_norm)):
+        if not v > 0:
+            raise PrivacyPlanError(f"{name}={v} must be positive")
+    n_steps = steps_for(num_records=num_records, batch=batch, epochs=epochs, steps=steps)
+    q = batch / num_records
+    common = {"sample_rate": q, "steps": n_steps, "delta": delta}
+
+    def row(target: float | None, sigma: float) -> dict:
+        eps = _accounted(compute_epsilon, accountant, noise_multiplier=sigma, **common)
+        return {"target_epsilon": target, "noise_multiplier": sigma, "epsilon": eps,
+                "nsr": noise_to_signal(noise_multiplier=sigma, max_grad_norm=max_grad_norm, batch=batch,
+                                       grad_norm=grad_norm)}
+
+    cache: dict[float, dict] = {}
+
+    def for_target(eps: float) -> dict:
+        if eps not in cache:  # the target is usually also a table row; calibrate it once
+            sigma = _accounted(calibrate_noise, accountant, target_epsilon=eps, **common)
+            cache[eps] = row(eps, round_up(sigma))
+        return cache[eps]
+
+    plan: dict[str, Any] = {
+        "num_records": num_records, "batch": batch, "epochs": epochs, "steps": n_steps, "sample_rate": q,
+        "delta": delta, "accountant": accountant, "max_grad_norm": max_grad_norm, "grad_norm": grad_norm,
+        "target": for_target(float(target_epsilon)) if target_epsilon is not None else None,
+        "given_noise": None,
+    }
+    if noise_multiplier is not None:
+        if not noise_multiplier > 0:
+            raise PrivacyPlanError(f"noise_multiplier={noise_multiplier} must be positive")
+        plan["given_noise"] = row(None, float(noise_multiplier))
+    plan["table"] = [for_target(float(e)) for e in sorted(set(epsilons))]
+    return plan
+
+
+def format_plan(plan: dict) -> str:
+    """The human view of :func:`plan_privacy`'s result."""
+    lines = [
+        f"records N={plan['num_records']:,}  batch B={plan['batch']:,}  sample rate q=B/N={plan['sample_rate']:.6g}",
+        f"steps={plan['steps']:,}" + (f" (ceil({plan['epochs']:g} epochs × N/B))" if plan["epochs"] else "")
+        + f"  delta={plan['delta']:g}  accountant={plan['accountant']}",
+        f"clip C={plan['max_grad_norm']:g}  assumed mean grad norm ḡ={plan['grad_norm']:g}  NSR = σ·C/(B·ḡ)",
+    ]
+    if plan["target"]:
+        t = plan["target"]
+        lines.append(f"target epsilon {t['target_epsilon']:g}: noise multiplier σ={t['noise_multiplier']:.{SIGMA_DIGITS}g}"
+                     f" → epsilon={t['epsilon']:.4f}, NSR={t['nsr']:.4g}")
+    if plan["given_noise"]:
+        g = plan["given_noise"]
+        lines.append(f"noise multiplier σ={g['noise_multiplier']:g} → epsilon={g['epsilon']:.4f}, NSR={g['nsr']:.4g}")
+    if plan["table"]:
+        lines += ["", f"{'target ε':>9}  {'σ':>9}  {'ε at σ':>9}  {'NSR':>10}"]
+        lines += [f"{r['target_epsilon']:>9g}  {r['noise_multiplier']:>9.{SIGMA_DIGITS}g}  {r['epsilon']:>9.4f}  "
+                  f"{r['nsr']:>10.4g}" for r in plan["table"]]
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dpllm plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--num-records", type=int, required=True, help="private records N (the privacy unit)")
+    p.add_argument("--batch", type=int, required=True, help="expected logical batch size B (q = B/N)")
+    length = p.add_mutually_exclusive_group(required=True)
+    length.add_argument("--epochs", type=float, help="epochs; steps = ceil(epochs·N/B)")
+    length.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--delta", type=float, required=True, help="target δ, must be < 1/N")
+    p.add_argument("--target-epsilon", type=float, help="print the noise multiplier that meets this ε")
+    p.add_argument("--noise-multiplier", type=float, help="print the ε this noise multiplier spends")
+    p.add_argument("--accountant", choices=ACCOUNTANTS, default="prv", help="default prv")
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping bound C (default 1.0)")
+    p.add_argument("--grad-norm", type=float, default=1.0, help="assumed mean per-example gradient norm ḡ")
+    p.add_argument("--epsilons", default=",".join(f"{e:g}" for e in DEFAULT_EPSILONS),
+                   help="comma-separated ε values for the table ('' for none)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def cli_main(argv: list[str]) -> int:
+    """Run ``dpllm plan ARGS``; returns 0, or 2 with the reason on stderr."""
+    try:
+        args = _parser().parse_args(argv)
+    except SystemExit as exit_:  # --help or a bad flag: argparse already printed why
+        return int(exit_.code or 0)
+    try:
+        epsilons = [float(e) for e in args.epsilons.split(",") if e.strip()]
+    except ValueError:
+        print(f"dpllm plan: error: --epsilons {args.epsilons!r} must be comma-separated numbers", file=sys.stderr)
+        return 2
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = plan_privacy(
+                num_records=args.num_records, batch=args.batch, delta=args.delta,
+                target_epsilon=args.target_epsilon, epochs=args.epochs, steps=args.steps,
+                accountant=args.accountant, noise_multiplier=args.noise_multiplier,
+                max_grad_norm=args.max_grad_norm, grad_norm=args.grad_norm, epsilons=epsilons)
+    except PrivacyPlanError as err:
+        print(f"dpllm plan: error: {err}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    for msg in sorted({str(w.message) for w in caught}):  # once each, not once per bisection step
+        print(f"note: {msg}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(sys.argv[1:]))

@@ -1,0 +1,314 @@
+"""Fit a registered form to runs: input checks, per-configuration means, R², bootstrap intervals.
+
+A *configuration* is one distinct value of the form's inputs (e.g. ``(N, D)`` for chinchilla); runs
+that share one (different seeds) are repeats. The fit is made to the per-configuration mean loss, so
+R² is on loss (not log-loss) over configurations. The bootstrap resamples seeds within each
+configuration when every configuration is repeated, and runs (then re-averages) otherwise.
+
+Example:
+    >>> import numpy as np
+    >>> N = np.geomspace(1e3, 1e6, 8)
+    >>> res = fit_form("power_law", N=N, loss=2.0 * N**-0.3 + 0.5, n_boot=50, seed=0)
+    >>> round(res.params["alpha"], 3), round(res.r2, 4), res.bootstrap["n_ok"]
+    (0.3, 1.0, 50)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import numpy as np
+
+from dpllm.scaling.forms import HUBER_DELTA, MAX_EXPONENT, Form, ScalingError, get_form
+from dpllm.scaling.runs import PARAMS_FIELDS, parse_epsilon, runs_to_points
+
+JOINT = "joint"  # the label of a fit over all privacy groups at once (dp_noise)
+
+
+@dataclass
+class FitResult:
+    """One fitted curve.
+
+    Attributes:
+        form: registry name of the form.
+        params: fitted parameters (natural units, e.g. ``A`` not ``log A``).
+        ci: ``{name: [low, high]}`` bootstrap percentile interval at ``bootstrap["level"]``.
+        r2: coefficient of determination on loss over configuration means.
+        n_points: number of configurations fitted; ``n_runs`` the runs behind them.
+        residuals: per configuration: inputs, mean loss, std over seeds, runs, prediction, residual.
+        bootstrap: ``{n_boot, n_ok, seed, level, method}``.
+        label: privacy group (``"eps=8"``, ``"non-private"``) or ``"joint"``.
+        at_bound: parameters the optimiser left on a bound (an exponent at 0 or 5, L∞ at 0): the data do
+            not pin them down, so neither the value nor plans built on it mean much.
+    """
+
+    form: str
+    params: dict[str, float]
+    ci: dict[str, list[float]]
+    r2: float
+    n_points: int
+    n_runs: int
+    residuals: list[dict] = field(default_factory=list)
+    bootstrap: dict = field(default_factory=dict)
+    label: str = ""
+    at_bound: list[str] = field(default_factory=list)
+
+    def predict(self, **inputs: Any) -> np.ndarray:
+        """Predicted loss at ``N=..., D=..., sigma_bar=...`` (whichever the form reads)."""
+        form = get_form(self.form)
+        missing = [k for k in form.inputs if k not in inputs]
+        if missing:
+            raise ScalingError(f"{self.form} needs {', '.join(missing)} to predict")
+        return form.predict(self.params, {k: np.asarray(inputs[k], dtype=float) for k in form.inputs})
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["formula"] = get_form(self.form).formula
+        d["r2_on"] = "loss, per-configuration means"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "FitResult":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def _check_points(form: Form, x: dict[str, np.ndarray], loss: np.ndarray) -> None:
+    n = loss.shape[0]
+    for name, v in {**x, "loss": loss}.items():
+        if v.shape != (n,):
+            raise ScalingError(f"{name} has shape {v.shape}; every input needs one value per run ({n})")
+        lower_ok = v >= 0 if name == "sigma_bar" else v > 0
+        bad = ~(np.isfinite(v) & lower_ok)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ScalingError(f"{name}[{i}]={v[i]!r} must be finite and {'≥ 0' if name == 'sigma_bar' else '> 0'}; "
+                               f"drop or fix that run")
+    for name, need in form.min_distinct.items():
+        vals = np.unique(x[name][x[name] > 0])
+        if len(vals) < need:
+            what = {"N": "model sizes N", "D": "token counts D", "sigma_bar": "positive noise levels σ̄"}[name]
+            hint = ("sweep several ε or batch sizes, or fit chinchilla per ε" if name == "sigma_bar"
+                    else "add runs there, or use a form without that input")
+            raise ScalingError(f"{form.name} needs runs at ≥ {need} distinct {what}; got {len(vals)} "
+                               f"({', '.join(f'{v:g}' for v in vals[:5])}); {hint}")
+    n_cfg = len(np.unique(np.column_stack([x[k] for k in form.inputs]), axis=0))
+    need = len(form.param_names) + 1  # one residual degree of freedom, or R² = 1 says nothing
+    if n_cfg < need:
+        raise ScalingError(f"{form.name} has {len(form.param_names)} parameters and needs ≥ {need} distinct "
+                           f"configurations of ({', '.join(form.inputs)}); got {n_cfg}. Add runs or use a "
+                           f"form with fewer parameters")
+
+
+def _identified(form: Form, x: dict[str, np.ndarray]) -> bool:
+    """Whether a bootstrap resample still pins every parameter down (otherwise it is skipped)."""
+    if any(len(np.unique(x[k][x[k] > 0])) < m for k, m in form.min_distinct.items()):
+        return False
+    return len(np.unique(np.column_stack([x[k] for k in form.inputs]), axis=0)) >= len(form.param_names)
+
+
+def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterable[float] | None = None,
+             sigma_bar: Iterable[float] | None = None, n_boot: int = 1000, seed: int = 0,
+             level: float = 0.95, label: str = "") -> FitResult:
+    """Fit ``form`` to one loss per run and bootstrap its parameters.
+
+    Args:
+        form: registered form name (``power_law``, ``chinchilla``, ``dp_noise``).
+        loss: final eval loss per run (nats).
+        N, D, sigma_bar: inputs per run; those the form does not read are ignored.
+        n_boot: bootstrap resamples (0 disables intervals).
+        seed: bootstrap RNG seed; the same seed gives the same intervals.
+        level: interval coverage (percentile bootstrap).
+        label: group name stored on the result.
+
+    Raises:
+        ScalingError: unknown form, missing/non-positive/NaN inputs, too few configurations or distinct
+            values for the form's parameters.
+    """
+    f = get_form(form)
+    given = {"N": N, "D": D, "sigma_bar": sigma_bar}
+    for k in f.inputs:
+        if given[k] is None:
+            raise ScalingError(f"{form} needs {k}; pass it (runs tables give N, D = tokens_seen, σ̄)")
+    x = {k: np.asarray(list(given[k]), dtype=float) for k in f.inputs}
+    y = np.asarray(list(loss), dtype=float)
+    _check_points(f, x, y)
+
+    xc, ymean, inverse, counts = _config_means(f, x, y)
+    # Sample std over seeds (0 for a single run); shown as error bars and stored per configuration.
+    ss = np.bincount(inverse, weights=(y - ymean[inverse]) ** 2)
+    ystd = np.sqrt(ss / np.maximum(counts - 1, 1))
+    with _one_blas_thread():
+        params = f.fit(xc, ymean)
+        samples, method = _bootstrap(f, x, y, xc, inverse, counts, params, n_boot, seed)
+    pred = f.predict(params, xc)
+    ss_tot = float(((ymean - ymean.mean()) ** 2).sum())
+    r2 = 1.0 - float(((ymean - pred) ** 2).sum()) / ss_tot if ss_tot > 0 else float("nan")
+    tail = 100 * (1 - level) / 2
+    ci = ({p: [float(np.percentile(samples[:, j], tail)), float(np.percentile(samples[:, j], 100 - tail))]
+           for j, p in enumerate(f.param_names)} if len(samples) else {})
+    residuals = [
+        {**{k: float(xc[k][i]) for k in f.inputs}, "loss": float(ymean[i]), "loss_std": float(ystd[i]),
+         "runs": int(counts[i]), "pred": float(pred[i]), "residual": float(ymean[i] - pred[i])}
+        for i in range(len(ymean))
+    ]
+    at_bound = [k for k, v in params.items()
+                if (k in ("alpha", "beta", "gamma") and not 1e-6 < v < MAX_EXPONENT - 1e-6)
+                or (k == "L_inf" and v < 1e-9)]
+    return FitResult(form=form, params=params, ci=ci, r2=r2, n_points=len(ymean), n_runs=len(y),
+                     residuals=residuals, label=label, at_bound=at_bound,
+                     bootstrap={"n_boot": n_boot, "n_ok": len(samples), "seed": seed, "level": level,
+                                "method": method})
+
+
+def _config_means(f: Form, x: Mapping[str, np.ndarray], y: np.ndarray):
+    """Distinct configurations of the form's inputs, their mean loss, each run's config, run counts."""
+    cfg, inverse, counts = np.unique(np.column_stack([x[k] for k in f.inputs]), axis=0,
+                                     return_inverse=True, return_counts=True)
+    inverse = inverse.ravel()
+    return ({k: cfg[:, i] for i, k in enumerate(f.inputs)}, np.bincount(inverse, weights=y) / counts,
+            inverse, counts)
+
+
+def _one_blas_thread():
+    """Limit BLAS to one thread: the fits are tiny, and threads that spin-wait slow them 3-4× when the
+    machine is shared (a sweep training beside the fit). No-op without threadpoolctl."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def _bootstrap(f: Form, x, y, xc, inverse, counts, params, n_boot: int, seed: int) -> tuple[np.ndarray, str]:
+    rng = np.random.default_rng(seed)
+    out = []
+    if n_boot <= 0:
+        return np.empty((0, len(f.param_names))), "none"
+    if counts.min() > 1:
+        # Every configuration repeated: keep them all, resample each one's seeds (seed-to-seed noise).
+        # Deviations from the configuration mean are scaled by √(n/(n−1)): resampling n seeds otherwise
+        # gives the mean a variance (n−1)/n too small (half with 2 seeds; ~85% coverage at 95% seen).
+        method = "seeds within configuration (deviations scaled by sqrt(n/(n-1)))"
+        mean = np.bincount(inverse, weights=y) / counts
+        scale = np.sqrt(counts / np.maximum(counts - 1, 1))[inverse]
+        y_adj = mean[inverse] + scale * (y - mean[inverse])
+        members = [np.flatnonzero(inverse == c) for c in range(len(counts))]
+        ymeans = np.column_stack([y_adj[m[rng.integers(0, len(m), size=(n_boot, len(m)))]].mean(axis=1)
+                                  for m in members])
+        out = [_refit(f, xc, yb, params) for yb in ymeans]
+    else:
+        # Some configuration has a single run, so its seed noise is unknown: resample runs instead
+        # (with one run per configuration this is resampling configurations) and re-average.
+        method = "runs"
+        n = len(y)
+        for idx in rng.integers(0, n, size=(n_boot, n)):
+            xb = {k: v[idx] for k, v in x.items()}
+            if not _identified(f, xb):
+                out.append(None)
+                continue
+            xcb, yb, _, _ = _config_means(f, xb, y[idx])
+            out.append(_refit(f, xcb, yb, params))
+    ok = [o for o in out if o is not None]
+    if len(ok) < 0.9 * n_boot:
+        warnings.warn(f"{f.name}: only {len(ok)}/{n_boot} bootstrap resamples could be fitted; the interval "
+                      f"is from those")
+    return np.array([[o[p] for p in f.param_names] for o in ok]).reshape(-1, len(f.param_names)), method
+
+
+def _refit(f: Form, x, y, start) -> dict | None:
+    # Starting at the full-data optimum keeps each refit to one local search (fast, 1000× per fit).
+    try:
+        p = f.fit(x, y, start=start)
+    except (ValueError, FloatingPointError, np.linalg.LinAlgError):
+        return None
+    return p if all(np.isfinite(v) for v in p.values()) else None
+
+
+def summarise_groups(points: Mapping[str, np.ndarray]) -> dict[str, dict]:
+    """Per privacy group: run count, ranges of N and D, distinct σ̄ and seeds (for fit.json)."""
+    out = {}
+    for g in sorted(set(points["group"])):
+        m = points["group"] == g
+        out[g] = {"n_runs": int(m.sum()),
+                  "N": [float(points["N"][m].min()), float(points["N"][m].max())],
+                  "D": [float(points["D"][m].min()), float(points["D"][m].max())],
+                  "sigma_bar": sorted({float(s) for s in points["sigma_bar"][m]}),
+                  "n_distinct_N": int(len(np.unique(points["N"][m]))),
+                  "n_distinct_D": int(len(np.unique(points["D"][m])))}
+    return out
+
+
+def fit_runs(rows: Iterable[Mapping[str, Any]], *, form: str, params: str = "trainable",
+             epsilon: str | float | None = None, n_boot: int = 1000, seed: int = 0) -> dict:
+    """Fit ``form`` to a runs table and return the ``fit.json`` document.
+
+    ``power_law`` and ``chinchilla`` are fitted once per privacy group (non-private, and each ε rounded
+    to 2 significant figures); ``dp_noise`` is fitted once over all groups (``fits["joint"]``).
+    A group too small for its form is listed under ``skipped`` with the reason.
+
+    Args:
+        rows: runs-table rows (:func:`dpllm.scaling.runs.load_runs`).
+        form: registered form name.
+        params: ``"trainable"`` or ``"total"`` parameter count as N.
+        epsilon: keep only this group (``8``, ``"inf"`` for non-private); ``None`` keeps all.
+        n_boot, seed: bootstrap resamples and RNG seed.
+
+    Raises:
+        ScalingError: bad form/params/epsilon, bad values, or no group could be fitted.
+    """
+    f = get_form(form)
+    group = parse_epsilon(epsilon)
+    rows = list(rows)
+    points = runs_to_points(rows, params=params, group=group)
+    groups = [JOINT] if form == "dp_noise" else sorted(set(points["group"]))
+    fits, skipped = {}, {}
+    for g in groups:
+        m = np.ones(len(points["loss"]), bool) if g == JOINT else points["group"] == g
+        try:
+            fits[g] = fit_form(form, loss=points["loss"][m], N=points["N"][m], D=points["D"][m],
+                               sigma_bar=points["sigma_bar"][m], n_boot=n_boot, seed=seed, label=g).to_dict()
+        except ScalingError as err:
+            if len(groups) == 1:
+                raise
+            skipped[g] = str(err)
+    if not fits:
+        raise ScalingError("no group could be fitted: " + "; ".join(f"{g}: {e}" for g, e in skipped.items()))
+    return {
+        "form": form, "formula": f.formula, "huber_delta": HUBER_DELTA if form != "power_law" else None,
+        "filter": {"epsilon": group, "params": params, "N_field": PARAMS_FIELDS[params],
+                   "grouping": "privacy_enabled=false → non-private; else ε rounded to 2 significant figures"},
+        "inputs": {"n_runs": len(points["loss"]), "n_runs_in_file": len(rows),
+                   "groups": summarise_groups(points)},
+        "bootstrap": {"n_boot": n_boot, "seed": seed, "level": 0.95},
+        "fits": fits, "skipped": skipped,
+    }
+
+
+def write_fit(doc: Mapping[str, Any], path: str | os.PathLike) -> Path:
+    """Write ``doc`` as JSON via a temp file and rename, so a reader never sees half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_fit(path: str | os.PathLike) -> dict:
+    """Read a ``fit.json``. Raises ScalingError if it is missing or not a fit document."""
+    path = Path(path)
+    if not path.is_file():
+        raise ScalingError(f"fit file {path} does not exist; run `dpllm scaling fit` first")
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict) or "fits" not in doc:
+        raise ScalingError(f"{path} is not a dpllm scaling fit (no 'fits' key)")
+    return doc
+
+
+__all__ = ["FitResult", "JOINT", "fit_form", "fit_runs", "load_fit", "summarise_groups", "write_fit"]
