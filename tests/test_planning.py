@@ -22,17 +22,17 @@ def test_text_output_sigma_gives_the_printed_epsilon_under_target(capsys):
     # Default accountant (prv), as a user would run it; no table to keep the test quick.
     assert main([*BASE, "--target-epsilon", "8", "--epsilons", ""]) == 0
     out = capsys.readouterr().out
-    assert "sample rate q=B/N=0.001024" in out and "steps=977 (ceil(1 epochs × N/B))" in out
+    assert "sample rate q=1/⌈N/B⌉=0.00102354" in out and "steps=977 (ceil(1 epochs × N/B))" in out
     m = re.search(r"target epsilon 8: noise multiplier σ=([\d.]+) → epsilon=([\d.]+), NSR=([\d.e-]+)", out)
     assert m, out
     sigma, eps, nsr = (float(g) for g in m.groups())
-    again = compute_epsilon(noise_multiplier=sigma, sample_rate=1024 / 1e6, steps=977, delta=1e-7,
+    again = compute_epsilon(noise_multiplier=sigma, sample_rate=1 / 977, steps=977, delta=1e-7,
                             accountant="prv")
     assert again == pytest.approx(eps, abs=5e-5)
     assert 7.9 < again <= 8.0
     assert nsr == pytest.approx(sigma * 1.0 / 1024, rel=1e-3)
     # σ is rounded *up*: a hair less noise would overshoot or sit at the target.
-    assert compute_epsilon(noise_multiplier=sigma - 0.002, sample_rate=1024 / 1e6, steps=977, delta=1e-7,
+    assert compute_epsilon(noise_multiplier=sigma - 0.002, sample_rate=1 / 977, steps=977, delta=1e-7,
                            accountant="prv") > again
 
 
@@ -41,7 +41,7 @@ def test_json_given_noise_and_table_are_the_accountant_values(capsys):
             "--max-grad-norm", "2", "--epsilons", "10,1,4,2,8", "--json"]
     assert main(args) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert plan["steps"] == 977 and plan["sample_rate"] == 1024 / 1e6 and plan["target"] is None
+    assert plan["steps"] == 977 and plan["sample_rate"] == 1 / 977 and plan["target"] is None
     given = plan["given_noise"]
     assert given["epsilon"] == compute_epsilon(noise_multiplier=0.7, sample_rate=plan["sample_rate"],
                                                steps=977, delta=1e-7, accountant="rdp")
@@ -51,7 +51,7 @@ def test_json_given_noise_and_table_are_the_accountant_values(capsys):
     sigmas = [r["noise_multiplier"] for r in table]
     assert all(a > b for a, b in zip(sigmas, sigmas[1:])), sigmas  # smaller ε → larger σ
     for r in table:
-        assert r["epsilon"] == compute_epsilon(noise_multiplier=r["noise_multiplier"], sample_rate=1024 / 1e6,
+        assert r["epsilon"] == compute_epsilon(noise_multiplier=r["noise_multiplier"], sample_rate=1 / 977,
                                                steps=977, delta=1e-7, accountant="rdp")
         assert 0.97 * r["target_epsilon"] <= r["epsilon"] <= r["target_epsilon"]
 
@@ -102,6 +102,6 @@ def test_console_script_runs_once_as_a_subprocess():
     assert proc.returncode == 0, proc.stderr
     plan = json.loads(proc.stdout)
     t = plan["target"]
-    assert t["epsilon"] == compute_epsilon(noise_multiplier=t["noise_multiplier"], sample_rate=1024 / 1e6,
+    assert t["epsilon"] == compute_epsilon(noise_multiplier=t["noise_multiplier"], sample_rate=1 / 977,
                                            steps=977, delta=1e-7, accountant="rdp")
     assert t["epsilon"] <= 4 and math.isclose(t["nsr"], t["noise_multiplier"] / 1024)

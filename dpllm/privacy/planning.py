@@ -108,7 +108,8 @@ def plan_privacy(*, num_records: int, batch: int, delta: float, target_epsilon: 
         if not v > 0:
             raise PrivacyPlanError(f"{name}={v} must be positive")
     n_steps = steps_for(num_records=num_records, batch=batch, epochs=epochs, steps=steps)
-    q = batch / num_records
+    # The trainer's sampling rate: Opacus's DPDataLoader samples at 1/len(loader) = 1/⌈N/B⌉ (≤ B/N).
+    q = 1.0 / math.ceil(num_records / batch)
     common = {"sample_rate": q, "steps": n_steps, "delta": delta}
 
     def row(target: float | None, sigma: float) -> dict:
@@ -142,7 +143,7 @@ def plan_privacy(*, num_records: int, batch: int, delta: float, target_epsilon: 
 def format_plan(plan: dict) -> str:
     """The human view of :func:`plan_privacy`'s result."""
     lines = [
-        f"records N={plan['num_records']:,}  batch B={plan['batch']:,}  sample rate q=B/N={plan['sample_rate']:.6g}",
+        f"records N={plan['num_records']:,}  batch B={plan['batch']:,}  sample rate q=1/⌈N/B⌉={plan['sample_rate']:.6g}",
         f"steps={plan['steps']:,}" + (f" (ceil({plan['epochs']:g} epochs × N/B))" if plan["epochs"] else "")
         + f"  delta={plan['delta']:g}  accountant={plan['accountant']}",
         f"clip C={plan['max_grad_norm']:g}  assumed mean grad norm ḡ={plan['grad_norm']:g}  NSR = σ·C/(B·ḡ)",
