@@ -58,6 +58,7 @@ def save_checkpoint(
     config_yaml: str,
     base_model: Optional[nn.Module] = None,
     extra_files: Optional[dict[str, Any]] = None,
+    state_dict: Optional[dict] = None,
 ) -> Path:
     """Write a checkpoint atomically: everything lands in a temp dir, then one rename.
 
@@ -69,11 +70,12 @@ def save_checkpoint(
         config_yaml: the resolved run config, written as ``dpllm_config.yaml``.
         base_model: for LoRA over a base that has no path on disk, saved under ``base_model/``.
         extra_files: name → JSON-serialisable object, written beside the report.
+        state_dict: the full weights when ``model`` is sharded (FSDP), gathered beforehand by every process.
     """
     path = Path(path)
     model = unwrap(model)
     with atomic_directory(path) as tmp:
-        model.save_pretrained(tmp)
+        model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
         tokenizer.save_pretrained(tmp)
         if base_model is not None:
             base_model.save_pretrained(tmp / "base_model")

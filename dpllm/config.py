@@ -94,9 +94,12 @@ class TrainConfig:
     log_every: int = _f(10, "Write a train metrics line every N steps.")
     seed: int = _f(0, "Seed for model init, sampling and noise.")
     mixed_precision: str = _f("no", "'no' or 'bf16' (autocast on GPU; CPU falls back to fp32).")
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (see docs for DP).")
-    save_every: Optional[int] = _f(None, "Write a resumable checkpoint every N steps.")
-    resume_from: Optional[str] = _f(None, "'latest' or a checkpoint directory to resume from.")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (non-private runs only; "
+                                             "refused under DP, see docs/operations.md).")
+    save_every: Optional[int] = _f(None, "Write a resumable checkpoint every N steps and at the end, under "
+                                         "OUTPUT_DIR/checkpoints/ (the last 2 are kept).")
+    resume_from: Optional[str] = _f(None, "'latest' (OUTPUT_DIR/checkpoints/latest; a new run if OUTPUT_DIR does "
+                                          "not exist) or a checkpoint directory of this run; the config must match.")
     runs_file: Optional[str] = _f(None, "Append this run's summary line to a runs table (JSONL).")
     progress: bool = _f(True, "Show a tqdm progress bar.")
 

@@ -13,8 +13,21 @@ Launch commands (copy-paste):
     # GPT-2 full fine-tuning at ε = 3
     accelerate launch recipes/finetune_llm.py --config recipes/configs/gpt2/full_eps3.yaml --output_dir runs/gpt2
 
+    # two processes (DDP; on a machine without GPUs they run on CPU): same batches, σ, q, steps and ε
+    accelerate launch --multi_gpu --num_processes 2 recipes/finetune_llm.py \
+        --config recipes/configs/tiny/llama_lora_cpu.yaml --output_dir runs/x2 --max_steps 20 --save_every 5
+
+    # continue a killed run from its newest checkpoint (same command plus --resume_from latest)
+    accelerate launch --multi_gpu --num_processes 2 recipes/finetune_llm.py \
+        --config recipes/configs/tiny/llama_lora_cpu.yaml --output_dir runs/x2 --max_steps 20 --save_every 5 \
+        --resume_from latest
+
+    # check the run's ε ledger (hash chain, final ε against privacy_report.json, checkpoint hashes)
+    dpllm ledger verify runs/x2
+
 Any option can be overridden as ``--key value`` or ``--section.key value``; ``--help`` lists them all.
-The run directory gets config.yaml, splits.json, metrics.jsonl, checkpoint/ and privacy_report.json.
+The run directory gets config.yaml, splits.json, metrics.jsonl, checkpoint/, privacy_report.json,
+privacy_ledger.jsonl and, with save_every, checkpoints/ (see docs/operations.md).
 """
 
 from __future__ import annotations

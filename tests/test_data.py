@@ -63,3 +63,29 @@ def test_truncation_and_padding_mask():
     assert batch["input_ids"].shape == (2, 16)
     assert (batch["labels"][1, 6:] == -100).all() and (batch["attention_mask"][1, 6:] == 0).all()
     assert torch.equal(batch["labels"][0], batch["input_ids"][0])
+
+
+def test_atomic_writes_have_normal_permissions_and_leave_nothing_on_error(tmp_path):
+    import os
+
+    from dpllm.io import atomic_directory, write_json_atomic
+
+    write_json_atomic(tmp_path / "r.json", {"a": 1})
+    assert (os.stat(tmp_path / "r.json").st_mode & 0o777) == 0o666 & ~_umask()
+    with atomic_directory(tmp_path / "ckpt") as d:
+        (d / "x").write_text("1")
+    assert (tmp_path / "ckpt" / "x").read_text() == "1"
+    with pytest.raises(RuntimeError):
+        with atomic_directory(tmp_path / "ckpt") as d:
+            (d / "x").write_text("2")
+            raise RuntimeError("crash mid-write")
+    assert (tmp_path / "ckpt" / "x").read_text() == "1"  # the old checkpoint survives
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "r.json"]  # no temp dir left
+
+
+def _umask():
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -201,3 +201,22 @@ def test_recipe_bad_input_exit_code(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 2 and "target_delta=0.5" in res.stderr
     assert not (tmp_path / "y").exists()
+
+
+def test_empty_poisson_batches_still_step_and_count(tmp_path, monkeypatch):
+    """q = 0.1 over 20 records: ~12% of logical batches are empty; each is still a noisy, counted step."""
+    import dpllm.train as T
+
+    sizes = []
+    real = T.forward_loss
+
+    def spy(model, batch, criterion=None, autocast=None):
+        sizes.append(int(batch["input_ids"].shape[0]))
+        return real(model, batch, criterion, autocast)
+
+    monkeypatch.setattr(T, "forward_loss", spy)
+    train(cfg_for(tmp_path, "--max_records", "25", "--logical_batch_size", "2", "--physical_batch_size", "2",
+                  "--max_steps", "30", "--target_delta", "1e-3"))
+    report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
+    assert 0 in sizes  # this seed draws empty batches
+    assert report["steps"] == 30 and report["history"][0][2] == 30 and report["sample_rate"] == pytest.approx(0.1)

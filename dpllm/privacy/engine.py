@@ -3,8 +3,10 @@
 :func:`make_private` turns a model, optimizer and record dataset into a :class:`PrivateTraining`:
 Poisson sampling at rate q = 1/len(loader) (Opacus's own definition), noise calibrated to the target ε
 with the same accountant that reports it, ghost clipping (or hooks), and the clipping function from
-:mod:`dpllm.privacy.clipping`. :func:`sequence_loss` is the only loss the trainer uses: one loss per
-record (mean over its real tokens) so the per-sample unit is the record.
+:mod:`dpllm.privacy.clipping`. Batches come from :class:`dpllm.sampling.PoissonBatchSampler`, whose
+generator a checkpoint saves, and which gives every process its share of the same global batch.
+:func:`sequence_loss` is the only loss the trainer uses: one loss per record (mean over its real
+tokens) so the per-sample unit is the record.
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class PrivateTraining:
     data_loader: DataLoader
     engine: Any
     plan: PrivacyPlan
+    sampler: Any = None  # dpllm.sampling.PoissonBatchSampler: its generator is part of a resumable checkpoint
 
     def history(self) -> list[tuple[float, float, int]]:
         """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
@@ -136,11 +139,29 @@ def make_private(
     plan: PrivacyPlan,
     logical_batch_size: int,
     noise_generator: Optional[torch.Generator] = None,
+    sampling_generator: Optional[torch.Generator] = None,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> PrivateTraining:
-    """Wrap with Opacus: Poisson sampling, per-sample clipping (ghost or hooks), Gaussian noise."""
+    """Wrap with Opacus: Poisson sampling, per-sample clipping (ghost or hooks), Gaussian noise.
+
+    Args:
+        model: the model, already wrapped for distributed training if any (see :mod:`dpllm.distributed`).
+        noise_generator: source of the Gaussian noise (None: torch's global generator; refused by Opacus
+            under ``secure_mode``). Must differ between processes under FSDP, where each adds noise to
+            its own shard.
+        sampling_generator: source of the Poisson draws, in the same state on every process (None:
+            torch's global generator; under ``secure_mode`` Opacus's secure generator).
+        rank, world_size: this process's share of each global batch.
+
+    Returns:
+        A :class:`PrivateTraining` whose ``sampler`` (and ``data_loader`` over it) never ends: one
+        Poisson batch per step, so the caller stops at the planned step count.
+    """
     from opacus import PrivacyEngine
 
     from dpllm.privacy import clipping
+    from dpllm.sampling import PoissonBatchSampler
 
     engine = PrivacyEngine(accountant=plan.accountant, secure_mode=cfg.secure_mode)
     loader = DataLoader(dataset, batch_size=logical_batch_size, shuffle=False, collate_fn=collate_fn)
@@ -164,8 +185,35 @@ def make_private(
     else:
         (model, optimizer, loader), criterion = out, None
     clipping.install(fn, cfg, model=model, optimizer=optimizer)
+    # Opacus derived q and the expected batch size from its own loader (1/len, per process); keep those
+    # and swap in a sampler that yields the same global batches on any number of processes, never skips
+    # a process's empty share (Opacus's distributed sampler does, desynchronising step counts), and has
+    # a generator whose state a checkpoint can save.
+    sampler = PoissonBatchSampler(num_samples=len(dataset), sample_rate=plan.sample_rate, rank=rank,
+                                  world_size=world_size,
+                                  generator=engine.secure_rng if cfg.secure_mode else sampling_generator)
+    # DataLoader's own generator only seeds worker processes; a private one keeps it off the global RNG.
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=torch.Generator())
     return PrivateTraining(model=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
-                           engine=engine, plan=plan)
+                           engine=engine, plan=plan, sampler=sampler)
+
+
+def add_empty_share(optimizer) -> None:
+    """Give ``optimizer`` a zero clipped-gradient sum for a physical batch with no records.
+
+    A Poisson draw can leave a process's share of a logical batch empty (and, rarely, the whole batch).
+    Instead of a forward and backward pass on zero rows, the per-sample state Opacus expects is set to
+    "no samples"; ``optimizer.step()`` then adds the noise, counts the step in the accountant and joins
+    the gradient all-reduce like every other process. (:func:`dpllm.train.forward_loss` instead runs
+    one fully masked record, which also keeps FSDP's forward/backward collectives in step.)
+    """
+    from opacus.optimizers import DPOptimizerFastGradientClipping
+
+    for p in optimizer.params:
+        if isinstance(optimizer, DPOptimizerFastGradientClipping):
+            p.grad = torch.zeros_like(p)  # ghost clipping sums clipped gradients from p.grad
+        else:
+            p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
 
 
 def steps_for(cfg_epochs: Optional[float], max_steps: Optional[int], batches_per_epoch: int) -> int:

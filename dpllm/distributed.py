@@ -1,0 +1,224 @@
+"""Processes, wrapping and collectives: the few places where training knows it may run on many processes.
+
+Launch with ``accelerate launch``; what it sets up decides the wrapping (:func:`wrap_model`):
+
+| launch (recipes/accelerate/) | private training                                  | non-private    |
+|------------------------------|---------------------------------------------------|----------------|
+| single_gpu.yaml / plain      | the model as is                                   | as is          |
+| multi_gpu.yaml (DDP)         | Opacus ``DifferentiallyPrivateDistributedDataParallel`` | torch DDP |
+| fsdp.yaml (FSDP2)            | Opacus ``FSDP2Wrapper`` + ``grad_sample_mode: ghost_fsdp`` | accelerate's FSDP |
+
+Under DP the model is wrapped *before* ``make_private``; Opacus then sees a distributed module, uses its
+distributed optimizer (noise added once, on rank 0, for DDP; per shard for FSDP) and divides the
+expected batch size by the number of processes. The global logical batch, q, σ, the step count and ε
+do not depend on the number of processes.
+
+On a machine without CUDA, ``accelerate launch --multi_gpu --num_processes 2`` starts two processes
+but accelerate initialises no process group unless told the run is on CPU; :func:`make_accelerator`
+does that, so the same command runs (gloo) on a laptop and on GPUs (nccl).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from dpllm.config import ConfigError, PrivacyConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process stands: its rank, how many there are, and how the model is parallelised."""
+
+    rank: int = 0
+    size: int = 1
+    kind: str = "none"  # "none" | "ddp" | "fsdp"
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def make_accelerator(mixed_precision: str):
+    """An ``Accelerator``; multi-process on CPU gets ``cpu=True`` so accelerate starts a gloo group."""
+    from accelerate import Accelerator
+
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launched not in ("no", mixed_precision):
+        log.warning("accelerate's mixed_precision=%s is not used: dpllm autocasts per train.mixed_precision (%s here); "
+                    "set it in the dpllm config", launched, mixed_precision)
+    cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return Accelerator(mixed_precision=mixed_precision, cpu=cpu)
+
+
+def world_of(accelerator) -> World:
+    """Read rank, size and parallelism kind from accelerate's state.
+
+    Raises:
+        ConfigError: a launch mode dpllm does not support (DeepSpeed, Megatron, XLA).
+    """
+    from accelerate.utils import DistributedType
+
+    dt = accelerator.distributed_type
+    if dt == DistributedType.NO:
+        kind = "none"
+    elif dt == DistributedType.FSDP:
+        kind = "fsdp"
+    elif dt.value.startswith("MULTI_"):
+        kind = "ddp"
+    else:
+        raise ConfigError(f"accelerate distributed_type={dt.value} is not supported; launch with "
+                          "recipes/accelerate/multi_gpu.yaml (DDP) or fsdp.yaml (FSDP2)")
+    return World(rank=accelerator.process_index, size=accelerator.num_processes, kind=kind)
+
+
+def check_parallelism(privacy: PrivacyConfig, kind: str, *, world_size: int = 1, logical_batch_size: int = 1) -> None:
+    """Refuse privacy settings that do not fit the launch, before anything is written.
+
+    Args:
+        privacy: the run's privacy section.
+        kind: ``"none"``, ``"ddp"`` or ``"fsdp"`` (see :func:`world_of`).
+        world_size: number of processes.
+        logical_batch_size: records per optimizer step, over all processes.
+
+    Raises:
+        ConfigError: FSDP under DP without ``ghost_fsdp`` (Opacus's ghost and hooks modes cannot see
+            sharded parameters), ``ghost_fsdp`` without FSDP, or a logical batch smaller than the
+            number of processes (a non-private process would get no records).
+    """
+    if kind not in ("none", "ddp", "fsdp"):
+        raise ConfigError(f"parallelism kind={kind!r} is not one of none, ddp, fsdp")
+    mode = privacy.grad_sample_mode
+    if privacy.enabled and kind == "fsdp" and mode != "ghost_fsdp":
+        raise ConfigError(
+            f"grad_sample_mode={mode} cannot run under FSDP: Opacus computes per-sample norms of sharded "
+            "parameters only in 'ghost_fsdp' mode; set privacy.grad_sample_mode: ghost_fsdp, or launch "
+            "with recipes/accelerate/multi_gpu.yaml (DDP)"
+        )
+    if privacy.enabled and mode == "ghost_fsdp" and kind != "fsdp":
+        raise ConfigError(
+            "grad_sample_mode=ghost_fsdp needs an FSDP launch (accelerate launch --config_file "
+            "recipes/accelerate/fsdp.yaml ...); without FSDP use grad_sample_mode: ghost"
+        )
+    if world_size > logical_batch_size:
+        raise ConfigError(f"logical_batch_size={logical_batch_size} is smaller than the {world_size} processes; "
+                          "raise logical_batch_size or launch fewer processes")
+
+
+def wrap_model(model: nn.Module, *, dp: bool, world: World, accelerator, mixed_precision: str) -> nn.Module:
+    """Wrap for the launch (see the module table). Create the optimizer *after* this: FSDP replaces parameters."""
+    if world.kind == "none":
+        return model
+    if not dp:
+        return accelerator.prepare_model(model)
+    if world.kind == "fsdp":
+        from opacus.utils.fsdp_utils import FSDP2Wrapper
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        # bf16 compute with fp32 gradient reduction: per-sample norms and noise stay in fp32.
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                  if mixed_precision == "bf16" else MixedPrecisionPolicy())
+        return FSDP2Wrapper(model, mp_policy=policy)
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
+
+    return DifferentiallyPrivateDistributedDataParallel(model)  # broadcasts rank 0's weights
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """True for an FSDP2 (``fully_shard``) model, whose parameters are DTensors."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def _collective_device() -> torch.device:
+    # nccl reduces CUDA tensors only; gloo CPU tensors
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def all_sum(values: list[float], world: World) -> list[float]:
+    """Sum a few numbers over processes (float64 on CPU for gloo, on the device for nccl)."""
+    if not world.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_collective_device())
+    torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(value: float, world: World) -> float:
+    """The largest ``value`` over processes."""
+    if not world.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=_collective_device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item()
+
+
+def gather_objects(obj: Any, world: World) -> list[Any]:
+    """Every process's ``obj``, in rank order, on every process."""
+    if not world.distributed:
+        return [obj]
+    out: list[Any] = [None] * world.size
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
+def broadcast_object(obj: Any, world: World) -> Any:
+    """Rank 0's ``obj`` on every process."""
+    if not world.distributed:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier(world: World) -> None:
+    if world.distributed:
+        torch.distributed.barrier()
+
+
+def reshard(model: nn.Module) -> None:
+    """Put FSDP2 modules back in their sharded state.
+
+    The root module keeps its parameters unsharded after a forward pass that no backward follows (an
+    evaluation); state-dict and optimizer-state functions then see other tensors than the optimizer's.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+
+
+def full_state_dict(model: nn.Module) -> Optional[dict]:
+    """Under FSDP, the full (unsharded, CPU) state dict, gathered by every process (a collective); else None."""
+    if not is_sharded(model):
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    reshard(model)
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def params_digest(model: nn.Module) -> Optional[str]:
+    """sha256 of the trainable parameters' bytes (None for sharded models, whose ranks hold different shards)."""
+    if is_sharded(model):
+        return None
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,264 @@
+"""The privacy ledger: an append-only, hash-chained record of the ε a run has spent.
+
+``RUN_DIR/privacy_ledger.jsonl`` gets one JSON line (written and fsync'ed whole) when a stage starts,
+at every resumable checkpoint, when a run resumes, and at the end::
+
+    {"index": 3, "kind": "checkpoint", "step": 20, "epsilon": 1.87, "delta": 1e-05, "noise_multiplier": 0.93,
+     "sample_rate": 0.0092, "accountant": "prv", "checkpoint": "checkpoints/step-000020",
+     "checkpoint_sha256": "…", "time": "2025-01-01T12:00:00+00:00", "prev_hash": "…", "hash": "…"}
+
+``hash`` is the sha256 of the line's canonical JSON without ``hash``; ``prev_hash`` is the previous
+line's ``hash`` (``"0" * 64`` on the first line). Editing, removing or inserting a line breaks the
+chain at that line; cutting the file leaves it without its ``final`` line. ``checkpoint_sha256``
+(:func:`dir_sha256`) ties a line to the exact files of its checkpoint.
+
+Kinds: ``stage`` (first line of every run; a run started from an earlier run directory records that
+run's ledger head in ``previous_stage``, so the chain spans stages), ``checkpoint``, ``resume`` (names
+the checkpoint training continued from: an earlier line must have recorded it with the same hash and
+ε), ``final`` (the run's ``checkpoint/``; its ε is privacy_report.json's).
+
+``dpllm ledger verify RUN_DIR`` checks all of this and exits non-zero at the first problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+LEDGER = "privacy_ledger.jsonl"
+GENESIS = "0" * 64
+KINDS = ("stage", "checkpoint", "resume", "final")
+
+
+class LedgerError(ValueError):
+    """A ledger that cannot be appended to or does not verify; the message names the line."""
+
+
+def dir_sha256(path: str | Path) -> str:
+    """sha256 over every file under ``path``: relative name, size and bytes, in sorted name order."""
+    path = Path(path)
+    h = hashlib.sha256()
+    for f in sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix()):
+        h.update(f"{f.relative_to(path).as_posix()}\0{f.stat().st_size}\0".encode())
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def line_hash(entry: dict) -> str:
+    """sha256 of the canonical JSON of ``entry`` without its ``hash`` field."""
+    body = {k: v for k, v in entry.items() if k != "hash"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _parse(run_dir: Path) -> list[dict]:
+    """All lines of the ledger; raises :class:`LedgerError` naming the first unreadable line."""
+    path = run_dir / LEDGER
+    if not path.is_file():
+        raise LedgerError(f"{path}: no ledger")
+    raw = path.read_bytes()
+    if raw and not raw.endswith(b"\n"):
+        n = raw.count(b"\n") + 1
+        raise LedgerError(f"line {n}: incomplete (the file ends mid-line: cut or interrupted while writing)")
+    entries = []
+    for i, text in enumerate(raw.decode().splitlines(), start=1):
+        try:
+            entry = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise LedgerError(f"line {i}: not valid JSON ({err.msg})") from err
+        if not isinstance(entry, dict):
+            raise LedgerError(f"line {i}: not a JSON object")
+        entries.append(entry)
+    return entries
+
+
+def read(run_dir: str | Path) -> list[dict]:
+    """The ledger's entries, or [] when the run has none yet."""
+    run_dir = Path(run_dir)
+    return _parse(run_dir) if (run_dir / LEDGER).exists() else []
+
+
+def head(run_dir: str | Path) -> Optional[str]:
+    """Hash of the last line (the value a later stage records), or None without a ledger."""
+    entries = read(run_dir)
+    return entries[-1]["hash"] if entries else None
+
+
+def append(run_dir: str | Path, *, kind: str, step: int, privacy: dict, checkpoint: Optional[str] = None,
+           **extra: Any) -> dict:
+    """Append one chained line and fsync it; return the entry.
+
+    Args:
+        run_dir: the run directory holding the ledger.
+        kind: one of ``stage``, ``checkpoint``, ``resume``, ``final``.
+        step: optimizer steps of this run at this point.
+        privacy: ``epsilon, delta, noise_multiplier, sample_rate, accountant`` (None values for a
+            non-private run).
+        checkpoint: checkpoint directory relative to ``run_dir``; its :func:`dir_sha256` is recorded.
+        extra: further JSON fields (e.g. ``previous_stage``).
+
+    Raises:
+        LedgerError: the existing ledger ends with a damaged line (nothing is chained onto it).
+    """
+    if kind not in KINDS:
+        raise LedgerError(f"kind={kind!r} is not one of {', '.join(KINDS)}")
+    run_dir = Path(run_dir)
+    entries = read(run_dir)
+    entry: dict[str, Any] = {"index": len(entries) + 1, "kind": kind, "step": int(step)}
+    for key in ("epsilon", "delta", "noise_multiplier", "sample_rate", "accountant"):
+        entry[key] = privacy.get(key)
+    entry["checkpoint"] = checkpoint
+    entry["checkpoint_sha256"] = dir_sha256(run_dir / checkpoint) if checkpoint else None
+    entry.update(extra)
+    entry["time"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    entry["prev_hash"] = entries[-1]["hash"] if entries else GENESIS
+    entry["hash"] = line_hash(entry)
+    with open(run_dir / LEDGER, "a") as fh:
+        fh.write(json.dumps(entry) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return entry
+
+
+def previous_stage(source: dict) -> Optional[dict]:
+    """For a stage ``line``: the earlier run a model came from (``load_base``'s source) and its ledger head."""
+    if source.get("kind") != "run_checkpoint":
+        return None
+    run_dir = Path(source["path"]).parent
+    return {"run_dir": str(run_dir.resolve()), "ledger_head": head(run_dir)}
+
+
+@dataclass
+class Verified:
+    """Outcome of :func:`verify`: ``ok`` and a message naming the first problem or summing up."""
+
+    ok: bool
+    message: str
+    lines: int = 0
+    final_epsilon: Optional[float] = None
+    head: Optional[str] = None
+    notes: list[str] = field(default_factory=list)
+
+
+def _same_eps(a: Optional[float], b: Optional[float]) -> bool:
+    if a is None or b is None:
+        return a is b
+    return math.isclose(a, b, rel_tol=1e-12, abs_tol=1e-12)
+
+
+def _check_chain(entries: list[dict]) -> None:
+    prev = GENESIS
+    last_step, last_eps = 0, None
+    recorded: dict[tuple[int, str], Optional[float]] = {}  # (step, checkpoint hash) -> ε of checkpoint lines
+    for i, e in enumerate(entries, start=1):
+        if e.get("index") != i:
+            raise LedgerError(f"line {i}: index is {e.get('index')}, expected {i}: a line before it is missing "
+                              "or lines were reordered")
+        if e.get("prev_hash") != prev:
+            raise LedgerError(f"line {i}: prev_hash does not match line {i - 1}'s hash: a line before it was "
+                              "removed, inserted or edited")
+        if e.get("hash") != line_hash(e):
+            raise LedgerError(f"line {i}: content does not match its hash (edited after it was written)")
+        prev = e["hash"]
+        kind, step, eps = e.get("kind"), e.get("step"), e.get("epsilon")
+        if kind not in KINDS:
+            raise LedgerError(f"line {i}: unknown kind {kind!r}")
+        if (i == 1) != (kind == "stage"):
+            raise LedgerError(f"line {i}: a ledger starts with exactly one 'stage' line, found {kind!r}")
+        if kind == "resume":
+            key = (step, e.get("checkpoint_sha256"))
+            if key not in recorded or not _same_eps(recorded[key], eps):
+                raise LedgerError(f"line {i}: resumes from step {step} ({e.get('checkpoint')}), but no earlier "
+                                  "checkpoint line recorded that checkpoint with this hash and ε")
+        elif kind in ("checkpoint", "final"):
+            if step < last_step or (eps is not None and last_eps is not None and eps < last_eps - 1e-12):
+                raise LedgerError(f"line {i}: step {step} / ε {eps} goes back from step {last_step} / ε {last_eps} "
+                                  "without a 'resume' line")
+            if kind == "checkpoint":
+                recorded[(step, e.get("checkpoint_sha256"))] = eps
+        last_step, last_eps = step, eps
+
+
+def verify(run_dir: str | Path, *, _depth: int = 0) -> Verified:
+    """Check a run's ledger: chain, order, resumes, final line against privacy_report.json and checkpoint/.
+
+    Also checks intermediate checkpoints still on disk against the last line that recorded them, and the
+    previous stage's ledger when the stage line names one that exists.
+    """
+    run_dir = Path(run_dir)
+    try:
+        entries = _parse(run_dir)
+        if not entries:
+            raise LedgerError(f"{run_dir / LEDGER} is empty")
+        _check_chain(entries)
+    except LedgerError as err:
+        return Verified(False, str(err))
+    n, last = len(entries), entries[-1]
+    notes: list[str] = []
+    if last["kind"] != "final":
+        return Verified(False, f"line {n + 1}: missing; the ledger ends at line {n} ({last['kind']}, step "
+                               f"{last['step']}) without a 'final' line (file truncated, or the run has not "
+                               "finished)", lines=n)
+    report_path = run_dir / "privacy_report.json"
+    if not report_path.is_file():
+        return Verified(False, f"{report_path} is missing; cannot check the final line's ε", lines=n)
+    report = json.loads(report_path.read_text())
+    if not _same_eps(report.get("epsilon"), last.get("epsilon")) or report.get("steps") != last.get("step"):
+        return Verified(False, f"line {n}: final ε={last.get('epsilon')} at step {last.get('step')} does not match "
+                               f"privacy_report.json (ε={report.get('epsilon')}, steps={report.get('steps')})", lines=n)
+    latest: dict[str, tuple[int, str]] = {}
+    for i, e in enumerate(entries, start=1):
+        if e.get("checkpoint"):
+            latest[e["checkpoint"]] = (i, e["checkpoint_sha256"])
+    final_dir = run_dir / last["checkpoint"]
+    if not final_dir.is_dir() or dir_sha256(final_dir) != last["checkpoint_sha256"]:
+        return Verified(False, f"line {n}: {last['checkpoint']}/ on disk does not match the final line's "
+                               "checkpoint_sha256 (missing or changed after the run)", lines=n)
+    checked = 0
+    for rel, (i, digest) in latest.items():
+        if rel == last["checkpoint"] or not (run_dir / rel).is_dir():
+            continue
+        if dir_sha256(run_dir / rel) != digest:
+            return Verified(False, f"line {i}: {rel}/ on disk does not match its checkpoint_sha256", lines=n)
+        checked += 1
+    notes.append(f"{checked} intermediate checkpoint(s) on disk match their lines")
+    prev_stage = entries[0].get("previous_stage") or {}
+    if prev_stage.get("run_dir") and prev_stage.get("ledger_head") and _depth < 16:
+        prev_dir = Path(prev_stage["run_dir"])
+        if (prev_dir / LEDGER).is_file():
+            sub = verify(prev_dir, _depth=_depth + 1)
+            if not sub.ok:
+                return Verified(False, f"previous stage {prev_dir}: {sub.message}", lines=n)
+            if sub.head != prev_stage["ledger_head"]:
+                return Verified(False, f"line 1: previous stage {prev_dir} has ledger head {sub.head}, not the "
+                                       f"recorded {prev_stage['ledger_head']}", lines=n)
+            notes.append(f"previous stage {prev_dir} verified ({sub.lines} lines)")
+        else:
+            notes.append(f"previous stage {prev_dir} not found; chain checked from this stage on")
+    eps = last.get("epsilon")
+    summary = (f"{n} lines, hash chain intact; final ε = {eps:.6g} (δ = {last.get('delta'):g}, "
+               f"{last.get('accountant')}) at step {last['step']} matches privacy_report.json"
+               if eps is not None else f"{n} lines, hash chain intact; non-private run, {last['step']} steps")
+    return Verified(True, summary + f"; {last['checkpoint']}/ matches; " + "; ".join(notes),
+                    lines=n, final_epsilon=eps, head=last["hash"], notes=notes)
+
+
+def cli_main(argv: list[str]) -> int:
+    """``dpllm ledger verify RUN_DIR``: print OK with the line count and final ε, or the first problem."""
+    if len(argv) != 2 or argv[0] != "verify" or argv[1].startswith("-"):
+        print("usage: dpllm ledger verify RUN_DIR", file=sys.stderr)
+        return 2
+    result = verify(argv[1])
+    if result.ok:
+        print(f"OK {argv[1]}: {result.message}\nhead {result.head}")
+        return 0
+    print(f"FAIL {argv[1]}: {result.message}", file=sys.stderr)
+    return 1

@@ -1,0 +1,338 @@
+"""Resumable checkpoints: everything a killed run needs to continue as if it had never stopped.
+
+Every ``save_every`` steps and at the end, ``RUN_DIR/checkpoints/step-XXXXXX/`` is written atomically
+(temp directory, then one rename) with:
+
+    model.safetensors + config.json   full fine-tuning (save_pretrained), or
+    adapter_model.safetensors + adapter_config.json   LoRA
+    optimizer.pt  scheduler.pt        optimizer and LR-scheduler state
+    rng_state.pt                      per process: python, numpy, torch (and CUDA) generators, the
+                                      Poisson sampler's generator, the noise generator
+    trainer_state.json                step, tokens seen, metrics.jsonl position, the accountant's
+                                      history, the privacy plan, ε at this step
+    dpllm_config.yaml                 the run's config (a resume with another config is refused)
+
+then ``checkpoints/latest`` is pointed at it (atomically), a ``checkpoint`` line goes into the privacy
+ledger, and all but the newest two checkpoints are removed. A crash at any point leaves the previous
+checkpoint and pointer intact: nothing is renamed into place until it is complete.
+
+Resuming (``--resume_from latest`` or a checkpoint path) restores all of it, so the resumed run draws
+the same batches and the same noise as an uninterrupted one: the accountant counts each step exactly
+once, and a step re-run after a crash releases exactly what the lost attempt computed (same noise),
+never a second, independent noisy sample. Lines that the lost steps wrote to metrics.jsonl are cut off.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+import yaml
+
+from dpllm import ledger
+from dpllm.checkpoint import CheckpointError, unwrap
+from dpllm.config import ConfigError, RunConfig
+from dpllm.distributed import World, barrier, full_state_dict, gather_objects, is_sharded, reshard
+from dpllm.io import atomic_directory, write_json_atomic, write_text_atomic
+
+log = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+KEEP = 2
+# Fields that may differ between a run and its resumption: where it writes, whether it resumes, display.
+NOT_COMPARED = {"output_dir", "overwrite_output_dir", "resume_from", "progress", "runs_file"}
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / CHECKPOINTS / f"step-{step:06d}"
+
+
+# ---- finding and checking what to resume -----------------------------------------------------------
+
+def resolve(cfg: RunConfig) -> Optional[Path]:
+    """The checkpoint directory ``cfg.train.resume_from`` names, or None for a fresh run.
+
+    ``latest`` reads ``OUTPUT_DIR/checkpoints/latest``; with no run directory yet it starts a fresh run
+    (so a preemptible job can always pass ``--resume_from latest``). A path must be a checkpoint of
+    ``output_dir``: a resumed run continues in its own directory.
+
+    Raises:
+        ConfigError: nothing resumable where there should be, or a checkpoint of another run directory.
+    """
+    t = cfg.train
+    if not t.resume_from:
+        return None
+    if t.overwrite_output_dir:
+        raise ConfigError("resume_from and overwrite_output_dir=true contradict each other; drop one")
+    run_dir = Path(t.output_dir)
+    if t.resume_from == "latest":
+        pointer = run_dir / CHECKPOINTS / "latest"
+        if not pointer.is_file():
+            if not run_dir.exists() or not any(run_dir.iterdir()):
+                log.info("resume_from=latest: %s has no run yet; starting a new run", run_dir)
+                return None
+            raise ConfigError(f"resume_from=latest: {run_dir} has no resumable checkpoint ({pointer} is missing; "
+                              "set save_every to write them); start over with --overwrite_output_dir true")
+        ckpt = run_dir / CHECKPOINTS / pointer.read_text().strip()
+    else:
+        ckpt = Path(t.resume_from)
+        if (ckpt / CHECKPOINTS / "latest").is_file():  # a run directory: its latest checkpoint
+            ckpt = ckpt / CHECKPOINTS / (ckpt / CHECKPOINTS / "latest").read_text().strip()
+        if ckpt.resolve().parent.parent != run_dir.resolve():
+            raise ConfigError(f"resume_from={t.resume_from} is not a checkpoint of output_dir={run_dir}; a resumed run "
+                              f"continues in its own directory: set --output_dir {ckpt.resolve().parent.parent}")
+    if not (ckpt / "trainer_state.json").is_file():
+        raise ConfigError(f"resume_from={t.resume_from}: {ckpt} is not a complete resumable checkpoint "
+                          "(no trainer_state.json)")
+    return ckpt
+
+
+def _flat(d: dict) -> dict:
+    return {f"{section}.{k}": v for section, fields in d.items() for k, v in fields.items()}
+
+
+def check_config(ckpt: Path, cfg: RunConfig) -> None:
+    """Refuse to resume with a config other than the checkpoint's (output and resume fields aside).
+
+    Raises:
+        ConfigError: naming every differing field with both values.
+    """
+    saved = _flat(yaml.safe_load((ckpt / "dpllm_config.yaml").read_text()))
+    now = _flat(cfg.to_dict())
+    diff = [f"{k} ({saved.get(k)!r} → {now.get(k)!r})" for k in sorted(set(saved) | set(now))
+            if k.split(".", 1)[1] not in NOT_COMPARED and saved.get(k) != now.get(k)]
+    if diff:
+        raise ConfigError(f"cannot resume from {ckpt}: the config differs in {', '.join(diff)}; resume with the "
+                          f"run's own config ({ckpt.parent.parent / 'config.yaml'}) or start a new run")
+
+
+def clean_partial_writes(run_dir: Path) -> None:
+    """Remove temp directories a killed process left mid-write (they were never renamed into place)."""
+    for parent in (run_dir, run_dir / CHECKPOINTS):
+        if parent.is_dir():
+            for p in parent.iterdir():
+                if p.name.startswith(".") and (p.name.endswith(".tmp") or ".old." in p.name) and p.is_dir():
+                    shutil.rmtree(p, ignore_errors=True)
+
+
+# ---- random state -------------------------------------------------------------------------------------
+
+def _rng_state(generators: dict[str, Optional[torch.Generator]]) -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
+    for name, g in generators.items():
+        state[name] = g.get_state() if g is not None else None
+    return state
+
+
+def _set_rng_state(state: dict, generators: dict[str, Optional[torch.Generator]]) -> None:
+    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    for name, g in generators.items():
+        if g is not None and state.get(name) is not None:
+            g.set_state(state[name])
+
+
+# ---- model and optimizer state (full state dicts under FSDP) ------------------------------------------
+
+def _trainable_names(model) -> list[str]:
+    return [n for n, p in unwrap(model).named_parameters() if p.requires_grad]
+
+
+def _save_model(model, tmp: Optional[Path], world: World) -> None:
+    """save_pretrained on rank 0; under FSDP every rank first joins gathering the full weights."""
+    inner = unwrap(model)
+    state = full_state_dict(inner)
+    if tmp is not None:
+        inner.save_pretrained(tmp, state_dict=state) if state is not None else inner.save_pretrained(tmp)
+
+
+def _load_model(model, ckpt: Path, world: World) -> None:
+    """Load the trainable weights saved by :func:`_save_model` (full model or LoRA adapter)."""
+    from safetensors.torch import load_file
+
+    inner = unwrap(model)
+    names = _trainable_names(model)
+    state: dict[str, torch.Tensor] = {}
+    if world.is_main or not is_sharded(inner):
+        files = sorted(ckpt.glob("adapter_model*.safetensors")) or sorted(ckpt.glob("model*.safetensors"))
+        saved: dict[str, torch.Tensor] = {}
+        for f in files:
+            saved.update(load_file(f))
+        # peft saves adapter weights without the adapter name ("lora_A.weight" for "lora_A.default.weight")
+        for name in names:
+            key = name if name in saved else name.replace(".default.", ".")
+            if key in saved:
+                state[name] = saved[key]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise CheckpointError(f"{ckpt} lacks trainable weights {missing[:3]}{'...' if len(missing) > 3 else ''}; "
+                                  "was it written by another model or finetuning mode?")
+    if is_sharded(inner):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        reshard(inner)
+        set_model_state_dict(inner, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True,
+                                                                    strict=False))
+    else:
+        with torch.no_grad():
+            params = dict(inner.named_parameters())
+            for name, value in state.items():
+                params[name].copy_(value.to(params[name].device, params[name].dtype))
+
+
+def _optimizer_state(model, optimizer) -> dict:
+    base = getattr(optimizer, "original_optimizer", optimizer)
+    if is_sharded(unwrap(model)):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        reshard(unwrap(model))
+        return get_optimizer_state_dict(unwrap(model), base,
+                                        options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return base.state_dict()
+
+
+def _load_optimizer(model, optimizer, state: Optional[dict]) -> None:
+    base = getattr(optimizer, "original_optimizer", optimizer)
+    if is_sharded(unwrap(model)):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        reshard(unwrap(model))
+        set_optimizer_state_dict(unwrap(model), base, optim_state_dict=state or {},
+                                 options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    else:
+        base.load_state_dict(state)
+
+
+# ---- save and load ------------------------------------------------------------------------------------
+
+def save(run_dir: Path, *, step: int, model, optimizer, scheduler, world: World, config_yaml: str,
+         generators: dict[str, Optional[torch.Generator]], trainer_state: dict, privacy: dict) -> None:
+    """Write ``checkpoints/step-XXXXXX`` atomically, point ``latest`` at it, add a ledger line, prune.
+
+    Called on every process (random states are gathered, FSDP weights all-gathered); only rank 0 writes.
+
+    Args:
+        trainer_state: step, tokens_seen, metrics_bytes, accountant state, plan, ε (JSON).
+        privacy: ε, δ, σ, q and accountant for the ledger line.
+    """
+    rng = gather_objects(_rng_state(generators), world)
+    optim_state = _optimizer_state(model, optimizer)
+    target = step_dir(run_dir, step)
+    if not world.is_main:
+        _save_model(model, None, world)
+        barrier(world)
+        return
+    with atomic_directory(target) as tmp:
+        _save_model(model, tmp, world)
+        torch.save(optim_state, tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng, tmp / "rng_state.pt")
+        (tmp / "dpllm_config.yaml").write_text(config_yaml)
+        write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "world_size": world.size,
+                                                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    # Pointer before ledger line: a crash between them leaves a checkpoint whose line resume() adds.
+    write_text_atomic(run_dir / CHECKPOINTS / "latest", target.name + "\n")
+    ledger.append(run_dir, kind="checkpoint", step=step, privacy=privacy,
+                  checkpoint=target.relative_to(run_dir).as_posix())
+    _prune(run_dir, keep=target.name)
+    barrier(world)
+
+
+def _prune(run_dir: Path, *, keep: str) -> None:
+    dirs = sorted(p for p in (run_dir / CHECKPOINTS).glob("step-*") if p.is_dir())
+    for p in dirs[:-KEEP]:
+        if p.name != keep:
+            shutil.rmtree(p, ignore_errors=True)
+    clean_partial_writes(run_dir)
+
+
+def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: dict[str, Optional[torch.Generator]],
+         plan: Optional[dict], accountant=None) -> dict:
+    """Restore weights, optimizer, scheduler, accountant and random state from ``ckpt``; return its trainer state.
+
+    Random state: each process gets its own saved state; with a different number of processes than
+    the run was saved with, the (rank-independent) sampler state is still restored but the run is no
+    longer bit-identical to an uninterrupted one (a warning says so).
+
+    Args:
+        plan: this run's privacy plan as saved in trainer_state.json (None without DP); must match.
+        accountant: the Opacus accountant whose history is restored (None without DP).
+
+    Raises:
+        ConfigError: the privacy plan differs from the checkpoint's.
+        CheckpointError: the checkpoint lacks some trainable weights.
+    """
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    if state.get("plan") != plan:
+        raise ConfigError(f"cannot resume from {ckpt}: the privacy plan differs from the checkpoint's "
+                          f"({state.get('plan')} vs {plan}); the data or an earlier stage changed")
+    if accountant is not None:
+        saved = state["accountant"]
+        accountant.load_state_dict({"mechanism": saved["mechanism"],
+                                    "history": [tuple(h) for h in saved["history"]]})
+    _load_model(model, ckpt, world)
+    # under FSDP rank 0 reads the full optimizer state and broadcasts it
+    reads = world.is_main or not is_sharded(unwrap(model))
+    _load_optimizer(model, optimizer, torch.load(ckpt / "optimizer.pt", weights_only=True) if reads else None)
+    scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
+    rng = torch.load(ckpt / "rng_state.pt", weights_only=True)
+    if len(rng) != world.size:
+        log.warning("resuming a %d-process run on %d processes: privacy accounting is unchanged, but batches and "
+                    "noise will differ from an uninterrupted run", len(rng), world.size)
+    mine = rng[world.rank] if world.rank < len(rng) else dict(rng[0], noise=None)
+    _set_rng_state(mine, generators)
+    return state
+
+
+def plan_state(plan) -> Optional[dict]:
+    """A :class:`~dpllm.privacy.engine.PrivacyPlan` as JSON; a resume recomputes the plan and must find this."""
+    if plan is None:
+        return None
+    return {"noise_multiplier": plan.noise_multiplier, "sample_rate": plan.sample_rate, "steps": plan.steps,
+            "delta": plan.delta, "accountant": plan.accountant, "prior_history": [list(h) for h in plan.prior_history]}
+
+
+def initial_eval(metrics_path: Path) -> Optional[dict]:
+    """The step-0 eval line of a run being resumed (for the summary's initial_eval_loss)."""
+    if not metrics_path.is_file():
+        return None
+    for line in metrics_path.read_text().splitlines():
+        row = json.loads(line)
+        if row.get("step") == 0 and row.get("split") == "eval":
+            return row
+    return None
+
+
+def truncate_metrics(metrics_path: Path, size: int) -> None:
+    """Drop metrics lines written after the checkpoint (steps that are about to be re-run)."""
+    if metrics_path.is_file() and metrics_path.stat().st_size > size:
+        with open(metrics_path, "r+b") as fh:
+            fh.truncate(size)
+
+
+def sync_ledger(run_dir: Path, ckpt: Path, *, step: int, privacy: dict) -> None:
+    """Append the ``resume`` line; first the checkpoint's own line if a crash came before it was written."""
+    rel = ckpt.relative_to(run_dir).as_posix()
+    digest = ledger.dir_sha256(ckpt)
+    if not any(e.get("kind") == "checkpoint" and e.get("checkpoint_sha256") == digest for e in ledger.read(run_dir)):
+        ledger.append(run_dir, kind="checkpoint", step=step, privacy=privacy, checkpoint=rel)
+    ledger.append(run_dir, kind="resume", step=step, privacy=privacy, checkpoint=rel)

@@ -1,0 +1,222 @@
+"""Multi-process training: 1 and 2 processes (real `accelerate launch`, gloo on CPU) give the same run.
+
+Also: the shipped accelerate configs parse, the FSDP/ghost combinations are checked before anything is
+written, and the Poisson sampler hands every process a disjoint share of one global batch.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+
+from dpllm.config import ConfigError, PrivacyConfig
+from dpllm.distributed import check_parallelism
+from dpllm.sampling import PoissonBatchSampler, ShuffledBatchSampler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ACCELERATE = os.path.join(os.path.dirname(sys.executable), "accelerate")
+TINY = ["--config", os.path.join(ROOT, "recipes", "configs", "tiny", "llama_lora_cpu.yaml"), "--max_steps", "6",
+        "--logical_batch_size", "16", "--physical_batch_size", "4", "--max_length", "48", "--tiny_hidden_size", "32",
+        "--tiny_num_heads", "2", "--max_records", "300", "--eval_every", "3", "--eval_max_records", "16",
+        "--log_every", "2", "--progress", "false"]
+
+
+@pytest.mark.parametrize("name, kind", [("single_gpu", "NO"), ("multi_gpu", "MULTI_GPU"), ("fsdp", "FSDP")])
+def test_accelerate_configs_parse(name, kind):
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    path = os.path.join(ROOT, "recipes", "accelerate", f"{name}.yaml")
+    raw = yaml.safe_load(open(path))
+    for key in ("compute_environment", "distributed_type", "num_machines", "num_processes", "mixed_precision"):
+        assert key in raw, key
+    cfg = ClusterConfig.from_yaml_file(path)  # accelerate's own loader refuses unknown keys
+    assert cfg.distributed_type.value == kind and cfg.num_processes >= 1
+    # dpllm's train.mixed_precision decides autocast; accelerate's must not contradict it
+    assert cfg.mixed_precision == "no"
+    if name == "fsdp":
+        assert cfg.fsdp_config["fsdp_version"] == 2
+
+
+@pytest.mark.parametrize("kind, mode, enabled, error", [
+    ("fsdp", "ghost", True, "ghost_fsdp"),
+    ("fsdp", "hooks", True, "ghost_fsdp"),
+    ("ddp", "ghost_fsdp", True, "needs an FSDP launch"),
+    ("none", "ghost_fsdp", True, "needs an FSDP launch"),
+    ("fsdp", "ghost_fsdp", True, None),
+    ("ddp", "ghost", True, None),
+    ("ddp", "hooks", True, None),
+    ("fsdp", "ghost", False, None),  # non-private FSDP is accelerate's business
+])
+def test_parallelism_combinations(kind, mode, enabled, error):
+    privacy = PrivacyConfig(enabled=enabled, grad_sample_mode=mode)
+    if error:
+        with pytest.raises(ConfigError, match=error):
+            check_parallelism(privacy, kind, world_size=8, logical_batch_size=64)
+    else:
+        check_parallelism(privacy, kind, world_size=8, logical_batch_size=64)
+
+
+def test_more_processes_than_batch_is_refused():
+    with pytest.raises(ConfigError, match="logical_batch_size=4 is smaller than the 8 processes"):
+        check_parallelism(PrivacyConfig(), "ddp", world_size=8, logical_batch_size=4)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_poisson_shares_partition_one_global_batch(world_size):
+    def batches(rank, size, n=5):
+        g = torch.Generator().manual_seed(7)
+        it = iter(PoissonBatchSampler(num_samples=50, sample_rate=0.2, generator=g, rank=rank, world_size=size))
+        return [next(it) for _ in range(n)]
+
+    single = batches(0, 1)
+    shares = [batches(r, world_size) for r in range(world_size)]
+    for k, whole in enumerate(single):
+        parts = [s[k] for s in shares]
+        assert sorted(sum(parts, [])) == whole  # disjoint shares whose union is the global batch
+
+
+def test_poisson_sampler_state_restores_exactly():
+    g = torch.Generator().manual_seed(3)
+    it = iter(PoissonBatchSampler(num_samples=40, sample_rate=0.25, generator=g))
+    next(it)
+    saved = g.get_state()
+    expected = [next(it) for _ in range(3)]
+    g2 = torch.Generator()
+    g2.set_state(saved)
+    it2 = iter(PoissonBatchSampler(num_samples=40, sample_rate=0.25, generator=g2))
+    assert [next(it2) for _ in range(3)] == expected
+
+
+def test_shuffled_batches_resume_at_a_step():
+    full = ShuffledBatchSampler(num_samples=23, batch_size=5, seed=1)
+    it = iter(full)
+    first = [next(it) for _ in range(7)]  # crosses an epoch boundary (4 batches per epoch)
+    later = ShuffledBatchSampler(num_samples=23, batch_size=5, seed=1, start=3)
+    it = iter(later)
+    assert [next(it) for _ in range(4)] == first[3:]
+    halves = [next(iter(ShuffledBatchSampler(num_samples=23, batch_size=5, seed=1, rank=r, world_size=2)))
+              for r in (0, 1)]
+    assert sorted(halves[0] + halves[1]) == sorted(first[0])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:  # other test sessions may be using accelerate's default port 29500
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(out, *launch_args, extra=()):
+    cmd = [ACCELERATE, "launch", "--main_process_port", str(_free_port()), *launch_args,
+           os.path.join(ROOT, "recipes", "finetune_llm.py"), *TINY, "--output_dir", str(out), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _finish(proc):
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
+    return stdout
+
+
+def _trainable(run):
+    from safetensors.torch import load_file
+
+    return load_file(str(run / "checkpoint" / "adapter_model.safetensors"))
+
+
+def test_one_and_two_processes_train_the_same_run(tmp_path):
+    """`accelerate launch --multi_gpu --num_processes 2` on CPU: same batches, σ, q, steps and ε as 1 process."""
+    two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2")
+    one = _launch(tmp_path / "one", "--cpu", "--num_processes", "1")
+    _finish(one)
+    out2 = _finish(two)
+    assert "privacy: (ε = " in out2
+    r1, r2 = (json.loads((tmp_path / n / "privacy_report.json").read_text()) for n in ("one", "two"))
+    for key in ("steps", "epsilon", "noise_multiplier", "sample_rate", "logical_batch_size", "expected_batch_size",
+                "history", "num_records"):
+        assert r1[key] == r2[key], key
+    assert r2["steps"] == 6 and r2["sample_rate"] == pytest.approx(1 / 15)
+    s1, s2 = (json.loads((tmp_path / n / "run_summary.json").read_text()) for n in ("one", "two"))
+    assert (s1["world_size"], s2["world_size"]) == (1, 2)
+    assert s2["params_sha256"]  # the run checked that both processes ended with identical parameters
+    assert s1["tokens_seen"] == s2["tokens_seen"]  # the same records were sampled, split over 2 processes
+    # only rank 0 wrote: one metrics stream, one ledger
+    rows1, rows2 = ([json.loads(x) for x in (tmp_path / n / "metrics.jsonl").read_text().splitlines()]
+                    for n in ("one", "two"))
+    assert [(r["step"], r["split"]) for r in rows1] == [(r["step"], r["split"]) for r in rows2]
+    for a, b in zip(rows1, rows2):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)  # eval all-reduced over the 2 processes
+        assert a.get("epsilon") == b.get("epsilon")
+    # same noise (rank 0's stream), same clipped sum: the models agree up to float summation order
+    p1, p2 = _trainable(tmp_path / "one"), _trainable(tmp_path / "two")
+    assert p1.keys() == p2.keys()
+    for name in p1:
+        assert torch.allclose(p1[name], p2[name], atol=1e-5), name
+    from dpllm.ledger import verify
+
+    assert verify(tmp_path / "two").ok
+
+
+def test_two_processes_without_privacy_use_ddp(tmp_path):
+    proc = _launch(tmp_path / "ddp", "--multi_gpu", "--num_processes", "2",
+                   extra=["--privacy.enabled", "false", "--eval_every", "0"])
+    _finish(proc)
+    summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 6 and summary["params_sha256"]
+    assert summary["tokens_seen"] > 0 and summary["epsilon"] is None
+
+
+def test_fsdp_private_path_on_cpu(tmp_path):
+    """FSDP2 + ghost_fsdp: uneven/empty shares, eval, resumable save/load, gathered final weights (2 gloo processes)."""
+    out = tmp_path / "found.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           os.path.join(ROOT, "tests", "fsdp_worker.py"), str(out), str(tmp_path / "run")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for finetuning, found in json.loads(out.read_text()).items():
+        assert found["sharded"] and found["optimizer"] == "FSDPOptimizerFastGradientClipping", finetuning
+        assert found["expected_batch_size"] == 7.5  # per process: Opacus divides by the number of processes
+        assert found["history"] == [[1.0, 0.25, 2]]  # both steps counted, including the empty share
+        assert found["weights_restored"] and found["optimizer_restored"], finetuning
+    assert found["eval"] > 0 and json.loads(out.read_text())["full"]["final_checkpoint_matches"]
+
+
+@pytest.mark.parametrize("mode", ["ghost", "hooks"])
+@pytest.mark.parametrize("how", ["padding_record", "add_empty_share"])
+def test_an_empty_share_is_a_counted_step_that_adds_nothing(mode, how):
+    """Both ways of stepping on an empty share add exactly zero to the clipped sum and count the step."""
+    from dpllm.data import TokenizedRecords, make_collate
+    from dpllm.privacy.engine import PrivacyPlan, add_empty_share, make_private
+    from dpllm.train import forward_loss
+    from tests.helpers import TEXTS, batch_of, tiny_model
+
+    model, tok = tiny_model("tiny-llama", "lora")
+    dataset = TokenizedRecords(TEXTS, tok, 48)
+    plan = PrivacyPlan(num_records=6, sample_rate=0.5, steps=2, noise_multiplier=0.0, delta=1e-5, accountant="rdp",
+                       expected_batch_size=3)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    pt = make_private(model=model, optimizer=opt, dataset=dataset, collate_fn=make_collate(tok.pad_token_id),
+                      cfg=PrivacyConfig(grad_sample_mode=mode), plan=plan, logical_batch_size=3)
+    empty = {k: torch.zeros((0, 1), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
+    real = batch_of(tok, TEXTS[:2])
+    sums = []
+    for extra in (False, True):  # one physical batch of 2 records, then (maybe) an empty one, then the step
+        parts = [real] + ([empty] if extra else [])
+        for i, part in enumerate(parts):
+            pt.optimizer.signal_skip_step(do_skip=i < len(parts) - 1)
+            pt.optimizer.zero_grad()
+            if part is empty and how == "add_empty_share":
+                add_empty_share(pt.optimizer)
+            else:
+                loss = forward_loss(pt.model, part, pt.criterion)
+                loss.backward()
+            if part is empty and how == "padding_record":
+                assert float(loss.detach()) == 0.0
+            pt.optimizer.pre_step()
+        sums.append([p.grad.detach().clone() for p in pt.optimizer.params])
+    assert all(torch.equal(a, b) for a, b in zip(*sums))
+    assert pt.engine.accountant.history == [(0.0, 0.5, 2)]

@@ -1,0 +1,148 @@
+"""Crash safety: a run killed with SIGKILL and resumed is the uninterrupted run, step for step and bit for bit.
+
+The accountant must count every step exactly once: the resumed run's report (steps, ε, history), its
+ledger's ε at every checkpoint, and its final weights equal those of a run that never stopped.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dpllm import ledger
+from dpllm.config import ConfigError, parse_config
+from dpllm.train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = ["--finetuning", "full", "--max_steps", "24", "--save_every", "2", "--logical_batch_size", "16",
+       "--physical_batch_size", "8", "--max_length", "48", "--tiny_hidden_size", "32", "--tiny_num_heads", "2",
+       "--max_records", "300", "--eval_every", "8", "--eval_max_records", "16", "--log_every", "4",
+       "--accountant", "rdp", "--progress", "false"]
+
+
+def run(out, *extra):
+    return train(parse_config(["--output_dir", str(out), *RUN, *extra]))
+
+
+def rows(run_dir):
+    return [{k: v for k, v in json.loads(x).items() if k != "elapsed_s"}
+            for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def ledger_eps(run_dir):
+    return {e["step"]: e["epsilon"] for e in ledger.read(run_dir) if e["kind"] == "checkpoint"}
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"),
+                             "--output_dir", str(killed), *RUN], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step-000004").is_dir():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert not (killed / "privacy_report.json").exists()  # it really died mid-way
+
+    resumed = run(killed, "--resume_from", "latest")
+    whole = run(tmp_path / "whole")
+    assert resumed["resumed_from_step"] >= 4 and whole["resumed_from_step"] is None
+
+    r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, tmp_path / "whole"))
+    assert r1["steps"] == r2["steps"] == 24
+    assert r1["epsilon"] == r2["epsilon"] and r1["history"] == r2["history"] == [[r1["noise_multiplier"],
+                                                                                   r1["sample_rate"], 24]]
+    # the ledger saw every checkpoint's ε exactly as the uninterrupted run did: no step counted twice or skipped
+    assert ledger_eps(killed) == ledger_eps(tmp_path / "whole")
+    assert [e["kind"] for e in ledger.read(killed)].count("resume") == 1
+    assert ledger.verify(killed).ok, ledger.verify(killed).message
+    # RNG state (sampler, noise, torch/numpy/python) restored exactly: same metrics, bit-identical weights
+    assert rows(killed) == rows(tmp_path / "whole")
+    assert resumed["tokens_seen"] == whole["tokens_seen"]
+    a = (killed / "checkpoint" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step-*")) == ["step-000022", "step-000024"]
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_crash_while_writing_a_checkpoint_keeps_the_previous_one(tmp_path, monkeypatch, private):
+    import dpllm.resume as R
+
+    out = tmp_path / "run"
+    extra = ["--max_steps", "6"] + ([] if private else ["--privacy.enabled", "false"])
+    real_save = torch.save
+
+    def failing_save(obj, path, *a, **kw):
+        if ".step-000004." in str(path):  # inside the temp dir of the step-4 checkpoint
+            raise OSError("disk full (injected)")
+        return real_save(obj, path, *a, **kw)
+
+    monkeypatch.setattr(R.torch, "save", failing_save)
+    with pytest.raises(OSError, match="injected"):
+        run(out, *extra)
+    monkeypatch.setattr(R.torch, "save", real_save)
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-000002"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-000002"]  # no half-written step 4
+    lines = ledger.read(out)
+    assert [e["kind"] for e in lines] == ["stage", "checkpoint"]
+    assert lines[-1]["checkpoint_sha256"] == ledger.dir_sha256(ckpts / "step-000002")  # untouched
+    (ckpts / ".step-000004.abc.tmp").mkdir()  # what a SIGKILL mid-write would leave behind
+
+    run(out, *extra, "--resume_from", "latest")
+    assert not (ckpts / ".step-000004.abc.tmp").exists()
+    assert ledger.verify(out).ok, ledger.verify(out).message
+    run(tmp_path / "whole", *extra)
+    a = (out / "checkpoint" / "model.safetensors").read_bytes()
+    assert a == (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
+
+
+def test_resume_refuses_another_config(tmp_path):
+    out = tmp_path / "run"
+    run(out, "--max_steps", "4")
+    with pytest.raises(ConfigError, match=r"differs in train.learning_rate \(0.001 → 0.002\)"):
+        run(out, "--max_steps", "4", "--resume_from", "latest", "--learning_rate", "0.002")
+    with pytest.raises(ConfigError, match="not a checkpoint of output_dir"):
+        run(tmp_path / "elsewhere", "--max_steps", "4", "--resume_from", str(out / "checkpoints" / "step-000004"))
+    with pytest.raises(ConfigError, match="contradict"):
+        run(out, "--max_steps", "4", "--resume_from", "latest", "--overwrite_output_dir", "true")
+
+
+def test_resume_latest_without_checkpoints(tmp_path):
+    out = tmp_path / "run"
+    summary = run(out, "--max_steps", "2", "--save_every", "0", "--resume_from", "latest")  # nothing yet: fresh
+    assert summary["steps"] == 2 and not (out / "checkpoints").exists()
+    with pytest.raises(ConfigError, match="no resumable checkpoint"):
+        run(out, "--max_steps", "2", "--save_every", "0", "--resume_from", "latest")
+
+
+def test_staged_run_survives_a_crash(tmp_path, monkeypatch):
+    import dpllm.resume as R
+    from dpllm.privacy.accounting import compute_epsilon_history
+
+    run(tmp_path / "stage1", "--max_steps", "3", "--save_every", "0", "--target_epsilon", "3")
+    stage2 = ["--model_name_or_path", str(tmp_path / "stage1"), "--finetuning", "lora", "--max_steps", "4",
+              "--target_epsilon", "5"]
+    real_save = torch.save
+    monkeypatch.setattr(R.torch, "save", lambda obj, path, *a, **kw: (_ for _ in ()).throw(OSError("injected"))
+                        if ".step-000004." in str(path) else real_save(obj, path, *a, **kw))
+    with pytest.raises(OSError, match="injected"):
+        run(tmp_path / "stage2", *stage2)
+    monkeypatch.setattr(R.torch, "save", real_save)
+    run(tmp_path / "stage2", *stage2, "--resume_from", "latest")
+    report = json.loads((tmp_path / "stage2" / "privacy_report.json").read_text())
+    assert len(report["stages"]) == 2 and [h[2] for h in report["history"]] == [3, 4]
+    assert 3.0 < report["epsilon"] <= 5.0
+    assert report["epsilon"] == pytest.approx(compute_epsilon_history(history=report["history"], delta=1e-5,
+                                                                      accountant="rdp"))
+    result = ledger.verify(tmp_path / "stage2")
+    assert result.ok and "previous stage" in result.message, result.message
