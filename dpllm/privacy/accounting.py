@@ -23,6 +23,8 @@ from opacus.accountants.utils import get_noise_multiplier
 ACCOUNTANTS = ("prv", "rdp", "gdp")
 # Opacus gives up above this noise multiplier; anything needing more is an impossible plan.
 MAX_NOISE_MULTIPLIER = 1e6
+# Above this RDP ε the PRV accountant is not tried (a privacy statement this weak needs no tight bound).
+PRV_SKIP_ABOVE = 100.0
 
 History = Sequence[tuple[float, float, int]]
 
@@ -86,13 +88,17 @@ def compute_epsilon_history(*, history: History, delta: float, accountant: str =
             warnings.warn(f"GDP accountant failed ({err}); reporting the RDP bound instead")
             return rdp
     if accountant == "prv":
+        rdp = _epsilon_of("rdp", history, delta)
+        if rdp > PRV_SKIP_ABOVE:
+            # PRV's discretisation takes minutes and overflows out here; RDP is a valid bound too.
+            return rdp
         try:
             eps = _epsilon_of("prv", history, delta)
             if math.isfinite(eps):
                 return eps
         except Exception as err:  # PRV's numeric domain can fail where RDP does not
             warnings.warn(f"PRV accountant failed ({err}); reporting the RDP bound instead")
-        return _epsilon_of("rdp", history, delta)
+        return rdp
     return _epsilon_of(accountant, history, delta)
 
 
@@ -155,6 +161,17 @@ def calibrate_noise(
             raise _unreachable(target_epsilon, delta, sample_rate, steps) from err
 
     lo, hi = 0.0, 1.0
+    if accountant != "rdp" and not prior:
+        # Bracket with the fast RDP calibration: RDP's ε bounds PRV's (and GDP here is max(GDP, RDP) ≥ RDP
+        # only at equal σ), so σ_RDP is usually an upper bracket; it is checked, never assumed.
+        try:
+            sigma_rdp = calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate,
+                                        steps=steps, accountant="rdp", epsilon_tolerance=epsilon_tolerance)
+            hi = sigma_rdp
+            if eps(hi / 2) > target_epsilon:
+                lo = hi / 2
+        except PrivacyPlanError:
+            pass
     eps_hi = eps(hi)
     while eps_hi > target_epsilon:
         lo, hi = hi, 2 * hi

@@ -1,0 +1,257 @@
+"""Private scaling laws on 2-layer MLPs (seed 000) through dpllm's privacy engine, with formal ε.
+
+Widths 16..256 (261..4,101 parameters) × {non-private, σ = 1, σ = 3} (C = 1) × 3 seeds, 100 epochs of
+SGD (lr 0.01, expected batch 64, Poisson sampling); then L(N) = a·N^(−α) + L∞ is fitted per privacy level
+with :func:`dpllm.scaling.fit_form` (1,000 bootstrap resamples of seeds within each width, seed 2026),
+and ε is computed for each σ with Opacus's PRV and RDP accountants (δ = 1e-5).
+
+    python recipes/mlp_scaling.py --output_dir docs/results/mlp_scaling
+    python recipes/mlp_scaling.py --output_dir runs/mlp_scaling_quick --quick
+    python recipes/mlp_scaling.py --output_dir runs/mlp_scaling_digits --dataset digits   # ~23 steps/epoch: minutes
+
+Writes ``results.json`` (every run, the privacy of each σ, the fits), ``summary.md`` and
+``scaling_laws.png`` / ``accuracy.png`` into ``--output_dir``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dpllm.mlp.data import load_dataset
+from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
+                              quiet_warnings, recipe_parser, save_figure, write_outputs)
+from dpllm.mlp.train import MLPRun, plan_for, train_mlp
+from dpllm.scaling import ScalingError, fit_form
+
+WIDTHS = (16, 32, 64, 128, 256)
+LEVELS = (("non-private", None), ("σ=1", 1.0), ("σ=3", 3.0))
+SEEDS = (42, 123, 789)  # seed 000's seeds
+BOOT_SEED = 2026  # seed 000's bootstrap seed
+# What seed 000 printed (its own DP-SGD, shuffled batches, no formal accounting).
+SEED_000 = {
+    "non-private": {"alpha": 0.321, "r2": 0.974, "alpha_ci": [0.051, 5.0], "a": 0.10, "L_inf": 0.0},
+    "σ=1": {"alpha": 0.432, "r2": 0.956, "alpha_ci": [0.066, 5.0], "a": 0.42, "L_inf": 0.0},
+    "σ=3": {"alpha": 0.431, "r2": 0.974, "alpha_ci": [0.059, 5.0], "a": 0.42, "L_inf": 0.0},
+}
+
+
+def grid(quick: bool) -> dict:
+    if quick:  # 4 widths: the 3-parameter fit needs ≥ 4 distinct sizes
+        return {"widths": (8, 16, 32, 64), "seeds": (42,), "epochs": 20, "n_boot": 50}
+    return {"widths": WIDTHS, "seeds": SEEDS, "epochs": 100, "n_boot": 1000}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = recipe_parser(__doc__, default_output="runs/mlp_scaling").parse_args(argv)
+    quiet_warnings()
+    torch.set_num_threads(1)  # tiny models: extra threads only add synchronisation
+    timer = Timer()
+    g = grid(args.quick)
+    data = load_dataset(args.dataset)
+    plans, eps_cache, runs = {}, {}, []
+    bar = progress(len(LEVELS) * len(g["widths"]) * len(g["seeds"]), "mlp_scaling", args.no_progress)
+    for label, sigma in LEVELS:
+        for width in g["widths"]:
+            for seed in g["seeds"]:
+                run = MLPRun(width=width, epochs=g["epochs"], lr=0.01, batch_size=64, seed=seed,
+                             private=sigma is not None, noise_multiplier=sigma, max_grad_norm=1.0)
+                plan = plan_for(run, n_train=data.n_train, cache=plans) if run.private else None
+                record = train_mlp(run, data, plan=plan, eps_cache=eps_cache).record
+                runs.append({"level": label, **record})
+                bar.update()
+    bar.close()
+    train_s = timer.seconds()
+
+    fits, fit_errors = {}, {}
+    for label, _ in LEVELS:
+        rs = [r for r in runs if r["level"] == label]
+        try:
+            fits[label] = fit_form("power_law", loss=[r["metrics"]["test_loss"] for r in rs],
+                                   N=[r["n_params"] for r in rs], n_boot=g["n_boot"], seed=BOOT_SEED,
+                                   label=label).to_dict()
+        except ScalingError as err:
+            fit_errors[label] = str(err)
+    privacy = []
+    for label, sigma in LEVELS[1:]:
+        r = next(r for r in runs if r["level"] == label)
+        privacy.append({"level": label, **{k: r[k] for k in (
+            "noise_multiplier", "max_grad_norm", "sample_rate", "expected_batch_size", "steps", "delta",
+            "epsilon_prv", "epsilon_rdp", "prv_note")}})
+
+    results = {
+        "recipe": "mlp_scaling", "command": command_line(__file__, argv), "quick": args.quick,
+        "runs": runs, "privacy": privacy, "fits": fits, "fit_errors": fit_errors,
+        "settings": {**{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}, "lr": 0.01,
+                     "batch_size": 64, "max_grad_norm": 1.0, "delta": 1e-5, "boot_seed": BOOT_SEED,
+                     "levels": [[lab, s] for lab, s in LEVELS], "grad_sample_mode": "hooks", "clipping": "flat"},
+        "dataset": data.info, "seed_000_reported": SEED_000, "environment": environment(),
+    }
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = plot(runs, fits, out)
+    results["timing"] = {"train_s": train_s, "wall_s": timer.seconds()}
+    write_outputs(out, results, summary(results))
+    print(f"mlp_scaling: {len(runs)} runs in {results['timing']['wall_s']} s -> {out}/summary.md")
+    return results
+
+
+def summary(res: dict) -> str:
+    runs, fits, g = res["runs"], res["fits"], res["settings"]
+    levels = [lab for lab, _ in g["levels"]]
+    r0 = runs[0]
+    lines = [
+        "# MLP scaling laws under DP (seed 000 on dpllm's engine)", "",
+        f"Command: `{res['command']}`", "",
+        f"Wall time: **{res['timing']['wall_s']} s** (training {res['timing']['train_s']} s) on "
+        f"{res['environment']['torch_threads']} torch thread(s); {len(runs)} runs.", "",
+        f"Data: {res['dataset'].get('n_train')} train / {res['dataset'].get('n_test')} test records of "
+        f"`{r0['dataset']}`. Model: Linear–ReLU–Linear, widths {', '.join(map(str, g['widths']))}. "
+        f"SGD lr {g['lr']}, expected batch {g['batch_size']} (Poisson, q = 1/⌈N/B⌉ = {r0['sample_rate']:.4f}), "
+        f"{g['epochs']} epochs = {r0['steps']} steps, seeds {', '.join(map(str, g['seeds']))}. "
+        "DP runs: flat clipping C = 1 through `dpllm.privacy.engine.make_private` (Opacus hooks).", "",
+        "## Privacy of each noise level", "",
+        markdown_table(["level", "σ", "C", "q", "steps", "δ", "ε (PRV)", "ε (RDP)"], [
+            [p["level"], fmt(p["noise_multiplier"]), fmt(p["max_grad_norm"]), f"{p['sample_rate']:.4f}", p["steps"],
+             f"{p['delta']:g}", fmt(p["epsilon_prv"]), fmt(p["epsilon_rdp"])] for p in res["privacy"]]), "",
+        "Seed 000 gave no formal ε (its limitations say so); these are the guarantees of the runs above.", "",
+        "## Power-law fits L(N) = a·N^(−α) + L∞ (test cross-entropy)", "",
+    ]
+    alpha_np = fits.get("non-private", {}).get("params", {}).get("alpha")
+    rows = []
+    for lab in levels:
+        f, s = fits.get(lab), SEED_000.get(lab, {})
+        if f is None:
+            rows.append([lab, "fit failed: " + res["fit_errors"].get(lab, "?")] + [""] * 7)
+            continue
+        p, ci = f["params"], f["ci"].get("alpha", [None, None])
+        ratio = p["alpha"] / alpha_np if alpha_np else None
+        rows.append([lab, fmt(p["alpha"]), f"[{fmt(ci[0])}, {fmt(ci[1])}]", fmt(p["a"]), fmt(p["L_inf"]),
+                     fmt(f["r2"], 4), fmt(ratio), f"{fmt(s.get('alpha'))} / {fmt(s.get('r2'))}",
+                     f"[{fmt(s.get('alpha_ci', [None])[0])}, {fmt(s.get('alpha_ci', [None, None])[1])}]"])
+    lines += [markdown_table(["level", "α", "95% CI α (bootstrap)", "a", "L∞", "R²", "α/α_NP",
+                              "seed 000 α / R²", "seed 000 CI α"], rows), ""]
+    lines += ["Bootstrap: 1 point per width = mean over seeds; resamples draw seeds within each width "
+              f"({g['n_boot']} resamples, seed {g['boot_seed']}); α is bounded to [0, 5] as in the seed.", "",
+              "## Test loss and accuracy by width (mean ± sd over seeds)", ""]
+    rows = []
+    for w in g["widths"]:
+        row = [w, next(r["n_params"] for r in runs if r["config"]["width"] == w)]
+        for lab in levels:
+            rs = [r for r in runs if r["level"] == lab and r["config"]["width"] == w]
+            lm, ls = mean_std(r["metrics"]["test_loss"] for r in rs)
+            am, _ = mean_std(r["metrics"]["test_accuracy"] for r in rs)
+            row += [f"{lm:.3f} ± {ls:.3f}", f"{am:.3f}"]
+        rows.append(row)
+    hdr = ["width", "N"] + [h for lab in levels for h in (f"loss {lab}", f"acc {lab}")]
+    lines += [markdown_table(hdr, rows), ""]
+    other = r0["dataset"] != "gaussian"
+    lines += ["## Findings beside seed 000", ""] + (
+        [f"Seed 000 trained on Gaussian clusters; on `{r0['dataset']}` its numbers are context, not a "
+         "reproduction target.", ""] if other else []) + findings(res) + [
+        "", f"Plots: {', '.join(f'![{p}]({p})' for p in res['plots'])}", ""]
+    return "\n".join(lines)
+
+
+def findings(res: dict) -> list[str]:
+    runs, fits = res["runs"], res["fits"]
+    out = []
+    dp = {lab: f for lab, f in fits.items() if lab != "non-private"}
+    r2s = ", ".join(f"{lab} {f['r2']:.3f}" for lab, f in dp.items())
+    holds = bool(dp) and all(f["r2"] > 0.95 for f in dp.values())
+    out.append(f"- **Power law under DP (R² > 0.95).** Seed 000: holds (0.956, 0.974). Ours: R² {r2s} → "
+               f"{'holds' if holds else 'does NOT hold for every DP level'}.")
+    if "non-private" in fits and dp:
+        a_np = fits["non-private"]["params"]["alpha"]
+        cmp = ", ".join(f"{lab} α = {f['params']['alpha']:.3f} ({f['params']['alpha'] / a_np:.2f}× non-private)"
+                        for lab, f in dp.items())
+        overlap = all(max(f["ci"]["alpha"][0], fits["non-private"]["ci"]["alpha"][0])
+                      <= min(f["ci"]["alpha"][1], fits["non-private"]["ci"]["alpha"][1]) for f in dp.values()
+                      if f.get("ci"))
+        lower = all(f["params"]["alpha"] < a_np for f in dp.values())
+        higher = all(f["params"]["alpha"] > a_np for f in dp.values())
+        direction = ("DP α above non-private, as in seed 000" if higher else
+                     "DP α BELOW non-private: the opposite direction to seed 000" if lower else "mixed directions")
+        verdict = ("overlap, so neither these data nor the seed's separate the exponents" if overlap
+                   else "do not all overlap")
+        out.append(f"- **Exponent.** Seed 000: DP α ≈ 0.43 above non-private 0.32, CIs [0.05, 5]. Ours: "
+                   f"non-private α = {a_np:.3f}; {cmp}; {direction}. The 95% CIs {verdict}.")
+        a_cmp = ", ".join(f"{lab} {f['params']['a']:.3g}" for lab, f in fits.items())
+        l_cmp = ", ".join(f"{lab} {fmt(f['params']['L_inf'])}" for lab, f in fits.items())
+        out.append(f"- **Level of the curves.** Seed 000: DP raises a (0.10 → 0.42), L∞ ≈ 0. Ours: a: {a_cmp}; "
+                   f"L∞: {l_cmp}. With three free parameters and five widths, a, α and L∞ trade off against each "
+                   "other; compare the loss table, not single parameters.")
+    perfect = sum(r["metrics"]["test_accuracy"] == 1.0 for r in runs)
+    mean = lambda lab, m: float(np.mean([r["metrics"][m] for r in runs if r["level"] == lab]))  # noqa: E731
+    accs = ", ".join(f"{lab} {mean(lab, 'test_accuracy'):.3f}" for lab in fits)
+    out.append(f"- **Accuracy.** Seed 000: all 45 runs at 100% test accuracy, so its differences were in loss "
+               f"(calibration) only. Ours: {perfect}/{len(runs)} runs at 100%; mean test accuracy {accs}.")
+    if "non-private" in fits:
+        acc_np, loss_np = mean("non-private", "test_accuracy"), mean("non-private", "test_loss")
+        gaps = "; ".join(f"{lab}: {100 * (acc_np - mean(lab, 'test_accuracy')):.1f} accuracy points lower, "
+                         f"loss ×{mean(lab, 'test_loss') / loss_np:.2f}" for lab in dp)
+        out.append(f"- **Cost of DP, averaged over widths.** {gaps}. Our Gaussian task is a little harder than seed "
+                   "000's (its generator is not published; see `dpllm.mlp.data`), so accuracy is below 100% here.")
+    if len(dp) >= 2:
+        first, last = list(dp)[0], list(dp)[-1]
+        pairs = [(a, b) for a in runs if a["level"] == first for b in runs if b["level"] == last
+                 and (b["config"]["seed"], b["config"]["width"]) == (a["config"]["seed"], a["config"]["width"])]
+        diff = max(abs(a["metrics"]["test_loss"] - b["metrics"]["test_loss"]) for a, b in pairs)
+        b = pairs[0][1]
+        step_sd = b["config"]["lr"] * b["noise_multiplier"] * b["max_grad_norm"] / b["expected_batch_size"]
+        eps = {p["level"]: fmt(p["epsilon_prv"]) for p in res["privacy"]}
+        out.append("- **Noise or clipping?** Runs with the same seed see the same batches and the same "
+                   f"standard-normal noise draws, so {first} and {last} differ only in the noise scale; their test "
+                   f"losses differ by at most {diff:.3f}. Per step, the noise moves each weight by "
+                   f"lr·σC/(qN) = {step_sd:.1e} (sd) at {last}, so the utility cost here is clipping's, not "
+                   "noise's, which fits seed 000's "
+                   f"'clipping-dominated' reading. The guarantees do differ: ε = {eps[first]} ({first}) vs "
+                   f"{eps[last]} ({last}), PRV.")
+    eps = "; ".join(f"{p['level']}: ε = {fmt(p['epsilon_prv'])} (PRV), {fmt(p['epsilon_rdp'])} (RDP)"
+                    for p in res["privacy"])
+    out.append(f"- **Formal privacy** (absent from seed 000), δ = 1e-5, q = {res['privacy'][0]['sample_rate']:.4f}, "
+               f"{res['privacy'][0]['steps']} steps: {eps}.")
+    return out
+
+
+def plot(runs: list[dict], fits: dict, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    levels = list(dict.fromkeys(r["level"] for r in runs))
+    names = []
+    for metric, fname, ylabel in (("test_loss", "scaling_laws.png", "test cross-entropy (nats)"),
+                                  ("test_accuracy", "accuracy.png", "test accuracy")):
+        fig, ax = plt.subplots(figsize=(6, 4.2))
+        for i, lab in enumerate(levels):
+            rs = [r for r in runs if r["level"] == lab]
+            ns = sorted({r["n_params"] for r in rs})
+            vals = [[r["metrics"][metric] for r in rs if r["n_params"] == n] for n in ns]
+            colour = f"C{i}"
+            ax.errorbar(ns, [np.mean(v) for v in vals], yerr=[np.std(v) for v in vals], fmt="o", color=colour,
+                        capsize=3, label=lab)
+            if metric == "test_loss" and lab in fits:
+                p = fits[lab]["params"]
+                grid_n = np.geomspace(min(ns), max(ns), 100)
+                ax.plot(grid_n, p["a"] * grid_n ** -p["alpha"] + p["L_inf"], color=colour,
+                        label=f"fit α={p['alpha']:.2f}, R²={fits[lab]['r2']:.3f}")
+        ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # minor labels overlap at this range
+        if metric == "test_loss":
+            ax.set_yscale("log")
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.set_xlabel("parameters N")
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+        ax.set_title("MLP test " + ("loss" if metric == "test_loss" else "accuracy") + " vs size (mean ± sd)")
+        names.append(save_figure(fig, out / fname))
+    return names
+
+
+if __name__ == "__main__":
+    main()
