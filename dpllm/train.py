@@ -108,8 +108,9 @@ def _prior_stages(source: dict, cfg: RunConfig) -> tuple[list, list]:
         return [], []
     report = json.loads(report_path.read_text())
     stages = report.get("stages", [])
-    same_data = [s for s in stages if s.get("enabled") and s.get("dataset") == cfg.data.dataset
-                 and s.get("split_seed") == cfg.data.split_seed]
+    # Composed whenever the dataset is the same, whatever the split: another split_seed still shares most
+    # private records, and over-counting is safe where under-counting is not.
+    same_data = [s for s in stages if s.get("enabled") and s.get("dataset") == cfg.data.dataset]
     history = [tuple(h) for s in same_data for h in s.get("history", [])]
     return stages, history
 

@@ -220,3 +220,13 @@ def test_empty_poisson_batches_still_step_and_count(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
     assert 0 in sizes  # this seed draws empty batches
     assert report["steps"] == 30 and report["history"][0][2] == 30 and report["sample_rate"] == pytest.approx(0.1)
+
+
+def test_stage_on_same_dataset_with_another_split_is_still_composed(tmp_path):
+    train(cfg_for(tmp_path, "--finetuning", "full", "--target_epsilon", "3", "--accountant", "rdp"))
+    second = parse_config(["--output_dir", str(tmp_path / "run2"), *FAST, "--model_name_or_path",
+                           str(tmp_path / "run"), "--target_epsilon", "5", "--accountant", "rdp",
+                           "--split_seed", "9"])
+    train(second)
+    report = json.loads((tmp_path / "run2" / "privacy_report.json").read_text())
+    assert len(report["history"]) == 2 and 3.0 < report["epsilon"] <= 5.0
