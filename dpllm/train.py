@@ -447,7 +447,7 @@ def build_report(cfg: RunConfig, *, plan, pt, num_records: int, steps: int, adju
             "sample_rate": plan.sample_rate, "expected_batch_size": plan.expected_batch_size,
             "max_grad_norm": p.max_grad_norm, "clipping": p.clipping,
             "sensitivity": clipping.get(p.clipping).sensitivity(p), "grad_sample_mode": p.grad_sample_mode,
-            "poisson_sampling": True, "history": [list(h) for h in history],
+            "poisson_sampling": True, "secure_mode": p.secure_mode, "history": [list(h) for h in history],
             "composition": "stages on the same private data are composed by the accountant over their full history"
             if len(history) > 1 else "single stage",
         })

@@ -33,6 +33,7 @@ privacy_ledger.jsonl and, with save_every, checkpoints/ (see docs/operations.md)
 from __future__ import annotations
 
 import logging
+import warnings
 import sys
 
 from dpllm.checkpoint import format_report
@@ -40,7 +41,16 @@ from dpllm.config import parse_config
 from dpllm.train import train
 
 
+def quiet_known_warnings() -> None:
+    """Hide warnings that are expected on every run and say nothing about this one."""
+    # Opacus's ghost clipping backward on a model whose inputs need no grad (always true for LMs)
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    # transformers 5 renamed a property that peft still reads
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+
 def main(argv: list[str] | None = None) -> dict:
+    quiet_known_warnings()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = parse_config(argv)
     summary = train(cfg)

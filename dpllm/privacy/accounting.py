@@ -88,7 +88,9 @@ def compute_epsilon_history(*, history: History, delta: float, accountant: str =
             warnings.warn(f"GDP accountant failed ({err}); reporting the RDP bound instead")
             return rdp
     if accountant == "prv":
-        rdp = _epsilon_of("rdp", history, delta)
+        with warnings.catch_warnings():  # a screening bound: its "optimal order" notes are not for the user
+            warnings.simplefilter("ignore")
+            rdp = _epsilon_of("rdp", history, delta)
         if rdp > PRV_SKIP_ABOVE:
             # PRV's discretisation takes minutes and overflows out here; RDP is a valid bound too.
             return rdp
@@ -162,11 +164,14 @@ def calibrate_noise(
 
     lo, hi = 0.0, 1.0
     if accountant != "rdp" and not prior:
-        # Bracket with the fast RDP calibration: RDP's ε bounds PRV's (and GDP here is max(GDP, RDP) ≥ RDP
-        # only at equal σ), so σ_RDP is usually an upper bracket; it is checked, never assumed.
+        # Bracket with the fast RDP calibration: at equal σ PRV's ε is (in practice) below RDP's and the
+        # reported GDP ε is max(GDP, RDP), so σ_RDP is an upper bracket. It is checked, never assumed:
+        # the loop below doubles σ while ε(σ) > target.
         try:
-            sigma_rdp = calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate,
-                                        steps=steps, accountant="rdp", epsilon_tolerance=epsilon_tolerance)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                sigma_rdp = calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate,
+                                            steps=steps, accountant="rdp", epsilon_tolerance=epsilon_tolerance)
             hi = sigma_rdp
             if eps(hi / 2) > target_epsilon:
                 lo = hi / 2
