@@ -16,7 +16,7 @@ import re
 import string
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch.utils.data import Dataset

@@ -26,7 +26,7 @@ import torch
 
 from dpllm.mlp.data import load_dataset
 from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, progress, quiet_warnings,
-                              recipe_parser, save_figure, t_interval, write_outputs)
+                              recipe_parser, save_figure, t_interval, finish)
 from dpllm.mlp.train import MLPRun, plan_for, train_mlp
 
 R, S = 0.1, 0.5  # r of automatic/psac/psasc; s of psasc (s < 1 weights small gradients up, noise C/s)
@@ -90,13 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "interval": "95% Student-t over seeds; differences paired by seed"},
         "environment": environment(),
     }
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    results["plots"] = plot(results, out)
-    results["timing"] = {"train_s": train_s, "wall_s": timer.seconds()}
-    write_outputs(out, results, summary(results))
-    print(f"mlp_clipping: {len(runs)} runs in {results['timing']['wall_s']} s -> {out}/summary.md")
-    return results
+    return finish(args.output_dir, results, plot=lambda out: plot(results, out), summary=summary, timer=timer,
+                  train_s=train_s, label=f"mlp_clipping: {len(runs)} runs")
 
 
 def stats(runs: list[dict], g: dict) -> list[dict]:

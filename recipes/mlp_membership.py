@@ -27,7 +27,7 @@ import torch
 
 from dpllm.mlp.data import Split, load_dataset
 from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
-                              quiet_warnings, recipe_parser, save_figure, t_interval, write_outputs)
+                              quiet_warnings, recipe_parser, save_figure, t_interval, finish)
 from dpllm.mlp.train import MLPRun, plan_for, predict, train_mlp
 from mia.attacks import loss_attack
 from mia.lira import lira_online, logit_confidence_from_logits
@@ -135,13 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "calibration": "plan_privacy(target_epsilon, accountant='rdp')"},
         "dataset": data.info, "environment": environment(),
     }
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    results["plots"] = plot(results, out)
-    results["timing"] = {"train_s": train_s, "wall_s": timer.seconds()}
-    write_outputs(out, results, summary(results))
-    print(f"mlp_membership: {len(runs)} models in {results['timing']['wall_s']} s -> {out}/summary.md")
-    return results
+    return finish(args.output_dir, results, plot=lambda out: plot(results, out), summary=summary, timer=timer,
+                  train_s=train_s, label=f"mlp_membership: {len(runs)} models")
 
 
 def _thin(fpr: np.ndarray, tpr: np.ndarray, n: int = 200) -> dict:

@@ -23,7 +23,7 @@ import torch
 
 from dpllm.mlp.data import load_dataset
 from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
-                              quiet_warnings, recipe_parser, save_figure, write_outputs)
+                              quiet_warnings, recipe_parser, save_figure, finish)
 from dpllm.mlp.train import MLPRun, epsilons, plan_for, train_mlp
 
 SIGMAS = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -108,13 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
                                                     "accuracy": {str(k): v for k, v in SEED_002_ACCURACY.items()}},
         "environment": environment(),
     }
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    results["plots"] = plot(results, out)
-    results["timing"] = {"train_s": train_s, "wall_s": timer.seconds()}
-    write_outputs(out, results, summary(results))
-    print(f"mlp_privacy_cliff: {len(runs)} runs in {results['timing']['wall_s']} s -> {out}/summary.md")
-    return results
+    return finish(args.output_dir, results, plot=lambda out: plot(results, out), summary=summary, timer=timer,
+                  train_s=train_s, label=f"mlp_privacy_cliff: {len(runs)} runs")
 
 
 def _acc(res: dict, sigma: float, clip: float) -> dict | None:

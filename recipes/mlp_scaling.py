@@ -22,7 +22,7 @@ import torch
 
 from dpllm.mlp.data import load_dataset
 from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
-                              quiet_warnings, recipe_parser, save_figure, write_outputs)
+                              quiet_warnings, recipe_parser, save_figure, finish)
 from dpllm.mlp.train import MLPRun, plan_for, train_mlp
 from dpllm.scaling import ScalingError, fit_form
 
@@ -89,13 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
                      "levels": [[lab, s] for lab, s in LEVELS], "grad_sample_mode": "hooks", "clipping": "flat"},
         "dataset": data.info, "seed_000_reported": SEED_000, "environment": environment(),
     }
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    results["plots"] = plot(runs, fits, out)
-    results["timing"] = {"train_s": train_s, "wall_s": timer.seconds()}
-    write_outputs(out, results, summary(results))
-    print(f"mlp_scaling: {len(runs)} runs in {results['timing']['wall_s']} s -> {out}/summary.md")
-    return results
+    return finish(args.output_dir, results, plot=lambda out: plot(runs, fits, out), summary=summary, timer=timer,
+                  train_s=train_s, label=f"mlp_scaling: {len(runs)} runs")
 
 
 def summary(res: dict) -> str:

@@ -118,6 +118,22 @@ def write_outputs(out_dir: str | Path, results: dict, summary: str) -> Path:
     return out
 
 
+def finish(out_dir: str | Path, results: dict, *, plot, summary, timer, train_s: float, label: str) -> dict:
+    """Plots, timing, ``results.json`` and ``summary.md`` of a finished study; prints where they are.
+
+    Args:
+        plot: ``plot(out_dir) -> [file names]``; summary: ``summary(results) -> markdown``.
+        timer: started at the recipe's start (its ``seconds()`` is the wall time); label: the printed prefix.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results["plots"] = plot(out)
+    results["timing"] = {"train_s": train_s, "wall_s": timer.seconds()}
+    write_outputs(out, results, summary(results))
+    print(f"{label} in {results['timing']['wall_s']} s -> {out}/summary.md")
+    return results
+
+
 def save_figure(fig, path: Path) -> str:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
