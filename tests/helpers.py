@@ -39,3 +39,15 @@ def tiny_model(kind: str = "tiny-llama", finetuning: str = "full", *, dp: bool =
 def batch_of(tok, texts=TEXTS, max_length: int = 48) -> dict:
     items = [torch.tensor(x) for x in tok(list(texts), truncation=True, max_length=max_length)["input_ids"]]
     return make_collate(tok.pad_token_id)(items)
+
+
+def load_recipe(name: str):
+    """Import ``recipes/<name>.py`` as a module (recipes are scripts, not a package)."""
+    import importlib.util
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "recipes", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

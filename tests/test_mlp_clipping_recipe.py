@@ -1,20 +1,11 @@
 """recipes/mlp_clipping.py --quick in-process: every arm at the same σ and ε, intervals well formed."""
 
-import importlib.util
-import os
 
 import pytest
 
+from tests.helpers import load_recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def load_recipe(name: str):
-    """Import ``recipes/<name>.py`` as a module (recipes are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "recipes", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

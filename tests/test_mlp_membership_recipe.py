@@ -1,21 +1,12 @@
 """recipes/mlp_membership.py --quick in-process, and its shadow design."""
 
-import importlib.util
-import os
 
 import numpy as np
 import pytest
 
+from tests.helpers import load_recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-
-def load_recipe(name: str):
-    """Import ``recipes/<name>.py`` as a module (recipes are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "recipes", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,13 @@
 """recipes/mlp_scaling.py --quick, run in-process: files, structure, ε bookkeeping, fits."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
+from tests.helpers import load_recipe
+
 from dpllm.privacy.accounting import compute_epsilon
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def load_recipe(name: str):
-    """Import ``recipes/<name>.py`` as a module (recipes are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "recipes", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
