@@ -15,6 +15,11 @@ lower bound is larger: a privacy bug)::
 
     python -m mia canaries --run runs/x
 
+Likelihood-ratio attack (LiRA) with shadow models trained like the run, each on half of its
+members + non-members (slow: trains SHADOWS models)::
+
+    python -m mia lira --run runs/x --shadows 8 [--offline] [--max-records N] [--out DIR]
+
 Exit codes: 0 ok, 1 privacy bug found by ``canaries``, 2 bad input.
 """
 
@@ -69,6 +74,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "(valid), chosen on half the canaries (valid), or plain max (optimistic)")
     c.add_argument("--out", default=None, help="output directory (default: RUN_DIR/audit)")
     _common(c)
+
+    l_ = sub.add_parser("lira", help="LiRA (Carlini et al. 2022) with shadow models trained like the run")
+    l_.add_argument("--run", required=True, help="run directory (splits.json, config.yaml, checkpoint/)")
+    l_.add_argument("--shadows", type=int, default=8,
+                    help="number of shadow models, even and >= 4 (trained in complementary pairs)")
+    l_.add_argument("--offline", action="store_true",
+                    help="offline LiRA (OUT shadows only) instead of online")
+    l_.add_argument("--max-records", type=int, default=None,
+                    help="use at most this many members and this many non-members (random, seeded)")
+    l_.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap replicates for CIs")
+    l_.add_argument("--out", default=None,
+                    help="output directory for shadows/ and lira_report.* (default: RUN_DIR/audit)")
+    l_.add_argument("--batch-size", type=int, default=8, help="records per forward pass")
+    l_.add_argument("--device", default="cpu", help="device for scoring (training follows the run config)")
+    l_.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16")
+    l_.add_argument("--seed", type=int, default=0,
+                    help="seed for subsampling, shadow halves, shadow training seeds, bootstrap")
+    l_.add_argument("--no-progress", action="store_true", help="hide progress bars")
     return parser
 
 
@@ -143,11 +166,29 @@ def cmd_canaries(args) -> int:
     return 0
 
 
+def cmd_lira(args) -> int:
+    from mia import shadows
+
+    run = Path(args.run)
+    out = Path(args.out) if args.out else run / "audit"
+    rep, scores, details = shadows.lira_audit(
+        run, n_shadows=args.shadows, out_dir=out, offline=args.offline,
+        max_records=args.max_records, seed=args.seed, batch_size=args.batch_size,
+        device=args.device, dtype=args.dtype, n_bootstrap=args.n_bootstrap,
+        progress=not args.no_progress)
+    paths = shadows.write_lira_report(rep, scores, out, details=details)
+    lira, loss = rep["attacks"]["lira"], rep["attacks"]["loss"]
+    print(f"{rep['variant']} LiRA, {rep['n_shadows']} shadows: AUC {lira['auc']:.3f} "
+          f"(loss attack {loss['auc']:.3f})")
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        return {"audit": cmd_audit, "canaries": cmd_canaries}[args.command](args)
+        return {"audit": cmd_audit, "canaries": cmd_canaries, "lira": cmd_lira}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"python -m mia {args.command}: error: {err}", file=sys.stderr)
         return 2
