@@ -79,36 +79,58 @@ def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
     return path
 
 
+def write_attack_report(report: dict, scores: dict[str, tuple[np.ndarray, np.ndarray]], out_dir: str | Path, *,
+                        stem: str, title: str, summary: str, extra_scores: dict | None = None, plot: bool = True,
+                        plot_title: str = "Membership inference ROC") -> dict[str, Path]:
+    """Write ``{stem}_report.json``, ``{stem}_scores.json``, ``{stem}_report.md`` and ``{stem}_roc.png``.
+
+    Each file is written atomically (temp file + rename), so a crash never leaves half a report.
+
+    Args:
+        report: Settings plus ``"attacks"`` (metrics per attack), as from :func:`mia.audit.run_audit`.
+        scores: ``{attack: (member_scores, nonmember_scores)}``.
+        out_dir: Directory (created if missing).
+        stem: File-name prefix (``mia``, ``lira``).
+        title, summary: The markdown heading and the paragraph under it.
+        extra_scores: More JSON-serialisable entries for the scores file (no texts).
+        plot: Also draw the ROC PNG; plot_title: its title.
+
+    Returns:
+        ``{"json", "scores", "md", "png"?}`` paths.
+    """
+    from dpllm.io import write_text_atomic
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / f"{stem}_report.json", "scores": out / f"{stem}_scores.json",
+             "md": out / f"{stem}_report.md"}
+    write_text_atomic(paths["json"], json.dumps({**report, "conventions": CONVENTIONS}, indent=2) + "\n")
+    data = {k: {"members": np.asarray(m).tolist(), "nonmembers": np.asarray(n).tolist()}
+            for k, (m, n) in scores.items()}
+    data.update(extra_scores or {})
+    write_text_atomic(paths["scores"], json.dumps(data) + "\n")
+    md = [title, "", summary, "", markdown_table(report), "", f"Conventions: {CONVENTIONS}", ""]
+    if plot:
+        paths["png"] = plot_roc(scores, out / f"{stem}_roc.png", title=plot_title)
+        md += [f"![ROC]({stem}_roc.png)", ""]
+    write_text_atomic(paths["md"], "\n".join(md))
+    return paths
+
+
 def write_audit_report(report: dict, scores: dict[str, tuple[np.ndarray, np.ndarray]],
                        out_dir: str | Path, *, plot: bool = True) -> dict[str, Path]:
-    """Write the JSON, scores, markdown and PNG of an audit.
+    """Write ``mia_report.json``, ``mia_scores.json``, ``mia_report.md`` and ``mia_roc.png`` of an audit.
 
     Args:
         report: The dict from :func:`mia.audit.run_audit` (``"attacks"``, ``"fprs"``, settings).
         scores: ``{attack: (member_scores, nonmember_scores)}``.
         out_dir: Directory (created if missing).
         plot: Also draw the ROC PNG.
-
-    Returns:
-        ``{"json", "scores", "md", "png"?}`` paths.
     """
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "mia_report.json", "scores": out / "mia_scores.json",
-             "md": out / "mia_report.md"}
-    paths["json"].write_text(json.dumps({**report, "conventions": CONVENTIONS}, indent=2) + "\n")
-    paths["scores"].write_text(json.dumps(
-        {k: {"members": np.asarray(m).tolist(), "nonmembers": np.asarray(n).tolist()}
-         for k, (m, n) in scores.items()}) + "\n")
-    md = [f"# Membership-inference audit of `{report.get('checkpoint', '?')}`", "",
-          f"{report['n_members']} members, {report['n_nonmembers']} non-members; "
-          f"max_length={report.get('max_length')}; CIs {report.get('ci_confidence', 0.95):.0%}.", "",
-          markdown_table(report), "", f"Conventions: {CONVENTIONS}", ""]
-    if plot:
-        paths["png"] = plot_roc(scores, out / "mia_roc.png")
-        md += ["![ROC](mia_roc.png)", ""]
-    paths["md"].write_text("\n".join(md))
-    return paths
+    summary = (f"{report['n_members']} members, {report['n_nonmembers']} non-members; "
+               f"max_length={report.get('max_length')}; CIs {report.get('ci_confidence', 0.95):.0%}.")
+    return write_attack_report(report, scores, out_dir, stem="mia", plot=plot, summary=summary,
+                               title=f"# Membership-inference audit of `{report.get('checkpoint', '?')}`")
 
 
 def write_canary_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
@@ -116,7 +138,9 @@ def write_canary_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "canary_report.json", "md": out / "canary_report.md"}
-    paths["json"].write_text(json.dumps(report, indent=2, default=float) + "\n")
+    from dpllm.io import write_text_atomic
+
+    write_text_atomic(paths["json"], json.dumps(report, indent=2, default=float) + "\n")
     one, cp = report["one_run"], report["clopper_pearson"]
     eps = report["accountant_epsilon"]
     md = [
@@ -134,5 +158,5 @@ def write_canary_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
         f"**Verdict: {report['verdict']}**", "",
         report["message"], "",
     ]
-    paths["md"].write_text("\n".join(md))
+    write_text_atomic(paths["md"], "\n".join(md))
     return paths

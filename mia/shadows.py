@@ -279,27 +279,15 @@ def write_lira_report(report: dict, scores: dict, out_dir: str | Path, *, detail
     Returns:
         ``{"json", "scores", "md", "png"?}`` paths.
     """
-    from mia.report import CONVENTIONS, markdown_table, plot_roc
+    from mia.report import write_attack_report
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "lira_report.json", "scores": out / "lira_scores.json",
-             "md": out / "lira_report.md"}
-    paths["json"].write_text(json.dumps({**report, "conventions": CONVENTIONS}, indent=2) + "\n")
-    data = {k: {"members": np.asarray(m).tolist(), "nonmembers": np.asarray(n).tolist()}
-            for k, (m, n) in scores.items()}
+    summary = (f"{report['variant']} LiRA with {report['n_shadows']} shadow models "
+               f"({'pooled' if report['global_variance'] else 'per-record'} variances); "
+               f"{report['n_members']} members, {report['n_nonmembers']} non-members; "
+               f"max_length={report.get('max_length')}; confidence: {report['confidence']}. "
+               f"`loss` is the plain loss attack on the same records, for comparison.")
+    extra = None
     if details is not None:
-        data["lira_inputs"] = {k: np.asarray(v).tolist() for k, v in details.items()}
-    paths["scores"].write_text(json.dumps(data) + "\n")
-    md = [f"# LiRA audit of `{report['run_dir']}`", "",
-          (f"{report['variant']} LiRA with {report['n_shadows']} shadow models "
-          f"({'pooled' if report['global_variance'] else 'per-record'} variances); "
-          f"{report['n_members']} members, {report['n_nonmembers']} non-members; "
-          f"max_length={report.get('max_length')}; confidence: {report['confidence']}. "
-          f"`loss` is the plain loss attack on the same records, for comparison."), "",
-          markdown_table(report), "", f"Conventions: {CONVENTIONS}", ""]
-    if plot:
-        paths["png"] = plot_roc(scores, out / "lira_roc.png", title="LiRA vs loss attack ROC")
-        md += ["![ROC](lira_roc.png)", ""]
-    paths["md"].write_text("\n".join(md))
-    return paths
+        extra = {"lira_inputs": {k: np.asarray(v).tolist() for k, v in details.items()}}
+    return write_attack_report(report, scores, out_dir, stem="lira", title=f"# LiRA audit of `{report['run_dir']}`",
+                               summary=summary, extra_scores=extra, plot=plot, plot_title="LiRA vs loss attack ROC")
