@@ -27,7 +27,8 @@ import torch
 
 from dpllm.mlp.data import Split, load_dataset
 from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
-                              quiet_warnings, recipe_parser, save_figure, t_interval, finish)
+                              quiet_warnings, recipe_parser, save_figure, t_interval, finish,
+                              plots_line)
 from dpllm.mlp.train import MLPRun, plan_for, predict, train_mlp
 from mia.attacks import loss_attack
 from mia.lira import lira_online, logit_confidence_from_logits
@@ -199,7 +200,7 @@ def summary(res: dict) -> str:
     lines += ["The DP bound: any attack on an (ε, δ)-DP training run has TPR ≤ e^ε·FPR + δ at every FPR "
               "(ε from PRV). Attacks far below the bound mean either a loose bound or a weak attack; above it "
               "would mean a broken guarantee.", "", "## Findings", ""] + findings(res)
-    lines += ["", f"Plots: {', '.join(f'![{p}]({p})' for p in res['plots'])}", ""]
+    lines += plots_line(res["plots"])
     return "\n".join(lines)
 
 

@@ -23,7 +23,7 @@ import torch
 
 from dpllm.mlp.data import load_dataset
 from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
-                              quiet_warnings, recipe_parser, save_figure, finish)
+                              quiet_warnings, recipe_parser, save_figure, finish, seed_findings)
 from dpllm.mlp.train import MLPRun, epsilons, plan_for, train_mlp
 
 SIGMAS = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -159,11 +159,7 @@ def summary(res: dict) -> str:
                   "then spends about a minute and returns ∞; dpllm itself would fall back to RDP). The last "
                   "column divides PRV (or RDP where PRV is missing) by the seed's value.", ""]
     lines += explain_epsilon(res) + [""]
-    other = r0["dataset"] != "gaussian"
-    lines += ["## Findings beside seed 002", ""] + (
-        [f"Seed 002 trained on Gaussian clusters; on `{r0['dataset']}` its numbers are context, not a "
-         "reproduction target.", ""] if other else []) + findings(res) + [
-        "", f"Plots: {', '.join(f'![{p}]({p})' for p in res['plots'])}", ""]
+    lines += seed_findings("002", r0["dataset"], findings(res), res["plots"])
     return "\n".join(lines)
 
 

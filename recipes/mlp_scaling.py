@@ -22,7 +22,7 @@ import torch
 
 from dpllm.mlp.data import load_dataset
 from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
-                              quiet_warnings, recipe_parser, save_figure, finish)
+                              quiet_warnings, recipe_parser, save_figure, finish, seed_findings)
 from dpllm.mlp.train import MLPRun, plan_for, train_mlp
 from dpllm.scaling import ScalingError, fit_form
 
@@ -142,11 +142,7 @@ def summary(res: dict) -> str:
         rows.append(row)
     hdr = ["width", "N"] + [h for lab in levels for h in (f"loss {lab}", f"acc {lab}")]
     lines += [markdown_table(hdr, rows), ""]
-    other = r0["dataset"] != "gaussian"
-    lines += ["## Findings beside seed 000", ""] + (
-        [f"Seed 000 trained on Gaussian clusters; on `{r0['dataset']}` its numbers are context, not a "
-         "reproduction target.", ""] if other else []) + findings(res) + [
-        "", f"Plots: {', '.join(f'![{p}]({p})' for p in res['plots'])}", ""]
+    lines += seed_findings("000", r0["dataset"], findings(res), res["plots"])
     return "\n".join(lines)
 
 

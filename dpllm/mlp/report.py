@@ -118,6 +118,18 @@ def write_outputs(out_dir: str | Path, results: dict, summary: str) -> Path:
     return out
 
 
+def plots_line(plots: list[str]) -> list[str]:
+    """The markdown line that shows every plot of a summary."""
+    return ["", f"Plots: {', '.join(f'![{p}]({p})' for p in plots)}", ""]
+
+
+def seed_findings(seed: str, dataset: str, findings: list[str], plots: list[str]) -> list[str]:
+    """'Findings beside seed NNN' section: our findings, flagged as context when the data set differs."""
+    caveat = ([f"Seed {seed} trained on Gaussian clusters; on `{dataset}` its numbers are context, not a "
+               "reproduction target.", ""] if dataset != "gaussian" else [])
+    return [f"## Findings beside seed {seed}", ""] + caveat + findings + plots_line(plots)
+
+
 def finish(out_dir: str | Path, results: dict, *, plot, summary, timer, train_s: float, label: str) -> dict:
     """Plots, timing, ``results.json`` and ``summary.md`` of a finished study; prints where they are.
 
