@@ -22,7 +22,7 @@ def test_text_output_sigma_gives_the_printed_epsilon_under_target(capsys):
     # Default accountant (prv), as a user would run it; no table to keep the test quick.
     assert main([*BASE, "--target-epsilon", "8", "--epsilons", ""]) == 0
     out = capsys.readouterr().out
-    assert "sample rate q=1/⌈N/B⌉=0.00102354" in out and "steps=977 (ceil(1 epochs × N/B))" in out
+    assert "sample rate q=1/⌈N/B⌉=0.00102354" in out and "steps=977 (ceil(1 epochs × ⌈N/B⌉))" in out
     m = re.search(r"target epsilon 8: noise multiplier σ=([\d.]+) → epsilon=([\d.]+), NSR=([\d.e-]+)", out)
     assert m, out
     sigma, eps, nsr = (float(g) for g in m.groups())
@@ -84,8 +84,13 @@ def test_epochs_and_steps_are_exclusive(capsys):
 
 
 def test_pure_helpers():
-    assert steps_for(num_records=1000, batch=300, epochs=1.5) == 5  # ceil(1.5 · 1000 / 300) = ceil(5.0)
-    assert steps_for(num_records=1000, batch=300, epochs=2) == 7
+    # an epoch is ⌈1000/300⌉ = 4 Poisson batches, as in the trainer
+    assert steps_for(num_records=1000, batch=300, epochs=1.5) == 6
+    assert steps_for(num_records=1000, batch=300, epochs=2) == 8
+    from dpllm.privacy.engine import steps_for as trainer_steps
+
+    for n, b, e in [(1000, 300, 1.5), (1_000_000, 1024, 3), (699, 128, 7)]:
+        assert steps_for(num_records=n, batch=b, epochs=e) == trainer_steps(e, None, -(-n // b))
     assert steps_for(num_records=1000, batch=300, steps=11) == 11
     with pytest.raises(PrivacyPlanError, match="exactly one of epochs or steps"):
         steps_for(num_records=1000, batch=300)

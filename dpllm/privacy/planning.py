@@ -29,7 +29,8 @@ SIGMA_DIGITS = 4
 
 
 def steps_for(*, num_records: int, batch: int, epochs: float | None = None, steps: int | None = None) -> int:
-    """Optimizer steps: ``steps`` if given, else ceil(epochs·N/B).
+    """Optimizer steps: ``steps`` if given, else ceil(epochs·⌈N/B⌉), exactly as the trainer counts them
+    (:func:`dpllm.privacy.engine.steps_for`: an epoch is ⌈N/B⌉ Poisson batches at q = 1/⌈N/B⌉).
 
     Raises:
         PrivacyPlanError: neither or both given, or a non-positive value.
@@ -42,7 +43,9 @@ def steps_for(*, num_records: int, batch: int, epochs: float | None = None, step
         return int(steps)
     if not epochs > 0:
         raise PrivacyPlanError(f"epochs={epochs} must be positive")
-    return math.ceil(epochs * num_records / batch)
+    from dpllm.privacy.engine import steps_for as trainer_steps
+
+    return trainer_steps(epochs, None, math.ceil(num_records / batch))
 
 
 def noise_to_signal(*, noise_multiplier: float, max_grad_norm: float, batch: int, grad_norm: float) -> float:
@@ -144,7 +147,7 @@ def format_plan(plan: dict) -> str:
     """The human view of :func:`plan_privacy`'s result."""
     lines = [
         f"records N={plan['num_records']:,}  batch B={plan['batch']:,}  sample rate q=1/⌈N/B⌉={plan['sample_rate']:.6g}",
-        f"steps={plan['steps']:,}" + (f" (ceil({plan['epochs']:g} epochs × N/B))" if plan["epochs"] else "")
+        f"steps={plan['steps']:,}" + (f" (ceil({plan['epochs']:g} epochs × ⌈N/B⌉))" if plan["epochs"] else "")
         + f"  delta={plan['delta']:g}  accountant={plan['accountant']}",
         f"clip C={plan['max_grad_norm']:g}  assumed mean grad norm ḡ={plan['grad_norm']:g}  NSR = σ·C/(B·ḡ)",
     ]
