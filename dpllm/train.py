@@ -34,7 +34,8 @@ from dpllm.distributed import (World, all_max, all_sum, barrier, check_paralleli
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
 from dpllm.models import (check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
                           prepare_model)
-from dpllm.privacy.engine import PrivacyPlan, make_private, plan_privacy, sequence_loss, steps_for
+from dpllm.privacy.engine import make_private, sequence_loss
+from dpllm.privacy.plan import PrivacyPlan, plan_privacy, steps_for
 from dpllm.sampling import ShuffledBatchSampler, stream_seed
 
 log = logging.getLogger(__name__)
@@ -209,12 +210,14 @@ def train(cfg: RunConfig) -> dict:
     collate = D.make_collate(tokenizer.pad_token_id)
     empty = {k: torch.zeros((0, 1), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
     batches_per_epoch = math.ceil(len(train_ds) / t.logical_batch_size)
-    steps = steps_for(t.epochs, t.max_steps, batches_per_epoch)
+    steps = steps_for(num_records=len(train_ds), batch=t.logical_batch_size, epochs=t.epochs,
+                      steps=None if t.epochs is not None else t.max_steps)
 
     plan: Optional[PrivacyPlan] = None
     if dp:
-        plan = plan_privacy(p, num_records=len(train_ds), num_batches_per_epoch=batches_per_epoch,
-                            steps=steps, prior_history=prior_history)
+        plan = plan_privacy(num_records=len(train_ds), logical_batch_size=t.logical_batch_size, steps=steps,
+                            target_epsilon=p.target_epsilon, delta=p.target_delta, accountant=p.accountant,
+                            noise_multiplier=p.noise_multiplier, prior_history=prior_history)
     params = [q for q in model.parameters() if q.requires_grad]
     optimizer = _make_optimizer(params, cfg)
     from transformers import get_scheduler

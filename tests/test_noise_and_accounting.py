@@ -8,7 +8,8 @@ import torch
 from dpllm.config import PrivacyConfig
 from dpllm.data import TokenizedRecords, make_collate
 from dpllm.privacy.accounting import PrivacyPlanError, calibrate_noise, check_delta, compute_epsilon
-from dpllm.privacy.engine import PrivacyPlan, make_private, plan_privacy
+from dpllm.privacy.engine import PrivacyPlan, make_private
+from dpllm.privacy.plan import plan_privacy
 from dpllm.train import forward_loss
 from tests.helpers import TEXTS, batch_of, tiny_model
 
@@ -74,16 +75,17 @@ def test_bad_delta_refused(delta, n):
 
 
 def test_plan_refuses_given_noise_over_target():
-    cfg = PrivacyConfig(target_epsilon=1.0, noise_multiplier=0.5, target_delta=1e-5)
     with pytest.raises(PrivacyPlanError, match="gives ε="):
-        plan_privacy(cfg, num_records=1000, num_batches_per_epoch=10, steps=100)
+        plan_privacy(num_records=1000, logical_batch_size=100, steps=100, target_epsilon=1.0, noise_multiplier=0.5,
+                     delta=1e-5, accountant="prv")
 
 
 def test_plan_composes_with_prior_stage():
-    cfg = PrivacyConfig(target_epsilon=6.0, target_delta=1e-5, accountant="rdp")
+    common = dict(num_records=1000, logical_batch_size=100, steps=50, target_epsilon=6.0, delta=1e-5,
+                  accountant="rdp")
     prior = [(1.0, 0.1, 50)]
-    plan = plan_privacy(cfg, num_records=1000, num_batches_per_epoch=10, steps=50, prior_history=prior)
+    plan = plan_privacy(**common, prior_history=prior)
     total = compute_epsilon(noise_multiplier=1.0, sample_rate=0.1, steps=50, delta=1e-5, accountant="rdp")
     assert total < plan.epsilon() <= 6.0
-    alone = plan_privacy(cfg, num_records=1000, num_batches_per_epoch=10, steps=50)
+    alone = plan_privacy(**common)
     assert plan.noise_multiplier > alone.noise_multiplier  # the earlier stage spent part of the budget

@@ -13,7 +13,8 @@ import pytest
 
 from dpllm.cli import main
 from dpllm.privacy.accounting import PrivacyPlanError, compute_epsilon
-from dpllm.privacy.planning import noise_to_signal, plan_privacy, round_up, steps_for
+from dpllm.privacy.plan import steps_for
+from dpllm.privacy.planning import noise_to_signal, plan_table, round_up
 
 BASE = ["plan", "--num-records", "1000000", "--batch", "1024", "--epochs", "1", "--delta", "1e-7"]
 
@@ -87,17 +88,16 @@ def test_pure_helpers():
     # an epoch is ⌈1000/300⌉ = 4 Poisson batches, as in the trainer
     assert steps_for(num_records=1000, batch=300, epochs=1.5) == 6
     assert steps_for(num_records=1000, batch=300, epochs=2) == 8
-    from dpllm.privacy.engine import steps_for as trainer_steps
-
-    for n, b, e in [(1000, 300, 1.5), (1_000_000, 1024, 3), (699, 128, 7)]:
-        assert steps_for(num_records=n, batch=b, epochs=e) == trainer_steps(e, None, -(-n // b))
+    # 3 epochs at N = 1e6, B = 1024: ⌈N/B⌉ = 977 batches an epoch, 2931 steps (not ⌈3·N/B⌉ = 2930)
+    assert steps_for(num_records=1_000_000, batch=1024, epochs=3) == 2931
+    assert steps_for(num_records=699, batch=128, epochs=7) == 42
     assert steps_for(num_records=1000, batch=300, steps=11) == 11
     with pytest.raises(PrivacyPlanError, match="exactly one of epochs or steps"):
         steps_for(num_records=1000, batch=300)
     assert round_up(0.43383) == 0.4339 and round_up(0.4339) == 0.4339 and round_up(12.3401) == 12.35
     assert noise_to_signal(noise_multiplier=2.0, max_grad_norm=1.0, batch=100, grad_norm=0.25) == 0.08
     with pytest.raises(PrivacyPlanError, match="1/N"):
-        plan_privacy(num_records=10, batch=2, delta=0.5, epochs=1)
+        plan_table(num_records=10, batch=2, delta=0.5, epochs=1)
 
 
 def test_console_script_runs_once_as_a_subprocess():

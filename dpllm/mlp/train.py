@@ -1,6 +1,6 @@
 """One MLP training run, private or not, through the same privacy engine as the LLM trainer.
 
-A private run goes plan → wrap → loop: :func:`plan_for` calls :func:`dpllm.privacy.engine.plan_privacy`
+A private run goes plan → wrap → loop: :func:`plan_for` calls :func:`dpllm.privacy.plan.plan_privacy`
 (σ given, or calibrated to a target ε), :func:`train_mlp` calls :func:`~dpllm.privacy.engine.make_private`
 (Opacus per-sample gradients, Poisson sampling at q = 1/⌈N/B⌉, the clipping registry, Gaussian noise,
 the accountant), then runs plain SGD steps. A non-private run is the same loop with the same Poisson
@@ -36,7 +36,8 @@ from dpllm.config import PrivacyConfig
 from dpllm.mlp.data import Split
 from dpllm.privacy import accounting
 from dpllm.privacy.accounting import PRV_SKIP_ABOVE  # one threshold for the engine and the studies
-from dpllm.privacy.engine import PrivacyPlan, add_empty_share, make_private, plan_privacy
+from dpllm.privacy.engine import add_empty_share, make_private
+from dpllm.privacy.plan import PrivacyPlan, batches_per_epoch, plan_privacy
 from dpllm.sampling import PoissonBatchSampler, stream_seed
 
 
@@ -103,10 +104,6 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def batches_per_epoch(n_train: int, batch_size: int) -> int:
-    return math.ceil(n_train / batch_size)
-
-
 def epsilons(*, noise_multiplier: float, sample_rate: float, steps: int, delta: float,
              cache: Optional[dict] = None) -> dict:
     """ε of a finished run under both Opacus accountants, via :func:`dpllm.privacy.accounting.compute_epsilon`.
@@ -157,8 +154,9 @@ def plan_for(run: MLPRun, *, n_train: int, cache: Optional[dict] = None) -> Priv
     key = (run.noise_multiplier, run.target_epsilon, run.delta, accountant, n_train, nb, steps)
     plans = {} if cache is None else cache.setdefault("plans", {})
     if key not in plans:
-        plans[key] = plan_privacy(run.privacy_config(accountant), num_records=n_train, num_batches_per_epoch=nb,
-                                  steps=steps)
+        plans[key] = plan_privacy(num_records=n_train, logical_batch_size=run.batch_size, steps=steps,
+                                  target_epsilon=run.target_epsilon, delta=run.delta, accountant=accountant,
+                                  noise_multiplier=run.noise_multiplier)
     return plans[key]
 
 

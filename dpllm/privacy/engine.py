@@ -1,10 +1,11 @@
 """Opacus wrapping for causal LMs: one place where model, optimizer and data become private.
 
 :func:`make_private` turns a model, optimizer and record dataset into a :class:`PrivateTraining`:
-Poisson sampling at rate q = 1/len(loader) (Opacus's own definition), noise calibrated to the target ε
+Poisson sampling at the plan's rate q (:mod:`dpllm.privacy.plan`: Opacus is never left to derive its own q
+from a loader length, which for 6.7% of batch counts k ≤ 10⁴ is not 1/k), noise calibrated to the target ε
 with the same accountant that reports it, ghost clipping (or hooks), and the clipping function from
 :mod:`dpllm.privacy.clipping`. Batches come from :class:`dpllm.sampling.PoissonBatchSampler`, whose
-generator a checkpoint saves, and which gives every process its share of the same global batch.
+generator a resumable checkpoint saves, and which gives every process its share of the same global batch.
 :func:`sequence_loss` is the only loss the trainer uses: one loss per record (mean over its real
 tokens) so the per-sample unit is the record.
 """
@@ -12,8 +13,7 @@ tokens) so the per-sample unit is the record.
 from __future__ import annotations
 
 import logging
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -23,68 +23,9 @@ from torch.utils.data import DataLoader, Dataset
 from dpllm.config import PrivacyConfig
 from dpllm.privacy import accounting
 from dpllm.privacy.accounting import PrivacyPlanError
+from dpllm.privacy.plan import PrivacyPlan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PrivacyPlan:
-    """Everything the accountant needs, decided before any training step."""
-
-    num_records: int
-    sample_rate: float
-    steps: int
-    noise_multiplier: float
-    delta: float
-    accountant: str
-    expected_batch_size: int
-    prior_history: list = field(default_factory=list)
-
-    def epsilon(self, steps: Optional[int] = None) -> float:
-        steps = self.steps if steps is None else steps
-        return accounting.compute_epsilon_history(
-            history=self.prior_history + [(self.noise_multiplier, self.sample_rate, steps)],
-            delta=self.delta,
-            accountant=self.accountant,
-        )
-
-
-def plan_privacy(
-    cfg: PrivacyConfig,
-    *,
-    num_records: int,
-    num_batches_per_epoch: int,
-    steps: int,
-    prior_history: Optional[list] = None,
-) -> PrivacyPlan:
-    """Check δ, pick or check the noise multiplier, and return the plan; all before training starts.
-
-    Raises:
-        PrivacyPlanError: δ ≥ 1/N, an unreachable target ε, or a given noise multiplier whose ε exceeds
-            the target.
-    """
-    accounting.check_delta(cfg.target_delta, num_records)
-    accounting.check_accountant(cfg.accountant)
-    prior = list(prior_history or [])
-    q = 1.0 / num_batches_per_epoch  # Opacus's DPDataLoader samples each record with this probability
-    if cfg.noise_multiplier is None:
-        sigma = accounting.calibrate_noise(
-            target_epsilon=cfg.target_epsilon, delta=cfg.target_delta, sample_rate=q, steps=steps,
-            accountant=cfg.accountant, prior_history=prior,
-        )
-    else:
-        sigma = float(cfg.noise_multiplier)
-    plan = PrivacyPlan(
-        num_records=num_records, sample_rate=q, steps=steps, noise_multiplier=sigma, delta=cfg.target_delta,
-        accountant=cfg.accountant, expected_batch_size=int(num_records * q), prior_history=prior,
-    )
-    eps = plan.epsilon()
-    if cfg.target_epsilon is not None and eps > cfg.target_epsilon:
-        raise PrivacyPlanError(
-            f"noise_multiplier={sigma:g} over {steps:,} steps at sample rate {q:.4g} gives ε={eps:.3f} > "
-            f"target_epsilon={cfg.target_epsilon}; raise noise_multiplier, lower steps, or unset it to calibrate"
-        )
-    return plan
 
 
 def sequence_loss(logits: torch.Tensor, labels: torch.Tensor, criterion: Optional[Callable] = None):
@@ -164,9 +105,15 @@ def make_private(
     from dpllm.sampling import PoissonBatchSampler
 
     engine = PrivacyEngine(accountant=plan.accountant, secure_mode=cfg.secure_mode)
-    loader = DataLoader(dataset, batch_size=logical_batch_size, shuffle=False, collate_fn=collate_fn)
-    if abs(1.0 / len(loader) - plan.sample_rate) > 1e-12:
-        raise PrivacyPlanError("sample rate changed between planning and wrapping; this is a dpllm bug")
+    # Our own Poisson sampler over the whole dataset, never skipping a process's empty share (Opacus's
+    # distributed sampler does, desynchronising step counts), with a generator whose state a resumable
+    # checkpoint saves. It is handed to Opacus as an already-sampling loader (poisson_sampling=False), and
+    # the accountant hook is attached with the plan's q below, so q has exactly one source.
+    sampler = PoissonBatchSampler(num_samples=len(dataset), sample_rate=plan.sample_rate, rank=rank,
+                                  world_size=world_size,
+                                  generator=engine.secure_rng if cfg.secure_mode else sampling_generator)
+    # DataLoader's own generator only seeds worker processes; a private one keeps it off the global RNG.
+    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=torch.Generator())
     criterion = nn.CrossEntropyLoss(ignore_index=-100)
     fn = clipping.get(cfg.clipping)
     out = engine.make_private(
@@ -176,7 +123,7 @@ def make_private(
         data_loader=loader,
         noise_multiplier=plan.noise_multiplier,
         max_grad_norm=fn.sensitivity(cfg),
-        poisson_sampling=True,
+        poisson_sampling=False,
         grad_sample_mode=cfg.grad_sample_mode,
         noise_generator=noise_generator,
     )
@@ -184,16 +131,11 @@ def make_private(
         model, optimizer, criterion, loader = out
     else:
         (model, optimizer, loader), criterion = out, None
+    optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=plan.sample_rate))
+    # What Opacus's Poisson mode would also do: a second backward before a step is an error, not a sum.
+    getattr(model, "forbid_grad_accumulation", lambda: None)()
+    optimizer.expected_batch_size = plan.expected_batch_size / world_size
     clipping.install(fn, cfg, model=model, optimizer=optimizer)
-    # Opacus derived q and the expected batch size from its own loader (1/len, per process); keep those
-    # and swap in a sampler that yields the same global batches on any number of processes, never skips
-    # a process's empty share (Opacus's distributed sampler does, desynchronising step counts), and has
-    # a generator whose state a checkpoint can save.
-    sampler = PoissonBatchSampler(num_samples=len(dataset), sample_rate=plan.sample_rate, rank=rank,
-                                  world_size=world_size,
-                                  generator=engine.secure_rng if cfg.secure_mode else sampling_generator)
-    # DataLoader's own generator only seeds worker processes; a private one keeps it off the global RNG.
-    loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=torch.Generator())
     return PrivateTraining(model=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
                            engine=engine, plan=plan, sampler=sampler)
 
@@ -215,8 +157,3 @@ def add_empty_share(optimizer) -> None:
         else:
             p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=p.device)
 
-
-def steps_for(cfg_epochs: Optional[float], max_steps: Optional[int], batches_per_epoch: int) -> int:
-    if cfg_epochs is not None:
-        return max(1, math.ceil(cfg_epochs * batches_per_epoch))
-    return int(max_steps)

@@ -23,29 +23,10 @@ import warnings
 from typing import Any, Sequence
 
 from dpllm.privacy.accounting import ACCOUNTANTS, PrivacyPlanError, calibrate_noise, check_delta, compute_epsilon
+from dpllm.privacy.plan import NOISE_BATCH_WARN, check_finite_positive, sample_rate_for, steps_for
 
 DEFAULT_EPSILONS = (1.0, 2.0, 4.0, 8.0, 10.0)
 SIGMA_DIGITS = 4
-
-
-def steps_for(*, num_records: int, batch: int, epochs: float | None = None, steps: int | None = None) -> int:
-    """Optimizer steps: ``steps`` if given, else ceil(epochs·⌈N/B⌉), exactly as the trainer counts them
-    (:func:`dpllm.privacy.engine.steps_for`: an epoch is ⌈N/B⌉ Poisson batches at q = 1/⌈N/B⌉).
-
-    Raises:
-        PrivacyPlanError: neither or both given, or a non-positive value.
-    """
-    if (epochs is None) == (steps is None):
-        raise PrivacyPlanError("give exactly one of epochs or steps")
-    if steps is not None:
-        if steps <= 0:
-            raise PrivacyPlanError(f"steps={steps} must be positive")
-        return int(steps)
-    if not epochs > 0:
-        raise PrivacyPlanError(f"epochs={epochs} must be positive")
-    from dpllm.privacy.engine import steps_for as trainer_steps
-
-    return trainer_steps(epochs, None, math.ceil(num_records / batch))
 
 
 def noise_to_signal(*, noise_multiplier: float, max_grad_norm: float, batch: int, grad_norm: float) -> float:
@@ -79,7 +60,7 @@ def _accounted(fn, accountant: str, **kw: Any) -> float:
             f"delta={kw['delta']:g} ({err}); use accountant='prv' or 'rdp'") from err
 
 
-def plan_privacy(*, num_records: int, batch: int, delta: float, target_epsilon: float | None = None,
+def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: float | None = None,
                  epochs: float | None = None, steps: int | None = None, accountant: str = "prv",
                  noise_multiplier: float | None = None, max_grad_norm: float = 1.0, grad_norm: float = 1.0,
                  epsilons: Sequence[float] = DEFAULT_EPSILONS) -> dict:
@@ -87,10 +68,10 @@ def plan_privacy(*, num_records: int, batch: int, delta: float, target_epsilon: 
 
     Args:
         num_records: N, private records (the privacy unit).
-        batch: expected logical batch B (Poisson sampling at rate q = B/N).
+        batch: logical batch B (Poisson sampling at rate q = 1/⌈N/B⌉).
         delta: target δ; must be < 1/N.
         target_epsilon: if given, the σ that meets it (``plan["target"]``).
-        epochs, steps: exactly one; steps = ceil(epochs·N/B).
+        epochs, steps: exactly one; steps = ceil(epochs·⌈N/B⌉).
         accountant: ``prv`` (default), ``rdp`` or ``gdp``.
         noise_multiplier: if given, the ε it spends (``plan["given_noise"]``).
         max_grad_norm: clipping bound C; grad_norm: assumed mean per-example gradient norm ḡ.
@@ -104,6 +85,10 @@ def plan_privacy(*, num_records: int, batch: int, delta: float, target_epsilon: 
     Raises:
         PrivacyPlanError: δ ≥ 1/N, B > N, bad sizes, or an unreachable ε.
     """
+    for name, value in (("delta", delta), ("target_epsilon", target_epsilon), ("noise_multiplier", noise_multiplier)):
+        check_finite_positive(name, value)
+    for e in epsilons:
+        check_finite_positive("epsilons", e)
     check_delta(delta, num_records)
     if not 0 < batch <= num_records:
         raise PrivacyPlanError(f"batch={batch} must be in [1, num_records={num_records:,}]")
@@ -111,8 +96,7 @@ def plan_privacy(*, num_records: int, batch: int, delta: float, target_epsilon: 
         if not v > 0:
             raise PrivacyPlanError(f"{name}={v} must be positive")
     n_steps = steps_for(num_records=num_records, batch=batch, epochs=epochs, steps=steps)
-    # The trainer's sampling rate: Opacus's DPDataLoader samples at 1/len(loader) = 1/⌈N/B⌉ (≤ B/N).
-    q = 1.0 / math.ceil(num_records / batch)
+    q = sample_rate_for(num_records, batch)  # the trainer's rate, 1/⌈N/B⌉ (≤ B/N)
     common = {"sample_rate": q, "steps": n_steps, "delta": delta}
 
     def row(target: float | None, sigma: float) -> dict:
@@ -144,7 +128,7 @@ def plan_privacy(*, num_records: int, batch: int, delta: float, target_epsilon: 
 
 
 def format_plan(plan: dict) -> str:
-    """The human view of :func:`plan_privacy`'s result."""
+    """The human view of :func:`plan_table`'s result."""
     lines = [
         f"records N={plan['num_records']:,}  batch B={plan['batch']:,}  sample rate q=1/⌈N/B⌉={plan['sample_rate']:.6g}",
         f"steps={plan['steps']:,}" + (f" (ceil({plan['epochs']:g} epochs × ⌈N/B⌉))" if plan["epochs"] else "")
@@ -169,9 +153,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpllm plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--num-records", type=int, required=True, help="private records N (the privacy unit)")
-    p.add_argument("--batch", type=int, required=True, help="expected logical batch size B (q = B/N)")
+    p.add_argument("--batch", type=int, required=True, help="logical batch size B (q = 1/ceil(N/B))")
     length = p.add_mutually_exclusive_group(required=True)
-    length.add_argument("--epochs", type=float, help="epochs; steps = ceil(epochs·N/B)")
+    length.add_argument("--epochs", type=float, help="epochs; steps = ceil(epochs·ceil(N/B))")
     length.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--delta", type=float, required=True, help="target δ, must be < 1/N")
     p.add_argument("--target-epsilon", type=float, help="print the noise multiplier that meets this ε")
@@ -199,7 +183,8 @@ def cli_main(argv: list[str]) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            plan = plan_privacy(
+            print(f"dpllm plan: calibrating with the {args.accountant} accountant...", file=sys.stderr, flush=True)
+            plan = plan_table(
                 num_records=args.num_records, batch=args.batch, delta=args.delta,
                 target_epsilon=args.target_epsilon, epochs=args.epochs, steps=args.steps,
                 accountant=args.accountant, noise_multiplier=args.noise_multiplier,
@@ -208,6 +193,11 @@ def cli_main(argv: list[str]) -> int:
         print(f"dpllm plan: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    t = plan["target"] or plan["given_noise"]
+    if t and t["noise_multiplier"] / args.batch > NOISE_BATCH_WARN:
+        print(f"warning: σ/B = {t['noise_multiplier']:.4g}/{args.batch} = {t['noise_multiplier'] / args.batch:.3g} > "
+              f"{NOISE_BATCH_WARN}: the noise leaves little signal; raise epsilon, the batch or the records",
+              file=sys.stderr)
     for msg in sorted({str(w.message) for w in caught}):  # once each, not once per bisection step
         print(f"note: {msg}", file=sys.stderr)
     return 0

@@ -1,0 +1,167 @@
+"""The privacy plan: q, steps and σ computed in one place, before any model is loaded.
+
+Everything that needs the sampling rate or the step count gets it from here: the trainer, the Opacus
+wrapping (which must not derive its own q), ``dpllm plan``, the report and the ledger. The trainer asserts
+at the end of training that the accountant's history is exactly the plan.
+
+- An epoch is ``k = ⌈N/B⌉`` Poisson batches and each record joins each batch with probability
+  ``q = 1/k`` (≤ B/N, so the expected batch is at most B).
+- ``epochs`` gives ``ceil(epochs · k)`` steps; otherwise ``max_steps`` steps.
+
+Example:
+    >>> batches_per_epoch(1000, 64), sample_rate_for(1000, 64), steps_for(num_records=1000, batch=64, epochs=1.5)
+    (16, 0.0625, 24)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dpllm.privacy import accounting
+from dpllm.privacy.accounting import PrivacyPlanError
+
+log = logging.getLogger(__name__)
+
+# σ/B above this leaves no usable signal: the noise added to the *averaged* clipped gradient then has a
+# per-coordinate standard deviation σ·C/B of at least a tenth of the largest possible norm C of the whole
+# averaged gradient, spread over every one of the model's coordinates. Seen: ε = 0.01 on the demo gives
+# σ/B = 8 and training only adds noise. ε = 8 there gives σ/B ≈ 0.008.
+NOISE_BATCH_WARN = 0.1
+
+
+def check_finite_positive(name: str, value: Optional[float]) -> None:
+    """Refuse NaN, ±inf, zero and negative values with a message that names the value.
+
+    Raises:
+        PrivacyPlanError: ``value`` is not a finite positive number.
+    """
+    if value is None:
+        return
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise PrivacyPlanError(f"{name}={value} must be a finite positive number"
+                               + ("; for a run without DP set privacy.enabled=false" if name == "target_epsilon"
+                                  and value == math.inf else ""))
+
+
+def batches_per_epoch(num_records: int, batch: int) -> int:
+    """k = ⌈N/B⌉ Poisson batches make one expected pass over the data."""
+    if num_records < 1:
+        raise PrivacyPlanError(f"num_records={num_records}: the private dataset is empty")
+    if batch < 1:
+        raise PrivacyPlanError(f"batch={batch} must be positive")
+    return math.ceil(num_records / batch)
+
+
+def sample_rate_for(num_records: int, batch: int) -> float:
+    """q = 1/⌈N/B⌉: the inclusion probability of every record in every Poisson batch."""
+    return 1.0 / batches_per_epoch(num_records, batch)
+
+
+def steps_for(*, num_records: int, batch: int, epochs: Optional[float] = None, steps: Optional[int] = None) -> int:
+    """Optimizer steps: ``steps`` if given, else ``ceil(epochs · ⌈N/B⌉)``.
+
+    Raises:
+        PrivacyPlanError: neither or both given, or a non-positive value.
+    """
+    if (epochs is None) == (steps is None):
+        raise PrivacyPlanError("give exactly one of epochs or steps")
+    if steps is not None:
+        if steps <= 0:
+            raise PrivacyPlanError(f"steps={steps} must be positive")
+        return int(steps)
+    if not (math.isfinite(epochs) and epochs > 0):
+        raise PrivacyPlanError(f"epochs={epochs} must be positive (and finite)")
+    return max(1, math.ceil(epochs * batches_per_epoch(num_records, batch)))
+
+
+@dataclass(frozen=True)
+class PrivacyPlan:
+    """Everything the accountant needs, decided before the model is loaded.
+
+    ``history`` (earlier stages that trained on the same records, then this stage) is what the
+    accountant must hold at the end of training, entry for entry.
+    """
+
+    num_records: int
+    sample_rate: float
+    steps: int
+    noise_multiplier: float
+    delta: float
+    accountant: str
+    expected_batch_size: int
+    prior_history: tuple = field(default_factory=tuple)
+    warnings: tuple = field(default_factory=tuple)
+
+    @property
+    def history(self) -> list[tuple[float, float, int]]:
+        return [tuple(h) for h in self.prior_history] + [(self.noise_multiplier, self.sample_rate, self.steps)]
+
+    def epsilon(self, steps: Optional[int] = None) -> float:
+        """ε after ``steps`` steps of this stage (default: all of them), earlier stages composed."""
+        steps = self.steps if steps is None else steps
+        return accounting.compute_epsilon_history(
+            history=[tuple(h) for h in self.prior_history] + [(self.noise_multiplier, self.sample_rate, steps)],
+            delta=self.delta, accountant=self.accountant)
+
+    def to_json(self) -> dict:
+        """The fields a resumed run must find unchanged (``trainer_state.json``)."""
+        return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "steps": self.steps,
+                "delta": self.delta, "accountant": self.accountant,
+                "prior_history": [list(h) for h in self.prior_history]}
+
+
+def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, target_epsilon: Optional[float],
+                 delta: float, accountant: str, noise_multiplier: Optional[float] = None,
+                 prior_history: Optional[list] = None) -> PrivacyPlan:
+    """Check δ and ε, pick or check σ, and return the plan. Cheap: run it before loading any model.
+
+    Args:
+        num_records: N, records of this stage's private training set.
+        logical_batch_size: B; q = 1/⌈N/B⌉.
+        steps: optimizer steps of this stage.
+        target_epsilon: calibrate σ to this ε (composed after ``prior_history``); None with a given σ.
+        delta: δ; must be < 1/N.
+        accountant: ``prv``, ``rdp`` or ``gdp``.
+        noise_multiplier: use this σ instead of calibrating (its ε must not exceed ``target_epsilon``).
+        prior_history: ``(σ, q, steps)`` of earlier stages that trained on some of these records.
+
+    Raises:
+        PrivacyPlanError: δ ≥ 1/N, a non-finite ε or δ, an unreachable ε, or a given σ over the target.
+    """
+    check_finite_positive("target_epsilon", target_epsilon)
+    check_finite_positive("target_delta", delta)
+    check_finite_positive("noise_multiplier", noise_multiplier)
+    accounting.check_delta(delta, num_records)
+    accounting.check_accountant(accountant)
+    if target_epsilon is None and noise_multiplier is None:
+        raise PrivacyPlanError("set target_epsilon (calibrates the noise) or noise_multiplier")
+    prior = tuple(tuple(h) for h in (prior_history or []))
+    q = sample_rate_for(num_records, logical_batch_size)
+    if noise_multiplier is None:
+        log.info("calibrating σ for ε=%g over %d steps at q=%.4g with the %s accountant", target_epsilon, steps, q,
+                 accountant)
+        sigma = accounting.calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps,
+                                           accountant=accountant, prior_history=list(prior))
+    else:
+        sigma = float(noise_multiplier)
+    expected = int(num_records * q)
+    notes = []
+    if sigma / logical_batch_size > NOISE_BATCH_WARN:
+        notes.append(
+            f"noise leaves little signal: σ/B = {sigma:.4g}/{logical_batch_size} = {sigma / logical_batch_size:.3g} > "
+            f"{NOISE_BATCH_WARN} (per-coordinate noise σ·C/B on the averaged gradient is over a tenth of its largest "
+            "possible norm C); raise target_epsilon, the logical batch or the number of records")
+    plan = PrivacyPlan(num_records=num_records, sample_rate=q, steps=steps, noise_multiplier=sigma, delta=delta,
+                       accountant=accountant, expected_batch_size=expected, prior_history=prior,
+                       warnings=tuple(notes))
+    eps = plan.epsilon()
+    if target_epsilon is not None and eps > target_epsilon:
+        raise PrivacyPlanError(
+            f"noise_multiplier={sigma:g} over {steps:,} steps at sample rate {q:.4g} gives ε={eps:.3f} > "
+            f"target_epsilon={target_epsilon}; raise noise_multiplier, lower steps, or unset it to calibrate")
+    for note in notes:
+        log.warning("privacy plan: %s", note)
+    return plan
