@@ -1,0 +1,187 @@
+"""Book-keeping (BK) clipping: per-sample clipped gradient sums from a single backward pass.
+
+``grad_sample_mode: bk``. During the one backward pass each trainable layer records its activations and
+output gradients (see :mod:`dpllm.privacy.bk.layers` for the per-layer-type rules, ghost norm or
+explicit per layer, whichever is cheaper). When the backward pass ends, an autograd callback
+
+1. adds the layers' per-sample squared norms into each record's norm ‖gᵢ‖,
+2. turns norms into weights cᵢ = w(‖gᵢ‖) with any :mod:`dpllm.privacy.clipping` function,
+3. writes Σᵢ cᵢ·gᵢ into ``p.grad`` for every trainable parameter, from the stored tensors.
+
+Opacus stays the owner of noise, accounting and virtual-batch accumulation: the optimizer is Opacus's
+``DPOptimizerFastGradientClipping`` (``Distributed...`` under DDP), which adds noise to ``p.grad`` exactly
+as for ghost clipping. Unlike Opacus's ghost clipping there is no second backward pass and no special
+criterion: ``loss.backward()`` on the mean over records of each record's loss is all it takes
+(Opacus's ``loss_reduction="mean"`` convention: gradients are scaled back by the number of rows).
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> net = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 1)).double()
+    >>> bk = BookKeepingModule(net, clip_weights=lambda n: (1.0 / n).clamp(max=1.0))
+    >>> bk(torch.randn(5, 3, dtype=torch.float64)).pow(2).mean().backward()
+    >>> bool((bk.last_norms > 0).all()), net[0].weight.grad.shape
+    (True, torch.Size([4, 3]))
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from dpllm.privacy.bk.layers import Record, rule_for
+
+__all__ = ["BookKeepingModule", "make_private_bk", "resolve_mode", "unsupported_layers"]
+
+
+def _trainable_modules(model: nn.Module):
+    for name, m in model.named_modules():
+        if any(p.requires_grad for p in m.parameters(recurse=False)):
+            yield name, m
+
+
+def unsupported_layers(model: nn.Module) -> list[str]:
+    """Trainable layers with no BK rule (``name (Type)``); empty when the model can run under ``bk``."""
+    bad = [f"{n} ({type(m).__name__})" for n, m in _trainable_modules(model) if rule_for(m) is None]
+    seen: dict[int, str] = {}
+    for n, m in _trainable_modules(model):
+        for pn, p in m.named_parameters(recurse=False):
+            if p.requires_grad and id(p) in seen:
+                bad.append(f"{n}.{pn} (parameter shared with {seen[id(p)]})")
+            seen[id(p)] = f"{n}.{pn}"
+    return bad
+
+
+class BookKeepingModule(nn.Module):
+    """Wrap ``module`` so that each backward pass leaves the clipped per-sample gradient sum in ``p.grad``.
+
+    Args:
+        module: the model; every trainable layer must have a rule (:func:`unsupported_layers`).
+        clip_weights: per-sample norms (B,) → weights (B,), e.g. ``lambda n: fn.weights(n, cfg)``.
+        loss_reduction: ``"mean"`` if the loss is the mean over the batch's rows (gradients are scaled
+            by the number of rows), ``"sum"`` if it is their sum.
+
+    Raises:
+        NotImplementedError: a trainable layer without a rule, or a parameter shared by two layers.
+    """
+
+    def __init__(self, module: nn.Module, *, clip_weights: Callable[[torch.Tensor], torch.Tensor],
+                 loss_reduction: str = "mean"):
+        super().__init__()
+        bad = unsupported_layers(module)
+        if bad:
+            raise NotImplementedError(
+                f"grad_sample_mode=bk cannot handle trainable {', '.join(bad[:5])}; freeze them, untie shared "
+                "weights, or use grad_sample_mode: ghost"
+            )
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'")
+        self._module = module
+        self.clip_weights, self.loss_reduction = clip_weights, loss_reduction
+        self.last_norms: Optional[torch.Tensor] = None  # per-sample gradient norms of the last backward
+        self._records: list[Record] = []
+        self._queued = False
+        for _, m in _trainable_modules(module):
+            rule = rule_for(m)
+            record = Record(rule, m, self._on_layer_backward)
+            # The layer runs through the rule's autograd function while attached (undone by detach()).
+            m.forward = functools.partial(rule.forward, m, record)
+            self._records.append(record)
+        self._params = [p for p in module.parameters() if p.requires_grad]
+
+    def set_policy(self, policy: str) -> None:
+        """Per-sample norms of Linear/Conv1D weights: "auto" (the cheaper), "ghost" or "explicit" everywhere."""
+        if policy not in ("auto", "ghost", "explicit"):
+            raise ValueError(f"policy={policy!r}; use auto, ghost or explicit")
+        for r in self._records:
+            r.policy = policy
+
+    def forward(self, *args, **kwargs):
+        for r in self._records:  # left over only if an earlier backward pass failed half-way
+            r.clear()
+        return self._module(*args, **kwargs)
+
+    def detach(self) -> nn.Module:
+        """Restore the layers' own forward methods and return the bare module."""
+        for r in self._records:
+            r.module.__dict__.pop("forward", None)
+        self._records = []
+        return self._module
+
+    def _on_layer_backward(self) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    @torch.no_grad()
+    def _finish_backward(self) -> None:
+        self._queued = False
+        active = [r for r in self._records if r.batch_size() is not None]
+        if not active:
+            return
+        sizes = {r.batch_size() for r in active}
+        if len(sizes) != 1:
+            raise RuntimeError(f"layers saw different batch sizes {sorted(sizes)}; bk needs batch-first inputs")
+        B = sizes.pop()
+        scale = float(B) if self.loss_reduction == "mean" else 1.0
+        norm2 = None
+        for r in active:
+            part = r.rule.norm2(r)
+            norm2 = part if norm2 is None else norm2 + part
+        norms = norm2.clamp(min=0).sqrt() * scale
+        coef = self.clip_weights(norms).to(norms.dtype) * scale
+        for r in active:
+            for name, grad in r.rule.clipped(r, coef).items():
+                p = getattr(r.module, name)
+                grad = grad.to(p.dtype)
+                p.grad = grad if p.grad is None else p.grad + grad
+            r.clear()
+        for p in self._params:  # a layer the loss did not reach contributes zero, as under autograd
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.last_norms = norms
+
+
+def resolve_mode(requested: str, model: nn.Module) -> str:
+    """``auto`` → ``bk`` where every trainable layer has a rule, else Opacus's ghost (``ghost_fsdp`` under FSDP)."""
+    if requested != "auto":
+        return requested
+    from torch.distributed.fsdp import FSDPModule
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "ghost_fsdp"
+    return "ghost" if unsupported_layers(model) else "bk"
+
+
+def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, clip_weights: Callable,
+                    noise_multiplier: float, max_grad_norm: float, expected_batch_size: float,
+                    noise_generator: Optional[torch.Generator] = None, secure_mode: bool = False):
+    """Wrap ``model`` for BK and ``optimizer`` as Opacus's ghost-clipping optimizer (noise, accumulation).
+
+    The caller attaches ``engine``'s accountant hook, as for every mode. The optimizer class is the one
+    Opacus picks for ``grad_sample_mode="ghost"``: it adds noise to, and accumulates, ``p.grad``.
+
+    Returns:
+        ``(model, optimizer)``.
+
+    Raises:
+        NotImplementedError: FSDP (use ``ghost_fsdp``) or layers bk cannot handle.
+        ValueError: a noise generator under secure mode (as Opacus).
+    """
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from opacus.optimizers import get_optimizer_class
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise NotImplementedError("grad_sample_mode=bk does not support FSDP yet; use grad_sample_mode: ghost_fsdp")
+    if noise_generator is not None and secure_mode:
+        raise ValueError("Passing seed is prohibited in secure mode")
+    cls = get_optimizer_class(clipping="flat", distributed=isinstance(model, (DPDDP, DDP)), grad_sample_mode="ghost")
+    dp_optimizer = cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+                       expected_batch_size=expected_batch_size, loss_reduction="mean",
+                       generator=engine.secure_rng if secure_mode else noise_generator, secure_mode=secure_mode)
+    return BookKeepingModule(model, clip_weights=clip_weights), dp_optimizer

@@ -1,0 +1,294 @@
+"""Per-layer-type rules of the book-keeping engine: what a layer records in backward, its per-sample
+squared gradient norm, and its clipped gradient sum. A registry keyed by module type.
+
+Every rule runs its layer through a custom autograd function that returns *no* weight gradient: the
+function's backward computes only the input gradient and hands (activation, output gradient) to the
+layer's :class:`Record`. Autograd therefore never forms Σᵢ aᵢᵀgᵢ itself; the engine forms Σᵢ cᵢ·aᵢᵀgᵢ
+once the clip factors cᵢ are known. Because activations are read from ``ctx.saved_tensors`` in backward,
+gradient checkpointing (``use_reentrant=False``) recomputes them once and they are recorded once.
+
+Linear (LoRA's A and B are ``nn.Linear``) and GPT-2's ``Conv1D`` pick, per call, the cheaper of
+- ghost norm: ‖Σₜ gₜaₜᵀ‖² = Σₜₜ' (aₜ·aₜ')(gₜ·gₜ'), cost ~B·T²·(d_in + d_out), keeps a and g;
+- explicit: Gᵢ = gᵢᵀaᵢ per sample, cost ~B·T·d_in·d_out, keeps B·d_in·d_out (LoRA's rank-r factors).
+Embedding: exact per-sample norm by summing the gradients of equal token ids (sort, O(B·T·d)).
+LayerNorm / RMSNorm: explicit per-sample gradients (B·d).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Record:
+    """What one trainable layer saw during the current backward pass (possibly over several calls)."""
+
+    def __init__(self, rule: "Rule", module: nn.Module, on_backward: Callable[[], None]):
+        self.rule, self.module, self.on_backward = rule, module, on_backward
+        self.ghost: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a, g), each (B, T, d)
+        self.explicit: dict[str, torch.Tensor] = {}  # parameter name -> per-sample gradients (B, ...)
+        self.policy = "auto"  # Linear/Conv1D: "auto" (cheaper of the two), "ghost" or "explicit"
+
+    def add_explicit(self, name: str, per_sample: torch.Tensor) -> None:
+        prev = self.explicit.get(name)
+        self.explicit[name] = per_sample if prev is None else prev + per_sample
+
+    def clear(self) -> None:
+        self.ghost, self.explicit = [], {}
+
+    def batch_size(self) -> Optional[int]:
+        for a, _ in self.ghost:
+            return a.shape[0]
+        for v in self.explicit.values():
+            return v.shape[0]
+        return None
+
+
+def _acc_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _autocast(x: torch.Tensor, *tensors):
+    """Cast to the autocast dtype explicitly, so saved activations are kept in that (smaller) dtype."""
+    dev = x.device.type
+    if not torch.is_autocast_enabled(dev):
+        return (x, *tensors)
+    dt = torch.get_autocast_dtype(dev)
+    return tuple(t if t is None or not t.is_floating_point() else t.to(dt) for t in (x, *tensors))
+
+
+class Rule:
+    """One layer type: how to run it, and how to turn its record into norms and clipped sums."""
+
+    types: tuple = ()
+
+    def forward(self, module: nn.Module, record: Record, *args, **kwargs):  # installed as module.forward
+        raise NotImplementedError
+
+    def norm2(self, record: Record) -> torch.Tensor:
+        """Per-sample squared norm (B,) of the layer's raw (loss-scale) gradient; None if nothing explicit."""
+        parts = [v.flatten(1).to(_acc_dtype(v)).pow(2).sum(1) for v in record.explicit.values()]
+        return sum(parts[1:], parts[0]) if parts else None
+
+    def clipped(self, record: Record, coef: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Σᵢ coefᵢ·(sample i's gradient) per parameter name."""
+        return {name: torch.einsum("i,i...->...", coef.to(v.dtype), v) for name, v in record.explicit.items()}
+
+
+# ---- Linear and GPT-2 Conv1D ------------------------------------------------------------------------
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, record, transposed):
+        x, w, b = _autocast(x, weight, bias)
+        w_lin = w.t() if transposed else w  # Conv1D keeps (in, out)
+        ctx.save_for_backward(x, w_lin)
+        ctx.record = record
+        return F.linear(x, w_lin, b)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        gx = g @ w.to(g.dtype) if ctx.needs_input_grad[0] else None
+        ctx.record.rule.record(ctx.record, x, g)
+        ctx.record.on_backward()
+        return gx, None, None, None, None
+
+
+class LinearRule(Rule):
+    types = (nn.Linear,)
+    transposed = False
+
+    def forward(self, module, record, x):
+        return _LinearFn.apply(x, module.weight, module.bias, record, self.transposed)
+
+    def record(self, record: Record, x: torch.Tensor, g: torch.Tensor) -> None:
+        B = x.shape[0]
+        a, g = x.reshape(B, -1, x.shape[-1]), g.reshape(B, -1, g.shape[-1])
+        m = record.module
+        T, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
+        if m.bias is not None and m.bias.requires_grad:
+            record.add_explicit("bias", g.sum(1, dtype=_acc_dtype(g)))
+        if not m.weight.requires_grad:
+            return
+        ghost = T * (d_in + d_out) < d_in * d_out if record.policy == "auto" else record.policy == "ghost"
+        if ghost:  # the weight's clipped sum is formed from a and g after clipping
+            record.ghost.append((a, g))
+        else:
+            ps = torch.bmm(g.transpose(1, 2), a).to(_acc_dtype(g))  # (B, out, in)
+            record.add_explicit("weight", ps.transpose(1, 2) if self.transposed else ps)
+
+    def norm2(self, record):
+        total = super().norm2(record)
+        if record.ghost:
+            a = torch.cat([a for a, _ in record.ghost], 1)
+            g = torch.cat([g for _, g in record.ghost], 1)
+            ga, gg = torch.bmm(a, a.transpose(1, 2)), torch.bmm(g, g.transpose(1, 2))
+            ghost = (ga.to(_acc_dtype(ga)) * gg.to(_acc_dtype(gg))).sum((1, 2))
+            total = ghost if total is None else total + ghost
+        return total
+
+    def clipped(self, record, coef):
+        out = super().clipped(record, coef)
+        if record.ghost:
+            w = None
+            for a, g in record.ghost:
+                gc = g * coef.to(g.dtype)[:, None, None]
+                part = gc.flatten(0, 1).t() @ a.flatten(0, 1)  # (out, in)
+                part = part.t() if self.transposed else part
+                w = part if w is None else w + part
+            out["weight"] = w if "weight" not in out else out["weight"] + w
+        return out
+
+
+class Conv1DRule(LinearRule):
+    transposed = True
+
+    @property
+    def types(self):
+        from transformers.pytorch_utils import Conv1D
+
+        return (Conv1D,)
+
+
+# ---- Embedding ----------------------------------------------------------------------------------------
+
+class _EmbeddingFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, record):
+        m = record.module
+        ctx.save_for_backward(ids)
+        ctx.record = record
+        return F.embedding(ids, weight, m.padding_idx, m.max_norm, m.norm_type, m.scale_grad_by_freq, m.sparse)
+
+    @staticmethod
+    def backward(ctx, g):
+        (ids,) = ctx.saved_tensors
+        B = ids.shape[0]
+        ctx.record.ghost.append((ids.reshape(B, -1), g.reshape(B, -1, g.shape[-1])))
+        ctx.record.on_backward()
+        return None, None, None
+
+
+class EmbeddingRule(Rule):
+    types = (nn.Embedding,)
+
+    def forward(self, module, record, ids):
+        if module.max_norm is not None or module.scale_grad_by_freq or module.sparse:
+            raise NotImplementedError(f"{module}: max_norm, scale_grad_by_freq and sparse are not supported by bk")
+        return _EmbeddingFn.apply(ids, module.weight, record)
+
+    @staticmethod
+    def _grouped(record):
+        """Per (sample, token id): the summed output gradient. Returns (sample, row, summed (U, d))."""
+        ids = torch.cat([i for i, _ in record.ghost], 1)
+        g = torch.cat([g for _, g in record.ghost], 1)
+        B, T = ids.shape
+        V = record.module.num_embeddings
+        keys = (ids + V * torch.arange(B, device=ids.device)[:, None]).flatten()
+        g = g.flatten(0, 1).to(_acc_dtype(g))
+        pad = record.module.padding_idx
+        if pad is not None:  # F.embedding gives the padding row no gradient
+            g = g * (ids.flatten() != pad).unsqueeze(1).to(g.dtype)
+        uniq, inv = torch.unique(keys, return_inverse=True)
+        summed = torch.zeros(len(uniq), g.shape[1], dtype=g.dtype, device=g.device).index_add_(0, inv, g)
+        return uniq // V, uniq % V, summed, B
+
+    def norm2(self, record):
+        sample, _, summed, B = self._grouped(record)
+        return torch.zeros(B, dtype=summed.dtype, device=summed.device).index_add_(0, sample, summed.pow(2).sum(1))
+
+    def clipped(self, record, coef):
+        sample, row, summed, _ = self._grouped(record)
+        w = record.module.weight
+        grad = torch.zeros(w.shape, dtype=summed.dtype, device=w.device)
+        grad.index_add_(0, row, summed * coef.to(summed.dtype)[sample, None])
+        return {"weight": grad}
+
+
+# ---- LayerNorm / RMSNorm ------------------------------------------------------------------------------
+
+class _AffineNormFn(torch.autograd.Function):
+    """y = rule.apply(x, weight, bias); backward recomputes it under autograd for the input gradient only."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, record):
+        ctx.save_for_backward(x)
+        ctx.record = record
+        return record.rule.apply(record.module, x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        record, m = ctx.record, ctx.record.module
+        gx = None
+        with torch.enable_grad():
+            xr = x.detach().requires_grad_(ctx.needs_input_grad[0])
+            xhat = record.rule.normalized(m, xr)
+            if ctx.needs_input_grad[0]:
+                b = getattr(m, "bias", None)
+                y = record.rule.apply(m, xr, m.weight.detach(), None if b is None else b.detach())
+                (gx,) = torch.autograd.grad(y, xr, g)
+        B = x.shape[0]
+        gf, xh = g.reshape(B, -1, g.shape[-1]), xhat.detach().reshape(B, -1, g.shape[-1])
+        acc = _acc_dtype(g)
+        if m.weight.requires_grad:
+            record.add_explicit("weight", (gf.to(acc) * xh.to(acc)).sum(1))
+        if getattr(m, "bias", None) is not None and m.bias.requires_grad:
+            record.add_explicit("bias", gf.sum(1, dtype=acc))
+        record.on_backward()
+        return gx, None, None, None
+
+
+class LayerNormRule(Rule):
+    types = (nn.LayerNorm,)
+
+    def forward(self, module, record, x):
+        return _AffineNormFn.apply(x, module.weight, module.bias, record)
+
+    def apply(self, m, x, w, b):
+        return F.layer_norm(x, m.normalized_shape, w, b, m.eps)
+
+    def normalized(self, m, x):
+        return F.layer_norm(x, m.normalized_shape, None, None, m.eps)
+
+
+class LlamaRMSNormRule(LayerNormRule):
+    """Llama's ``weight * normalize(x.to(float32)).to(x.dtype)`` (Mistral, Qwen2 and others copy it)."""
+
+    @property
+    def types(self):
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+        return (LlamaRMSNorm,)
+
+    def forward(self, module, record, x):
+        return _AffineNormFn.apply(x, module.weight, None, record)
+
+    def normalized(self, m, x):
+        h = x.to(torch.float32)
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + m.variance_epsilon)).to(x.dtype)
+
+    def apply(self, m, x, w, b):
+        return w * self.normalized(m, x)
+
+
+class RMSNormRule(LlamaRMSNormRule):
+    types = (nn.RMSNorm,)
+
+    def normalized(self, m, x):
+        return F.rms_norm(x, m.normalized_shape, None, m.eps)
+
+
+RULES: list[Rule] = [LinearRule(), Conv1DRule(), EmbeddingRule(), LayerNormRule(), LlamaRMSNormRule(), RMSNormRule()]
+
+
+def rule_for(module: nn.Module) -> Optional[Rule]:
+    """The rule for this exact module type (subclasses may compute differently, so they must register)."""
+    for rule in RULES:
+        if type(module) in rule.types:
+            return rule
+    return None
