@@ -112,7 +112,9 @@ class PrivacyConfig:
     noise_multiplier: Optional[float] = _f(None, "Use this noise multiplier instead of calibrating.")
     max_grad_norm: float = _f(1.0, "Per-sample clipping norm C.")
     accountant: str = _f("prv", "'prv' (default), 'rdp' or 'gdp' (Opacus accountants).")
-    grad_sample_mode: str = _f("ghost", "'ghost' (ghost clipping), 'hooks', or 'ghost_fsdp' (FSDP).")
+    grad_sample_mode: str = _f("ghost", "'ghost' (Opacus ghost clipping), 'hooks', 'ghost_fsdp' (FSDP), 'bk' "
+                                        "(book-keeping: one backward pass, dpllm.privacy.bk), or 'auto' (bk "
+                                        "where every trainable layer supports it, else ghost / ghost_fsdp).")
     clipping: str = _f("flat", "Per-sample clipping function (dpllm.privacy.clipping registry).")
     clipping_r: float = _f(0.1, "r of the psac/psasc clipping functions (stability constant of automatic).")
     clipping_s: float = _f(1.0, "s of psasc (sensitivity C/s).")
@@ -253,7 +255,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("mixed_precision", t.mixed_precision, ("no", "bf16"))
     _choice("train_on", d.train_on, ("private", "public"))
     _choice("accountant", p.accountant, ("prv", "rdp", "gdp"))
-    _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp"))
+    _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
     if d.max_length < 2:
         raise ConfigError(f"max_length={d.max_length}: need at least 2 tokens for next-token loss")
     if not (0 <= d.public_fraction < 1) or not (0 < d.heldout_fraction < 1):

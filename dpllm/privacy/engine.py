@@ -3,7 +3,8 @@
 :func:`make_private` turns a model, optimizer and record dataset into a :class:`PrivateTraining`:
 Poisson sampling at the plan's rate q (:mod:`dpllm.privacy.plan`: Opacus is never left to derive its own q
 from a loader length, which for 6.7% of batch counts k ≤ 10⁴ is not 1/k), noise calibrated to the target ε
-with the same accountant that reports it, ghost clipping (or hooks), and the clipping function from
+with the same accountant that reports it, ghost clipping (or hooks, or book-keeping: :mod:`dpllm.privacy.bk`),
+and the clipping function from
 :mod:`dpllm.privacy.clipping`. Batches come from :class:`dpllm.sampling.PoissonBatchSampler`, whose
 generator a resumable checkpoint saves, and which gives every process its share of the same global batch.
 :func:`sequence_loss` is the only loss the trainer uses: one loss per record (mean over its real
@@ -56,6 +57,7 @@ class PrivateTraining:
     engine: Any
     plan: PrivacyPlan
     sampler: Any = None  # dpllm.sampling.PoissonBatchSampler: its generator is part of a resumable checkpoint
+    grad_sample_mode: str = ""  # the mode that ran: cfg.grad_sample_mode with "auto" resolved
 
     def history(self) -> list[tuple[float, float, int]]:
         """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
@@ -101,7 +103,7 @@ def make_private(
     """
     from opacus import PrivacyEngine
 
-    from dpllm.privacy import clipping
+    from dpllm.privacy import bk, clipping
     from dpllm.sampling import PoissonBatchSampler
 
     engine = PrivacyEngine(accountant=plan.accountant, secure_mode=cfg.secure_mode)
@@ -116,28 +118,38 @@ def make_private(
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=torch.Generator())
     criterion = nn.CrossEntropyLoss(ignore_index=-100)
     fn = clipping.get(cfg.clipping)
-    out = engine.make_private(
-        module=model,
-        optimizer=optimizer,
-        criterion=criterion,
-        data_loader=loader,
-        noise_multiplier=plan.noise_multiplier,
-        max_grad_norm=fn.sensitivity(cfg),
-        poisson_sampling=False,
-        grad_sample_mode=cfg.grad_sample_mode,
-        noise_generator=noise_generator,
-    )
-    if "ghost" in cfg.grad_sample_mode:
-        model, optimizer, criterion, loader = out
+    mode = bk.resolve_mode(cfg.grad_sample_mode, model)
+    if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
+        model, optimizer = bk.make_private_bk(
+            engine=engine, model=model, optimizer=optimizer, clip_weights=lambda n: fn.weights(n, cfg),
+            noise_multiplier=plan.noise_multiplier, max_grad_norm=fn.sensitivity(cfg),
+            expected_batch_size=plan.expected_batch_size / world_size, noise_generator=noise_generator,
+            secure_mode=cfg.secure_mode)
+        criterion = None
     else:
-        (model, optimizer, loader), criterion = out, None
+        out = engine.make_private(
+            module=model,
+            optimizer=optimizer,
+            criterion=criterion,
+            data_loader=loader,
+            noise_multiplier=plan.noise_multiplier,
+            max_grad_norm=fn.sensitivity(cfg),
+            poisson_sampling=False,
+            grad_sample_mode=mode,
+            noise_generator=noise_generator,
+        )
+        if "ghost" in mode:
+            model, optimizer, criterion, loader = out
+        else:
+            (model, optimizer, loader), criterion = out, None
     optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=plan.sample_rate))
     # What Opacus's Poisson mode would also do: a second backward before a step is an error, not a sum.
     getattr(model, "forbid_grad_accumulation", lambda: None)()
     optimizer.expected_batch_size = plan.expected_batch_size / world_size
-    clipping.install(fn, cfg, model=model, optimizer=optimizer)
+    if mode != "bk":  # bk applies fn itself
+        clipping.install(fn, cfg, model=model, optimizer=optimizer)
     return PrivateTraining(model=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
-                           engine=engine, plan=plan, sampler=sampler)
+                           engine=engine, plan=plan, sampler=sampler, grad_sample_mode=mode)
 
 
 def add_empty_share(optimizer) -> None:
