@@ -74,16 +74,22 @@ def save_checkpoint(
     """
     path = Path(path)
     model = unwrap(model)
-    with atomic_directory(path) as tmp:
-        model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
-        tokenizer.save_pretrained(tmp)
-        if base_model is not None:
-            base_model.save_pretrained(tmp / "base_model")
-            tokenizer.save_pretrained(tmp / "base_model")
-        (tmp / "dpllm_config.yaml").write_text(config_yaml)
-        write_json_atomic(tmp / "privacy_report.json", privacy_report)
-        for name, obj in (extra_files or {}).items():
-            write_json_atomic(tmp / name, obj)
+    try:
+        with atomic_directory(path) as tmp:
+            model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
+            tokenizer.save_pretrained(tmp)
+            if base_model is not None:
+                base_model.save_pretrained(tmp / "base_model")
+                tokenizer.save_pretrained(tmp / "base_model")
+            (tmp / "dpllm_config.yaml").write_text(config_yaml)
+            write_json_atomic(tmp / "privacy_report.json", privacy_report)
+            for name, obj in (extra_files or {}).items():
+                write_json_atomic(tmp / name, obj)
+    except Exception as err:  # OSError, or safetensors' SafetensorError wrapping one (disk full, quota)
+        if isinstance(err, CheckpointError) or not (isinstance(err, OSError) or "Safetensor" in type(err).__name__):
+            raise
+        raise CheckpointError(f"could not write the checkpoint to {path} ({err}); nothing half-written was left "
+                              "behind. Free disk space (or pick another output_dir) and run again") from err
     return path
 
 
@@ -116,7 +122,10 @@ def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dt
         if base_dir.is_dir():
             base = AutoModelForCausalLM.from_pretrained(base_dir, **kw)
         else:
-            base_name = json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"]
+            base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            if not base_name:
+                raise CheckpointError(f"{path} is a LoRA adapter that names no base model and has no base_model/ "
+                                      "beside it; load it from the run directory that wrote it")
             base = AutoModelForCausalLM.from_pretrained(base_name, **kw)
         model = PeftModel.from_pretrained(base, path)
         if merge:
@@ -129,34 +138,39 @@ def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dt
 
 
 def read_report(run_dir: str | Path) -> dict:
-    run_dir = Path(run_dir)
-    for p in (run_dir / "privacy_report.json", run_dir / "checkpoint" / "privacy_report.json"):
-        if p.is_file():
-            return json.loads(p.read_text())
-    raise CheckpointError(f"{run_dir} has no privacy_report.json")
+    """A run's privacy report as a dict (:class:`dpllm.privacy.report.PrivacyReport` checks it on the way).
+
+    Raises:
+        CheckpointError: no report, or a damaged one (the message names the file).
+    """
+    from dpllm.privacy.report import PrivacyReport, ReportError
+
+    try:
+        return PrivacyReport.read(run_dir).to_dict()
+    except ReportError as err:
+        raise CheckpointError(str(err)) from err
 
 
 def format_report(report: dict) -> str:
-    if not report.get("enabled", True):
-        return "privacy: disabled (no DP guarantee for this run)"
-    return (
-        f"(ε = {report['epsilon']:.3f}, δ = {report['delta']:g}) via {report['accountant']} accountant; "
-        f"σ = {report['noise_multiplier']:.4g}, q = {report['sample_rate']:.4g}, steps = {report['steps']}, "
-        f"C = {report['max_grad_norm']:g}, clipping = {report['clipping']}, N = {report['num_records']:,} "
-        f"records (unit: {report['privacy_unit']})"
-    )
+    from dpllm.privacy.report import PrivacyReport
+
+    return PrivacyReport.from_dict(report).summary()
 
 
 def cli_main(argv: list[str]) -> int:
     """``dpllm report RUN_DIR``: print a run's privacy report."""
+    from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError
+
     if len(argv) != 1 or argv[0].startswith("-"):
         print("usage: dpllm report RUN_DIR", file=sys.stderr)
         return 2
     try:
-        report = read_report(argv[0])
-    except CheckpointError as err:
+        report = PrivacyReport.read(argv[0])
+    except ReportError as err:
         print(f"dpllm report: {err}", file=sys.stderr)
         return 1
-    print(format_report(report))
-    print(json.dumps(report, indent=2))
+    print(report.summary())
+    if report.enabled and report.noise_secret is False:
+        print(f"WARNING: {NOT_RELEASABLE}", file=sys.stderr)
+    print(json.dumps(report.to_dict(), indent=2))
     return 0

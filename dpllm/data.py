@@ -45,11 +45,30 @@ def _file_records(path: Path, cfg: DataConfig) -> list[str]:
     suffix = path.suffix.lower()
     if suffix == ".txt":
         return [" ".join(p.split()) for p in re.split(r"\n\s*\n", path.read_text(errors="replace"))]
-    if suffix in (".jsonl", ".json", ".csv"):
+    if suffix == ".jsonl":
+        from dpllm.io import JsonlError, read_jsonl
+
+        try:
+            rows = read_jsonl(path)
+        except JsonlError as err:
+            raise DataError(f"dataset={err}; fix or remove that line") from None
+        if not rows:
+            raise DataError(f"dataset={path} is empty (no JSON lines); give a file with one record per line")
+        missing = next((i for i, r in enumerate(rows, 1) if cfg.text_column not in r), None)
+        if missing is not None:
+            raise DataError(f"dataset {path} has no text column {cfg.text_column!r} in record {missing} (its keys: "
+                            f"{sorted(rows[missing - 1])}): set text_column to one of them")
+        return [str(r[cfg.text_column]) if r[cfg.text_column] is not None else "" for r in rows]
+    if suffix in (".json", ".csv"):
         import datasets
 
-        kind = "csv" if suffix == ".csv" else "json"
-        ds = datasets.load_dataset(kind, data_files=str(path), split="train")
+        if path.stat().st_size == 0:
+            raise DataError(f"dataset={path} is empty; give a file with records")
+        try:
+            ds = datasets.load_dataset("csv" if suffix == ".csv" else "json", data_files=str(path), split="train")
+        except Exception as err:  # datasets wraps parse errors in long chains: keep the last, useful line
+            raise DataError(f"dataset={path} could not be parsed as {suffix[1:]}: "
+                            f"{str(err).strip().splitlines()[-1][:300]}") from None
         return _column(ds, cfg.text_column, str(path))
     raise DataError(f"dataset={path}: unsupported file type {suffix!r}; use .jsonl, .json, .csv or .txt")
 
@@ -63,27 +82,45 @@ def _column(ds, column: str, source: str) -> list[str]:
     return [str(x) if x is not None else "" for x in ds[column]]
 
 
+FILE_TYPES = (".jsonl", ".json", ".csv", ".txt")
+
+
+def _hub_records(cfg: DataConfig) -> list[str]:
+    """A Hub dataset, for names that cannot be local paths; a local-looking name that is missing is an error."""
+    from dpllm.io import looks_local
+
+    name = cfg.dataset
+    if looks_local(name) or Path(name).suffix.lower() in FILE_TYPES:
+        near = [f"{name}{ext}" for ext in FILE_TYPES if Path(f"{name}{ext}").is_file()]
+        hint = f"; did you mean {near[0]}?" if near else "; check the path (a Hub dataset id looks like org/name)"
+        raise DataError(f"dataset={name}: file not found{hint}")
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(name, cfg.dataset_config_name, split=cfg.dataset_split)
+    except Exception as err:
+        raise DataError(f"dataset={name} is not a local file and could not be loaded from the Hub "
+                        f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); "
+                        "check the name, or pass a local .jsonl/.json/.csv/.txt file") from None
+    return _column(ds, cfg.text_column, name)
+
+
 def load_records(cfg: DataConfig) -> list[str]:
     """All records of the configured dataset, stripped, filtered by ``min_chars`` and de-duplicated.
 
     Deterministic: the ids in ``splits.json`` index this list.
 
     Raises:
-        DataError: the file or column is missing, or no record survives filtering.
+        DataError: the file or column is missing, a line cannot be parsed, or no record survives filtering.
     """
     if cfg.dataset == "pydoc":
         raw = _pydoc_records()
+    elif Path(cfg.dataset).is_file():
+        raw = _file_records(Path(cfg.dataset), cfg)
+    elif Path(cfg.dataset).is_dir():
+        raise DataError(f"dataset={cfg.dataset} is a directory; give a .jsonl/.json/.csv/.txt file")
     else:
-        path = Path(cfg.dataset)
-        if path.exists():
-            raw = _file_records(path, cfg)
-        elif path.suffix.lower() in (".jsonl", ".json", ".csv", ".txt"):
-            raise DataError(f"dataset={cfg.dataset}: file not found")
-        else:
-            import datasets
-
-            ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config_name, split=cfg.dataset_split)
-            raw = _column(ds, cfg.text_column, cfg.dataset)
+        raw = _hub_records(cfg)
     seen: set[str] = set()
     records: list[str] = []
     for text in raw:

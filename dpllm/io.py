@@ -49,15 +49,19 @@ def append_jsonl(path: str | Path, row: dict) -> None:
 
 
 @contextmanager
-def atomic_directory(path: str | Path) -> Iterator[Path]:
+def atomic_directory(path: str | Path, *, private: bool = False) -> Iterator[Path]:
     """Yield a temp directory beside ``path``; on success it replaces ``path`` in one rename.
 
     On error the temp directory is removed and ``path`` (if any) is left untouched.
+
+    Args:
+        private: keep the directory owner-only (0700), e.g. for secret random-generator states.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
+    if not private:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
     try:
         yield tmp
     except BaseException:
@@ -70,3 +74,41 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     os.replace(tmp, path)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def looks_local(name: str) -> bool:
+    """A name meant as a local path: ./x, /x, ~/x, a/b/c (Hub ids have one slash), or one under an existing dir."""
+    p = Path(name).expanduser()
+    return (name.startswith((".", "/", "~")) or name.count("/") >= 2 or p.exists()
+            or (len(p.parts) > 1 and Path(p.parts[0]).is_dir()))
+
+
+class JsonlError(ValueError):
+    """A JSONL file that cannot be read; the message names the file and the line."""
+
+
+def read_jsonl(path: str | Path, *, skip_blank: bool = True) -> list[dict]:
+    """Every line of a JSONL file as a dict.
+
+    Raises:
+        JsonlError: a line that is not UTF-8, not JSON or not an object (``file:line: reason``).
+        FileNotFoundError: no such file.
+    """
+    path = Path(path)
+    rows: list[dict] = []
+    with open(path, "rb") as fh:
+        for i, raw in enumerate(fh, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise JsonlError(f"{path}:{i}: not UTF-8 text (byte {err.start} of the line)") from None
+            if skip_blank and not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise JsonlError(f"{path}:{i}: not valid JSON ({err.msg} at column {err.colno})") from None
+            if not isinstance(row, dict):
+                raise JsonlError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows

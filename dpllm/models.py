@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from dpllm.config import ModelConfig
+from dpllm.io import looks_local
 
 log = logging.getLogger(__name__)
 
@@ -90,25 +91,48 @@ def build_tiny(cfg: ModelConfig, tokenizer, max_length: int) -> nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
+def source_of(cfg: ModelConfig) -> dict:
+    """Where the model comes from, without loading it: a tiny config, an earlier dpllm run, or pretrained.
+
+    Raises:
+        ModelError: a local path that does not exist.
+    """
+    name = cfg.model_name_or_path
+    if name in TINY_MODELS:
+        return {"kind": "tiny", "name": name}
+    ckpt = resolve_checkpoint(name)
+    if ckpt is None and looks_local(name):
+        raise ModelError(f"model_name_or_path={name}: no such local directory; check the path (a Hub id looks "
+                         "like org/name)")
+    if ckpt is not None and (ckpt / "adapter_config.json").exists():
+        return {"kind": "run_checkpoint", "path": str(ckpt.resolve()), "merged_lora": True}
+    if ckpt is not None and (ckpt / "privacy_report.json").exists():
+        return {"kind": "run_checkpoint", "path": str(ckpt.resolve())}
+    return {"kind": "pretrained", "path": str(ckpt.resolve()) if ckpt is not None else name}
+
+
 def load_base(cfg: ModelConfig, max_length: int) -> tuple[nn.Module, object, dict]:
     """Return ``(model, tokenizer, source)``: a tiny model, a Hub/local model, or an earlier run's checkpoint.
 
     An earlier run's LoRA checkpoint is merged into its base, so a later stage starts from the
     fine-tuned weights.
+
+    Raises:
+        ModelError: a missing local path, a model directory without its tokenizer.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    name = cfg.model_name_or_path
-    if name in TINY_MODELS:
+    source = source_of(cfg)
+    if source["kind"] == "tiny":
         tok = byte_tokenizer()
-        return build_tiny(cfg, tok, max_length), tok, {"kind": "tiny", "name": name}
-    ckpt = resolve_checkpoint(name)
-    if ckpt is not None and (ckpt / "adapter_config.json").exists():
+        return build_tiny(cfg, tok, max_length), tok, source
+    if source.get("merged_lora"):
         from dpllm.checkpoint import load_model
 
-        model, tok = load_model(ckpt, merge=True)
-        return model, tok, {"kind": "run_checkpoint", "path": str(ckpt.resolve()), "merged_lora": True}
-    where = str(ckpt.resolve()) if ckpt is not None else name
+        model, tok = load_model(source["path"], merge=True)
+        return model, tok, source
+    where = source["path"]
+    ckpt = Path(where) if Path(where).is_dir() else None
     if ckpt is not None and not any((ckpt / f).exists() for f in TOKENIZER_FILES):
         raise ModelError(f"{ckpt} has no tokenizer files ({', '.join(TOKENIZER_FILES)}); save the tokenizer "
                          "beside the model (tokenizer.save_pretrained)")
@@ -119,8 +143,7 @@ def load_base(cfg: ModelConfig, max_length: int) -> tuple[nn.Module, object, dic
     model = AutoModelForCausalLM.from_pretrained(
         where, dtype=_dtype(cfg.torch_dtype), trust_remote_code=cfg.trust_remote_code
     )
-    kind = "run_checkpoint" if ckpt is not None and (ckpt / "privacy_report.json").exists() else "pretrained"
-    return model, tok, {"kind": kind, "path": where}
+    return model, tok, source
 
 
 def context_length(model: nn.Module) -> Optional[int]:

@@ -7,7 +7,10 @@ Every ``save_every`` steps and at the end, ``RUN_DIR/checkpoints/step-XXXXXX/`` 
     adapter_model.safetensors + adapter_config.json   LoRA
     optimizer.pt  scheduler.pt        optimizer and LR-scheduler state
     rng_state.pt                      per process: python, numpy, torch (and CUDA) generators, the
-                                      Poisson sampler's generator, the noise generator
+                                      Poisson sampler's generator, the noise generator. SECRET: whoever
+                                      reads it can regenerate the remaining noise and batches, so
+                                      checkpoints/ and this file are owner-only (0700 / 0600) and none of
+                                      it is ever copied into checkpoint/, the report or ``dpllm export``
     trainer_state.json                step, tokens seen, metrics.jsonl position, the accountant's
                                       history, the privacy plan, ε at this step
     dpllm_config.yaml                 the run's config (a resume with another config is refused)
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 import time
@@ -241,11 +245,15 @@ def save(run_dir: Path, *, step: int, model, optimizer, scheduler, world: World,
         _save_model(model, None, world)
         barrier(world)
         return
-    with atomic_directory(target) as tmp:
+    (run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
+    os.chmod(run_dir / CHECKPOINTS, 0o700)  # generator states are secrets: owner only
+    with atomic_directory(target, private=True) as tmp:
         _save_model(model, tmp, world)
         torch.save(optim_state, tmp / "optimizer.pt")
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(rng, tmp / "rng_state.pt")
+        fd = os.open(tmp / "rng_state.pt", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            torch.save(rng, fh)
         (tmp / "dpllm_config.yaml").write_text(config_yaml)
         write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "world_size": world.size,
                                                        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
@@ -269,9 +277,10 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
          plan: Optional[dict], accountant=None) -> dict:
     """Restore weights, optimizer, scheduler, accountant and random state from ``ckpt``; return its trainer state.
 
-    Random state: each process gets its own saved state; with a different number of processes than
-    the run was saved with, the (rank-independent) sampler state is still restored but the run is no
-    longer bit-identical to an uninterrupted one (a warning says so).
+    Random state: each process gets its own saved state. With a different number of processes than
+    the run was saved with, the (rank-independent) Poisson sampler state is restored but *no* noise state
+    is: every process keeps the fresh, secret noise generator it started with, so no process can replay
+    noise another one already used. The run is then no longer bit-identical to an uninterrupted one.
 
     Args:
         plan: this run's privacy plan as saved in trainer_state.json (None without DP); must match.
@@ -296,19 +305,25 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
     scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
     rng = torch.load(ckpt / "rng_state.pt", weights_only=True)
     if len(rng) != world.size:
-        log.warning("resuming a %d-process run on %d processes: privacy accounting is unchanged, but batches and "
-                    "noise will differ from an uninterrupted run", len(rng), world.size)
-    mine = rng[world.rank] if world.rank < len(rng) else dict(rng[0], noise=None)
+        log.warning("resuming a %d-process run on %d processes: privacy accounting is unchanged; every process "
+                    "draws fresh noise, so the run is not bit-identical to an uninterrupted one", len(rng), world.size)
+        mine = dict(rng[0], noise=None)  # the sampler's state is the same on every rank; noise never carries over
+    else:
+        mine = rng[world.rank]
     _set_rng_state(mine, generators)
     return state
 
 
-def plan_state(plan) -> Optional[dict]:
-    """A :class:`~dpllm.privacy.engine.PrivacyPlan` as JSON; a resume recomputes the plan and must find this."""
-    if plan is None:
+def finished_summary(run_dir: Path) -> Optional[dict]:
+    """The summary of a run that already finished (its ledger ends with a ``final`` line), else None."""
+    summary = Path(run_dir) / "run_summary.json"
+    try:
+        entries = ledger.read(run_dir)
+        if entries and entries[-1].get("kind") == "final" and summary.is_file():
+            return json.loads(summary.read_text())
+    except (ledger.LedgerError, ValueError):
         return None
-    return {"noise_multiplier": plan.noise_multiplier, "sample_rate": plan.sample_rate, "steps": plan.steps,
-            "delta": plan.delta, "accountant": plan.accountant, "prior_history": [list(h) for h in plan.prior_history]}
+    return None
 
 
 def initial_eval(metrics_path: Path) -> Optional[dict]:

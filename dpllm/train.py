@@ -1,20 +1,28 @@
-"""The training loop: one loop for private and non-private runs, on one process or many (``accelerate``).
+"""The training loop: one :class:`Trainer` for private and non-private runs, on one process or many.
 
-Read top to bottom: data → model → privacy plan (all checks before anything is written) → run
-directory → start or resume → steps (with resumable checkpoints every ``save_every``) → final eval →
-atomic checkpoint with its privacy report and the final line of the privacy ledger.
+:meth:`Trainer.run` reads top to bottom as the stages of a run:
 
-Where the rest lives: process handling in :mod:`dpllm.distributed`, samplers in :mod:`dpllm.sampling`,
-resumable checkpoints in :mod:`dpllm.resume`, the ε hash chain in :mod:`dpllm.ledger`.
+    setup_process   accelerator, processes, resume target
+    setup_data      records, splits, canaries                      ┐ every check, nothing loaded
+    setup_plan      earlier stages by content, q, steps, σ         ┘ or written yet
+    setup_model     load, LoRA/full, DP layer checks, wrapping, optimizer
+    setup_run_dir   lock, safe overwrite, config.yaml, splits.json
+    setup_privacy   secret generators, Opacus wrapping (or the non-private sampler)
+    start           step-0 eval, or restore a resumable checkpoint
+    train_steps     one loop: a logical batch → micro-batches → one optimizer step
+    finish          final eval, checks, checkpoint/, privacy report, ledger, summary
+
+Where the rest lives: the privacy plan in :mod:`dpllm.privacy.plan`, composition of earlier stages in
+:mod:`dpllm.privacy.composition`, the report type in :mod:`dpllm.privacy.report`, process handling in
+:mod:`dpllm.distributed`, resumable checkpoints in :mod:`dpllm.resume`, run-directory safety in
+:mod:`dpllm.rundir`, the ε hash chain in :mod:`dpllm.ledger`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import random
-import shutil
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -24,19 +32,22 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from dpllm import data as D
-from dpllm import ledger
-from dpllm import resume as R
+from dpllm import data, ledger, resume, rundir
 from dpllm.checkpoint import library_versions, save_checkpoint, unwrap
 from dpllm.config import ConfigError, RunConfig
 from dpllm.distributed import (World, all_max, all_sum, barrier, check_parallelism, full_state_dict, gather_objects,
                                is_sharded, make_accelerator, params_digest, reshard, world_of, wrap_model)
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
+from dpllm.logs import known_warnings_silenced
 from dpllm.models import (check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
-                          prepare_model)
+                          prepare_model, source_of)
+from dpllm.privacy import clipping
+from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import make_private, sequence_loss
 from dpllm.privacy.plan import PrivacyPlan, plan_privacy, steps_for
-from dpllm.sampling import ShuffledBatchSampler, stream_seed
+from dpllm.privacy.randomness import privacy_generators
+from dpllm.privacy.report import PrivacyReport
+from dpllm.sampling import ShuffledBatchSampler
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +81,7 @@ def forward_loss(model, batch: dict, criterion=None, autocast=None):
 
 
 @torch.no_grad()
-def evaluate(model, dataset, collate, *, batch_size: int, device, world: World = World()) -> dict:
+def evaluate(model, dataset, collate, *, batch_size: int, device, world) -> dict:
     """Token-weighted held-out loss (nats per token) and perplexity.
 
     Called on every process: each evaluates every W-th record and the sums are all-reduced (under
@@ -100,22 +111,6 @@ def evaluate(model, dataset, collate, *, batch_size: int, device, world: World =
     return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(tokens)}
 
 
-def _prior_stages(source: dict, cfg: RunConfig) -> tuple[list, list]:
-    """Stages (and their DP history) of an earlier run this one starts from."""
-    if source.get("kind") != "run_checkpoint":
-        return [], []
-    report_path = Path(source["path"]) / "privacy_report.json"
-    if not report_path.is_file():
-        return [], []
-    report = json.loads(report_path.read_text())
-    stages = report.get("stages", [])
-    # Composed whenever the dataset is the same, whatever the split: another split_seed still shares most
-    # private records, and over-counting is safe where under-counting is not.
-    same_data = [s for s in stages if s.get("enabled") and s.get("dataset") == cfg.data.dataset]
-    history = [tuple(h) for s in same_data for h in s.get("history", [])]
-    return stages, history
-
-
 def _make_optimizer(params, cfg: RunConfig):
     t = cfg.train
     if t.optimizer == "sgd":
@@ -123,20 +118,414 @@ def _make_optimizer(params, cfg: RunConfig):
     return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
 
 
-def _check_output_dir(cfg: RunConfig) -> None:
-    out = Path(cfg.train.output_dir)
-    if out.exists() and any(out.iterdir()) and not cfg.train.overwrite_output_dir:
-        raise ConfigError(f"output_dir={out} exists and is not empty; pass --overwrite_output_dir true, "
-                          "--resume_from latest to continue it, or pick another")
+class Trainer:
+    """One training stage as configured. ``Trainer(cfg).run()`` returns the run summary (rank 0; {} elsewhere).
+
+    Raises (from :meth:`run`):
+        ConfigError, DataError, ModelError, PrivacyPlanError: before anything is written.
+        TrainingError: a non-finite loss; no checkpoint is written for the failed run.
+    """
+
+    def __init__(self, cfg: RunConfig):
+        self.cfg, self.t, self.p = cfg, cfg.train, cfg.privacy
+        self.dp = cfg.privacy.enabled
+        self.out = Path(cfg.train.output_dir)
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.lock: Optional[rundir.RunLock] = None
+        self.plan: Optional[PrivacyPlan] = None
+        self.private = None  # dpllm.privacy.engine.PrivateTraining under DP
+        self.criterion = None
+        self.step = self.start_step = self.tokens_seen = 0
+        self.window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
+        self.initial_eval: Optional[dict] = None
+        self.bar = None
+
+    # ---- the stages ---------------------------------------------------------------------------------
+
+    def run(self) -> dict:
+        with known_warnings_silenced():
+            try:
+                self.setup_process()
+                finished = resume.finished_summary(self.out) if self.resume_from is not None else None
+                if finished is not None:
+                    log.warning("%s already finished at step %s; nothing to do", self.out, finished.get("steps"))
+                    return finished if self.world.is_main else {}
+                self.setup_data()
+                self.setup_plan()
+                self.setup_model()
+                self.setup_run_dir()
+                self.setup_privacy()
+                self.start()
+                self.train_steps()
+                return self.finish()
+            finally:
+                if self.bar is not None:
+                    self.bar.close()
+                if self.lock is not None:
+                    self.lock.release()
+
+    def setup_process(self) -> None:
+        seed_everything(self.t.seed)
+        self.mp = self.t.mixed_precision
+        if self.mp == "bf16" and not torch.cuda.is_available():
+            log.warning("mixed_precision=bf16 needs a GPU here; falling back to fp32 on CPU")
+            self.mp = "no"
+        self.accelerator = make_accelerator(self.mp)
+        self.world = world_of(self.accelerator)
+        self.device = self.accelerator.device
+        check_parallelism(self.p, self.world.kind, world_size=self.world.size,
+                          logical_batch_size=self.t.logical_batch_size)
+        self.resume_from = resume.resolve(self.cfg)  # read-only, so every process reaches the same answer
+        if self.resume_from is not None:
+            resume.check_config(self.resume_from, self.cfg)
+        elif self.world.is_main:
+            rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir,
+                                    protected=[self.cfg.data.dataset, self.cfg.model.model_name_or_path])
+
+    def setup_data(self) -> None:
+        d = self.cfg.data
+        self.records = data.load_records(d)
+        self.splits = data.make_splits(len(self.records), d)
+        if d.train_on == "public" and not self.splits.public:
+            raise data.DataError("train_on=public but public_fraction=0 leaves no public records; raise public_fraction")
+        train_ids = self.splits.public if d.train_on == "public" else self.splits.train
+        self.canaries = data.make_canaries(d) if d.train_on == "private" else []
+        self.train_texts = data.select(self.records, train_ids) + [c["text"] for c in self.canaries if c["included"]]
+        heldout = data.select(self.records, self.splits.heldout)
+        self.heldout_hashes = {data.sha256(x) for x in heldout}
+        self.eval_texts = heldout if self.t.eval_max_records is None else heldout[: self.t.eval_max_records]
+        self.trained_hashes = {data.sha256(x) for x in self.train_texts}
+
+    def setup_plan(self) -> None:
+        """Earlier stages, steps and σ: all decided from the data alone, before any model is loaded."""
+        t, p = self.t, self.p
+        self.source = source_of(self.cfg.model)
+        self.lineage: Lineage = lineage(self.source, private=self.trained_hashes, heldout=self.heldout_hashes,
+                                        dp=self.dp)
+        n = len(self.train_texts)
+        self.steps = steps_for(num_records=n, batch=t.logical_batch_size, epochs=t.epochs,
+                               steps=None if t.epochs is not None else t.max_steps)
+        if self.dp:
+            self.plan = plan_privacy(num_records=n, logical_batch_size=t.logical_batch_size, steps=self.steps,
+                                     target_epsilon=p.target_epsilon, delta=p.target_delta, accountant=p.accountant,
+                                     noise_multiplier=p.noise_multiplier, prior_history=self.lineage.history)
+        for note in self.lineage.notes:
+            log.info("stages: %s", note)
+
+    def setup_model(self) -> None:
+        cfg, dlen = self.cfg, self.cfg.data.max_length
+        model, self.tokenizer, _ = load_base(cfg.model, dlen)
+        ctx = context_length(model)
+        if ctx is not None and dlen > ctx:
+            raise ConfigError(f"max_length={dlen} exceeds the model's context of {ctx} tokens; lower max_length")
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        # LoRA over a base that has no path of its own (tiny, or merged from a run) keeps a copy to save.
+        keep_base = cfg.model.finetuning == "lora" and self.source["kind"] != "pretrained"
+        self.lora_base = _copy(model) if keep_base else None
+        model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp)
+        if self.t.gradient_checkpointing:
+            if self.dp:
+                raise ConfigError(
+                    "gradient_checkpointing=true is refused under DP: recomputed activations re-run Opacus's "
+                    "forward hooks and corrupt per-sample norms; turn it off or lower physical_batch_size")
+            unwrap(model).gradient_checkpointing_enable()
+        if self.dp:
+            check_dp_layers(model)
+        model.to(self.device).train()
+        self.n_params = count_parameters(model)
+        # DDP / FSDP wrapping comes before the optimizer (FSDP replaces parameters) and before make_private.
+        self.model = wrap_model(model, dp=self.dp, world=self.world, accelerator=self.accelerator,
+                                mixed_precision=self.mp)
+        self.train_ds = data.TokenizedRecords(self.train_texts, self.tokenizer, dlen)
+        self.eval_ds = data.TokenizedRecords(self.eval_texts, self.tokenizer, dlen)
+        self.collate = data.make_collate(self.tokenizer.pad_token_id)
+        self.optimizer = _make_optimizer([q for q in self.model.parameters() if q.requires_grad], cfg)
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(self.t.lr_scheduler, self.optimizer, num_warmup_steps=self.t.warmup_steps,
+                                       num_training_steps=self.steps)
+
+    def setup_run_dir(self) -> None:
+        """Lock, then (fresh runs) clear and describe the run directory. Only rank 0 writes."""
+        if self.world.is_main:
+            self.lock = rundir.RunLock(self.out).acquire()
+            if self.resume_from is None:
+                # again under the lock: another run may have filled the directory since the first check
+                rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir,
+                                        protected=[self.cfg.data.dataset, self.cfg.model.model_name_or_path])
+                rundir.clear(self.out)
+                rundir.mark(self.out)
+                write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
+                splits = self.splits.to_json(self.records, self.cfg.data)
+                splits["trained_sha256"] = sorted(self.trained_hashes)
+                write_json_atomic(self.out / "splits.json", splits)
+                if self.canaries:
+                    write_json_atomic(self.out / "canaries.json",
+                                      {"seed": self.cfg.data.canary_seed, "canaries": self.canaries})
+            else:
+                resume.clean_partial_writes(self.out)
+        barrier(self.world)
+
+    def setup_privacy(self) -> None:
+        self.generators = privacy_generators(reproducible=self.p.reproducible_noise, seed=self.t.seed,
+                                             stage=self.out.name, world=self.world, device=self.device,
+                                             secure_mode=self.p.secure_mode)
+        if self.dp:
+            self.private = make_private(
+                model=self.model, optimizer=self.optimizer, dataset=self.train_ds, collate_fn=self.collate,
+                cfg=self.p, plan=self.plan, logical_batch_size=self.t.logical_batch_size,
+                noise_generator=self.generators["noise"], sampling_generator=self.generators["sampling"],
+                rank=self.world.rank, world_size=self.world.size)
+            self.model, self.optimizer = self.private.model, self.private.optimizer
+            self.criterion = self.private.criterion
+            self.batches = self.private.sampler
+            log.info("privacy: σ=%.4g q=%.4g steps=%d target ε=%s δ=%g (%s), %d process(es)",
+                     self.plan.noise_multiplier, self.plan.sample_rate, self.steps, self.p.target_epsilon,
+                     self.p.target_delta, self.p.accountant, self.world.size)
+        else:
+            self.batches = ShuffledBatchSampler(num_samples=len(self.train_ds), batch_size=self.t.logical_batch_size,
+                                                seed=self.t.seed, rank=self.world.rank, world_size=self.world.size)
+
+    def start(self) -> None:
+        """A fresh run's first ledger line and step-0 eval, or everything a resumable checkpoint holds."""
+        if self.resume_from is not None:
+            state = resume.load(self.resume_from, model=self.model, optimizer=self.optimizer,
+                                scheduler=self.scheduler, world=self.world, generators=self.generators,
+                                plan=self.plan.to_json() if self.plan else None,
+                                accountant=self.private.engine.accountant if self.dp else None)
+            self.step = self.start_step = state["step"]
+            self.tokens_seen = state["tokens_seen"] if self.world.is_main else 0  # the sum over processes counts
+            if self.world.is_main:
+                resume.truncate_metrics(self.metrics_path, state["metrics_bytes"])
+                resume.sync_ledger(self.out, self.resume_from, step=self.step, privacy=self.privacy_now())
+                self.initial_eval = resume.initial_eval(self.metrics_path)
+            log.warning("resumed %s from step %d of %d (%s)", self.out, self.step, self.steps, self.resume_from.name)
+        else:
+            if self.world.is_main:
+                ledger.append(self.out, kind="stage", step=0, privacy=self.privacy_now(), name=self.out.name,
+                              previous_stage=ledger.previous_stage(self.source))
+            if self.t.eval_every:
+                self.initial_eval = self.evaluate()
+        if not self.dp:
+            self.batches.start = self.step  # non-private batches are a function of the step: no state to restore
+
+    def train_steps(self) -> None:
+        """The loop: this process's share of the next logical batch → one optimizer step, until done."""
+        if self.t.progress and self.world.is_main:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=self.steps, initial=self.step, desc="dp-train" if self.dp else "train",
+                            dynamic_ncols=True, mininterval=1.0)
+        self.started = time.time()
+        batches = iter(self.batches)  # endless; Poisson under DP, fixed-size shuffled batches otherwise
+        while self.step < self.steps:
+            self.optimizer_step(next(batches))
+            self.after_step()
+        if self.t.save_every and self.step > self.start_step:
+            self.save_resumable()
+        self.wall = time.time() - self.started
+
+    def finish(self) -> dict:
+        final = self.evaluate(final=True)
+        tokens = int(all_sum([self.tokens_seen], self.world)[0])
+        digests = gather_objects(params_digest(self.model), self.world)
+        if len(set(digests)) > 1:
+            raise TrainingError(f"model replicas differ across the {self.world.size} processes after training; this "
+                                "is a dpllm bug (no checkpoint was written)")
+        self.check_history_is_plan()
+        weights = full_state_dict(unwrap(self.model))  # FSDP: every process takes part in the gather
+        summary: dict = {}
+        if self.world.is_main:
+            report = self.report()
+            save_checkpoint(self.out / "checkpoint", model=self.model, tokenizer=self.tokenizer,
+                            privacy_report=report.to_dict(), config_yaml=self.cfg.to_yaml(),
+                            base_model=self.lora_base, state_dict=weights)
+            report.write(self.out / "privacy_report.json")
+            ledger.append(self.out, kind="final", step=self.step, privacy=report.as_ledger_privacy(),
+                          checkpoint="checkpoint")
+            summary = self.summary(report, final, tokens, digests[0])
+            write_json_atomic(self.out / "run_summary.json", summary)
+            if self.t.runs_file:
+                append_jsonl(self.t.runs_file, summary)
+        self.accelerator.wait_for_everyone()
+        return summary
+
+    # ---- one step ------------------------------------------------------------------------------------
+
+    def micro_batches(self, ids: list[int]) -> list[list[int]]:
+        """Physical batches of this process's share; under FSDP as many as the busiest process has."""
+        size = self.t.physical_batch_size
+        parts = [ids[i: i + size] for i in range(0, len(ids), size)] or [[]]
+        if self.dp and is_sharded(unwrap(self.model)):  # FSDP's collectives need equal pass counts
+            parts += [[]] * (int(all_max(len(parts), self.world)) - len(parts))
+        return parts
+
+    def optimizer_step(self, ids: list[int]) -> None:
+        """Forward/backward over the micro-batches, then one update.
+
+        Under DP each micro-batch is clipped and accumulated (``signal_skip_step``); noise, accounting and
+        the all-reduce happen once, at the last. Without DP the gradients of the micro-batches add up and
+        sync at the last; scaling each by W·m/B makes the update the mean over the global batch of B.
+        """
+        parts = self.micro_batches(ids)
+        self.optimizer.zero_grad()
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            items = [self.train_ds[j] for j in part]
+            batch = {k: v.to(self.device) for k, v in (self.collate(items) if items else _EMPTY).items()}
+            if self.dp:
+                self.optimizer.signal_skip_step(do_skip=not last)
+            sync = nullcontext() if last or self.dp else self.accelerator.no_sync(self.model)
+            with sync:
+                loss = forward_loss(self.model, batch, self.criterion, self.autocast)
+                self.record_loss(loss, len(part))
+                self.tokens_seen += int(batch["attention_mask"].sum())
+                if self.dp:
+                    loss.backward()
+                    self.optimizer.step()
+                    self.optimizer.zero_grad()
+                else:
+                    (loss * (len(part) * self.world.size / self.batches.batch_size)).backward()
+        if not self.dp:
+            self.optimizer.step()
+
+    @property
+    def autocast(self):
+        return self.accelerator.autocast if self.mp != "no" else None
+
+    def record_loss(self, loss, n: int) -> None:
+        if n == 0:
+            return
+        value = float(loss.detach() if hasattr(loss, "detach") else loss)
+        if not math.isfinite(value):
+            raise TrainingError(f"loss is {value} at step {self.step + 1}; no checkpoint was written. Lower "
+                                f"learning_rate (now {self.t.learning_rate}), check the data, or use mixed_precision=no")
+        self.window[0] += value * n
+        self.window[1] += n
+
+    def after_step(self) -> None:
+        self.step += 1
+        self.scheduler.step()
+        t, step = self.t, self.step
+        if step % t.log_every == 0 or step == self.steps:
+            self.log_train()
+        if t.eval_every and step % t.eval_every == 0 and step < self.steps:
+            self.evaluate()
+        if t.save_every and step % t.save_every == 0 and step < self.steps:
+            self.save_resumable()
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def log_train(self) -> None:
+        loss_sum, n, tokens = all_sum([self.window[0], self.window[1], self.tokens_seen], self.world)
+        self.window = [0.0, 0]
+        row = {"step": self.step, "split": "train", "loss": loss_sum / max(n, 1),
+               "lr": self.scheduler.get_last_lr()[0], "tokens_seen": int(tokens),
+               "elapsed_s": round(time.time() - self.started, 2)}
+        if self.world.is_main:
+            if self.dp:
+                row["epsilon"] = self.private.epsilon()
+            append_jsonl(self.metrics_path, row)
+            if self.bar is not None:
+                shown = {"loss": f"{row['loss']:.3f}", **({"eps": f"{row['epsilon']:.2f}"} if self.dp else {})}
+                self.bar.set_postfix(shown, refresh=False)
+
+    def evaluate(self, final: bool = False) -> dict:
+        log.info("eval: %d held-out records at step %d", len(self.eval_ds), self.step)
+        ev = evaluate(self.model, self.eval_ds, self.collate, batch_size=self.t.physical_batch_size,
+                      device=self.device, world=self.world)
+        if self.world.is_main:
+            append_jsonl(self.metrics_path, {"step": self.step, "split": "eval", **ev})
+            msg = f"eval step {self.step}: held-out loss {ev['loss']:.4f} (perplexity {ev['ppl']:.2f})"
+            (self.bar.write if self.bar is not None and not final else log.info)(msg)
+        return ev
+
+    # ---- privacy state, checkpoints, report -------------------------------------------------------------
+
+    def privacy_now(self) -> dict:
+        """ε so far (earlier stages on the same records included) and the parameters behind it."""
+        if not self.dp:
+            return {}
+        return {"epsilon": self.private.epsilon(), "delta": self.plan.delta,
+                "noise_multiplier": self.plan.noise_multiplier, "sample_rate": self.plan.sample_rate,
+                "accountant": self.plan.accountant, "history": [list(h) for h in self.private.history()]}
+
+    def save_resumable(self) -> None:
+        tokens = int(all_sum([self.tokens_seen], self.world)[0])
+        privacy = self.privacy_now() if self.world.is_main else {}
+        state = {"step": self.step, "tokens_seen": tokens, "plan": self.plan.to_json() if self.plan else None,
+                 "epsilon": privacy.get("epsilon"),
+                 "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
+                 "accountant": self.private.engine.accountant.state_dict() if self.dp else None}
+        resume.save(self.out, step=self.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                    world=self.world, config_yaml=self.cfg.to_yaml(), generators=self.generators,
+                    trainer_state=state, privacy=privacy)
+
+    def check_history_is_plan(self) -> None:
+        """The accountant must hold exactly the planned (σ, q) for exactly the steps taken."""
+        if not self.dp:
+            return
+        got = [(float(s), float(q), int(n)) for s, q, n in self.private.history()]
+        want = list(self.lineage.history) + [(self.plan.noise_multiplier, self.plan.sample_rate, self.step)]
+        merged: list = []
+        for h in got:  # Opacus records one entry per (σ, q) run of steps
+            if merged and merged[-1][:2] == h[:2] and len(merged) > len(self.lineage.history):
+                merged[-1] = (h[0], h[1], merged[-1][2] + h[2])
+            else:
+                merged.append(h)
+        if merged != [(float(s), float(q), int(n)) for s, q, n in want] or self.step != self.steps:
+            raise TrainingError(f"the accountant recorded {merged}, the plan says {want} over {self.steps} steps; "
+                                "this is a dpllm bug (no checkpoint was written)")
+
+    def report(self) -> PrivacyReport:
+        """The privacy report: ε with everything needed to recompute it."""
+        p, t = self.p, self.t
+        stage = {"name": self.out.name, "run_dir": str(self.out.resolve()), "enabled": self.dp,
+                 "dataset": self.cfg.data.dataset, "train_on": self.cfg.data.train_on,
+                 "num_records": len(self.train_ds), "steps": self.step,
+                 "records_sha256": set_digest(self.trained_hashes),
+                 "history": [list(h) for h in self.private.history()[len(self.lineage.history):]] if self.dp else []}
+        common = dict(enabled=self.dp, num_records=len(self.train_ds), steps=self.step,
+                      logical_batch_size=t.logical_batch_size, physical_batch_size=t.physical_batch_size,
+                      model_adjustments=self.adjustments, base_model=self.source, versions=library_versions(),
+                      stages=self.lineage.stages + [stage])
+        if not self.dp:
+            return PrivacyReport(**common)
+        history = self.private.history()
+        return PrivacyReport(
+            **common, epsilon=self.private.epsilon(), delta=self.plan.delta, accountant=self.plan.accountant,
+            target_epsilon=p.target_epsilon, noise_multiplier=self.plan.noise_multiplier,
+            sample_rate=self.plan.sample_rate, expected_batch_size=self.plan.expected_batch_size,
+            max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),
+            grad_sample_mode=p.grad_sample_mode, poisson_sampling=True, secure_mode=p.secure_mode,
+            noise_secret=not p.reproducible_noise, history=[list(h) for h in history],
+            composition=("; ".join(self.lineage.notes) if self.lineage.notes else "single stage"),
+            warnings=list(self.plan.warnings))
+
+    def summary(self, report: PrivacyReport, final: dict, tokens: int, digest: Optional[str]) -> dict:
+        t = self.t
+        return {
+            "run_dir": str(self.out), "model": self.cfg.model.model_name_or_path,
+            "finetuning": self.cfg.model.finetuning, "params_total": self.n_params[0],
+            "params_trainable": self.n_params[1], "tokens_seen": tokens, "steps": self.step,
+            "logical_batch_size": t.logical_batch_size, "epsilon": report.epsilon, "delta": report.delta,
+            "noise_multiplier": report.noise_multiplier, "sample_rate": report.sample_rate,
+            "privacy_enabled": self.dp, "noise_secret": report.noise_secret,
+            "initial_eval_loss": self.initial_eval["loss"] if self.initial_eval else None,
+            "final_eval_loss": final["loss"], "final_eval_ppl": final["ppl"], "seed": t.seed,
+            "wall_time_s": round(self.wall, 2), "world_size": self.world.size, "params_sha256": digest,
+            "resumed_from_step": self.start_step or None,
+        }
 
 
-def _prepare_output_dir(cfg: RunConfig) -> Path:
-    out = Path(cfg.train.output_dir)
-    _check_output_dir(cfg)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+_EMPTY = {k: torch.zeros((0, 1), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
+
+
+def _copy(model):
+    import copy
+
+    return copy.deepcopy(model)
 
 
 def train(cfg: RunConfig) -> dict:
@@ -144,322 +533,5 @@ def train(cfg: RunConfig) -> dict:
 
     Runs on one process or many (``accelerate launch``, see :mod:`dpllm.distributed`); only rank 0
     writes the run directory and the summary is returned on rank 0 only ({} elsewhere).
-
-    Raises:
-        ConfigError, DataError, ModelError, PrivacyPlanError: before anything is written.
-        TrainingError: a non-finite loss; no checkpoint is written for the failed run.
     """
-    t, p, dcfg = cfg.train, cfg.privacy, cfg.data
-    dp = p.enabled
-    seed_everything(t.seed)
-    mp = t.mixed_precision
-    if mp == "bf16" and not torch.cuda.is_available():
-        log.warning("mixed_precision=bf16 needs a GPU here; falling back to fp32 on CPU")
-        mp = "no"
-    accelerator = make_accelerator(mp)
-    world = world_of(accelerator)
-    device = accelerator.device
-    check_parallelism(p, world.kind, world_size=world.size, logical_batch_size=t.logical_batch_size)
-    resume_from = R.resolve(cfg)  # read-only, so every process reaches the same answer
-    if resume_from is not None:
-        R.check_config(resume_from, cfg)
-
-    # ---- data (errors here cost nothing) -------------------------------------------------------
-    records = D.load_records(dcfg)
-    splits = D.make_splits(len(records), dcfg)
-    if dcfg.train_on == "public" and not splits.public:
-        raise D.DataError("train_on=public but public_fraction=0 leaves no public records; raise public_fraction")
-    train_ids = splits.public if dcfg.train_on == "public" else splits.train
-    train_texts = D.select(records, train_ids)
-    canaries = D.make_canaries(dcfg) if dcfg.train_on == "private" else []
-    train_texts += [c["text"] for c in canaries if c["included"]]
-    heldout_texts = D.select(records, splits.heldout)
-    if t.eval_max_records is not None:
-        heldout_texts = heldout_texts[: t.eval_max_records]
-
-    # ---- model -----------------------------------------------------------------------------------
-    model, tokenizer, source = load_base(cfg.model, dcfg.max_length)
-    ctx = context_length(model)
-    if ctx is not None and dcfg.max_length > ctx:
-        raise ConfigError(f"max_length={dcfg.max_length} exceeds the model's context of {ctx} tokens; lower max_length")
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    lora_base = model if cfg.model.finetuning == "lora" and source["kind"] != "pretrained" else None
-    if lora_base is not None:
-        import copy
-
-        lora_base = copy.deepcopy(lora_base)
-    prior_stages, prior_history = _prior_stages(source, cfg)
-    model, adjustments = prepare_model(model, cfg.model, dp=dp)
-    if t.gradient_checkpointing:
-        if dp:
-            raise ConfigError(
-                "gradient_checkpointing=true is refused under DP: recomputed activations re-run Opacus's "
-                "forward hooks and corrupt per-sample norms; turn it off or lower physical_batch_size"
-            )
-        unwrap(model).gradient_checkpointing_enable()
-    if dp:
-        check_dp_layers(model)
-    model.to(device).train()
-    n_total, n_trainable = count_parameters(model)
-    # DDP / FSDP wrapping comes before the optimizer (FSDP replaces parameters) and before make_private.
-    model = wrap_model(model, dp=dp, world=world, accelerator=accelerator, mixed_precision=mp)
-
-    train_ds = D.TokenizedRecords(train_texts, tokenizer, dcfg.max_length)
-    eval_ds = D.TokenizedRecords(heldout_texts, tokenizer, dcfg.max_length)
-    collate = D.make_collate(tokenizer.pad_token_id)
-    empty = {k: torch.zeros((0, 1), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
-    batches_per_epoch = math.ceil(len(train_ds) / t.logical_batch_size)
-    steps = steps_for(num_records=len(train_ds), batch=t.logical_batch_size, epochs=t.epochs,
-                      steps=None if t.epochs is not None else t.max_steps)
-
-    plan: Optional[PrivacyPlan] = None
-    if dp:
-        plan = plan_privacy(num_records=len(train_ds), logical_batch_size=t.logical_batch_size, steps=steps,
-                            target_epsilon=p.target_epsilon, delta=p.target_delta, accountant=p.accountant,
-                            noise_multiplier=p.noise_multiplier, prior_history=prior_history)
-    params = [q for q in model.parameters() if q.requires_grad]
-    optimizer = _make_optimizer(params, cfg)
-    from transformers import get_scheduler
-
-    scheduler = get_scheduler(t.lr_scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=steps)
-
-    # ---- run directory: only now, after every check passed --------------------------------------
-    out = Path(t.output_dir)
-    if resume_from is None:
-        _check_output_dir(cfg)
-        barrier(world)  # every process checked before rank 0 clears or creates anything
-        if world.is_main:
-            _prepare_output_dir(cfg)
-            write_text_atomic(out / "config.yaml", cfg.to_yaml())
-            write_json_atomic(out / "splits.json", splits.to_json(records, dcfg))
-            if canaries:
-                write_json_atomic(out / "canaries.json", {"seed": dcfg.canary_seed, "canaries": canaries})
-    elif world.is_main:
-        R.clean_partial_writes(out)
-    metrics_path = out / "metrics.jsonl"
-
-    # Separate random streams, so that resuming restores each exactly: Poisson draws (the same on every
-    # process), noise (one stream per process: under FSDP each adds noise to its own shard).
-    sampling_gen = torch.Generator().manual_seed(stream_seed(t.seed, "poisson"))
-    noise_gen = None if p.secure_mode else torch.Generator(device=device).manual_seed(
-        stream_seed(t.seed, f"noise:{world.rank}"))
-    generators = {"sampling": sampling_gen, "noise": noise_gen}
-    criterion, pt = None, None
-    if dp:
-        pt = make_private(model=model, optimizer=optimizer, dataset=train_ds, collate_fn=collate, cfg=p, plan=plan,
-                          logical_batch_size=t.logical_batch_size, noise_generator=noise_gen,
-                          sampling_generator=sampling_gen, rank=world.rank, world_size=world.size)
-        model, optimizer, criterion = pt.model, pt.optimizer, pt.criterion
-        log.info("privacy: σ=%.4g q=%.4g steps=%d target ε=%s δ=%g (%s), %d process(es)", plan.noise_multiplier,
-                 plan.sample_rate, steps, p.target_epsilon, p.target_delta, p.accountant, world.size)
-    else:
-        batches = ShuffledBatchSampler(num_samples=len(train_ds), batch_size=t.logical_batch_size, seed=t.seed,
-                                       rank=world.rank, world_size=world.size)
-        loader = DataLoader(train_ds, batch_sampler=batches, collate_fn=collate)
-    plan_state = R.plan_state(plan)
-
-    def privacy_now() -> dict:
-        """ε so far (earlier stages on the same data included) and the parameters behind it."""
-        if not dp:
-            return {}
-        return {"epsilon": pt.epsilon(), "delta": plan.delta, "noise_multiplier": plan.noise_multiplier,
-                "sample_rate": plan.sample_rate, "accountant": plan.accountant}
-
-    # ---- start, or continue a checkpoint --------------------------------------------------------
-    step, tokens_seen, initial = 0, 0, None
-    if resume_from is not None:
-        state = R.load(resume_from, model=model, optimizer=optimizer, scheduler=scheduler, world=world,
-                       generators=generators, plan=plan_state, accountant=pt.engine.accountant if dp else None)
-        step = state["step"]
-        tokens_seen = state["tokens_seen"] if world.is_main else 0  # the sum over processes is what counts
-        if world.is_main:
-            R.truncate_metrics(metrics_path, state["metrics_bytes"])
-            R.sync_ledger(out, resume_from, step=step, privacy=privacy_now())
-            initial = R.initial_eval(metrics_path)
-        log.info("resumed from %s at step %d of %d", resume_from, step, steps)
-    else:
-        if world.is_main:
-            ledger.append(out, kind="stage", step=0, privacy=privacy_now(), name=out.name,
-                          previous_stage=ledger.previous_stage(source))
-        if t.eval_every:
-            initial = evaluate(model, eval_ds, collate, batch_size=t.physical_batch_size, device=device, world=world)
-            if world.is_main:
-                append_jsonl(metrics_path, {"step": 0, "split": "eval", **initial})
-    if not dp:
-        batches.start = step  # non-private batches are a function of the step: no state to restore
-    start_step = step
-
-    def save_resumable() -> None:
-        tokens = int(all_sum([tokens_seen], world)[0])
-        privacy = privacy_now() if world.is_main else {}
-        state = {"step": step, "tokens_seen": tokens, "plan": plan_state, "epsilon": privacy.get("epsilon"),
-                 "metrics_bytes": metrics_path.stat().st_size if metrics_path.exists() else 0,
-                 "accountant": pt.engine.accountant.state_dict() if dp else None}
-        R.save(out, step=step, model=model, optimizer=optimizer, scheduler=scheduler, world=world,
-               config_yaml=cfg.to_yaml(), generators=generators, trainer_state=state, privacy=privacy)
-
-    autocast = accelerator.autocast if mp != "no" else None
-    bar = None
-    if t.progress and world.is_main:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, initial=step, desc="dp-train" if dp else "train", dynamic_ncols=True)
-    start = time.time()
-    window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
-    shown: dict = {}  # progress bar postfix
-
-    def after_step() -> None:
-        nonlocal step
-        step += 1
-        scheduler.step()
-        if step % t.log_every == 0 or step == steps:
-            loss_sum, n, tokens = all_sum([window[0], window[1], tokens_seen], world)
-            row = {"step": step, "split": "train", "loss": loss_sum / max(n, 1), "lr": scheduler.get_last_lr()[0],
-                   "tokens_seen": int(tokens), "elapsed_s": round(time.time() - start, 2)}
-            if dp and world.is_main:
-                row["epsilon"] = pt.epsilon()
-            window[:] = [0.0, 0]
-            if world.is_main:
-                append_jsonl(metrics_path, row)
-                shown.update(loss=f"{row['loss']:.3f}", **({"eps": f"{row['epsilon']:.2f}"} if dp else {}))
-        if t.eval_every and step % t.eval_every == 0 and step < steps:
-            ev = evaluate(model, eval_ds, collate, batch_size=t.physical_batch_size, device=device, world=world)
-            if world.is_main:
-                append_jsonl(metrics_path, {"step": step, "split": "eval", **ev})
-        if t.save_every and step % t.save_every == 0 and step < steps:
-            save_resumable()
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(**shown)
-
-    def record_loss(loss, n: int) -> None:
-        if n == 0:
-            return
-        value = float(loss.detach() if hasattr(loss, "detach") else loss)
-        if not math.isfinite(value):
-            raise TrainingError(
-                f"loss is {value} at step {step + 1}; no checkpoint was written. Lower learning_rate "
-                f"(now {t.learning_rate}), check the data, or use mixed_precision=no"
-            )
-        window[0] += value * n
-        window[1] += n
-
-    # ---- steps ------------------------------------------------------------------------------------
-    if dp and step < steps:
-        sharded = is_sharded(unwrap(model))
-        for ids in pt.sampler:  # endless; this process's share of the next Poisson batch (maybe empty)
-            parts = [ids[i: i + t.physical_batch_size] for i in range(0, len(ids), t.physical_batch_size)] or [[]]
-            if sharded:  # FSDP: every process runs as many forward/backward passes as the busiest one
-                parts += [[]] * (int(all_max(len(parts), world)) - len(parts))
-            for i, part in enumerate(parts):
-                # Clip and accumulate after each physical batch; noise, accounting and the all-reduce
-                # happen once, at the step after the last one.
-                optimizer.signal_skip_step(do_skip=i < len(parts) - 1)
-                optimizer.zero_grad()
-                items = [train_ds[j] for j in part]
-                batch = {k: v.to(device) for k, v in (collate(items) if items else empty).items()}
-                loss = forward_loss(model, batch, criterion, autocast)
-                record_loss(loss, len(part))
-                tokens_seen += int(batch["attention_mask"].sum())
-                loss.backward()
-                optimizer.step()
-            after_step()
-            if step >= steps:
-                break
-    elif step < steps:
-        for batch in loader:  # endless; this process's share of global batch number `step`
-            optimizer.zero_grad()
-            n = batch["input_ids"].shape[0]
-            chunks = list(range(0, n, t.physical_batch_size))
-            for lo in chunks:
-                chunk = {k: v[lo: lo + t.physical_batch_size].to(device) for k, v in batch.items()}
-                m = chunk["input_ids"].shape[0]
-                # Gradients sync once per step (last chunk). DDP averages over processes, so scaling by
-                # W·m/B makes the update the mean over the whole global batch of B records.
-                with accelerator.no_sync(model) if lo != chunks[-1] else nullcontext():
-                    loss = forward_loss(model, chunk, None, autocast)
-                    record_loss(loss, m)
-                    tokens_seen += int(chunk["attention_mask"].sum())
-                    (loss * (m * world.size / batches.batch_size)).backward()
-            optimizer.step()
-            after_step()
-            if step >= steps:
-                break
-    if bar is not None:
-        bar.close()
-    if t.save_every and step > start_step:
-        save_resumable()
-    wall = time.time() - start
-
-    # ---- final eval, report, checkpoint ----------------------------------------------------------
-    final = evaluate(model, eval_ds, collate, batch_size=t.physical_batch_size, device=device, world=world)
-    tokens_seen = int(all_sum([tokens_seen], world)[0])
-    digests = gather_objects(params_digest(model), world)
-    if len(set(digests)) > 1:
-        raise TrainingError(f"model replicas differ across the {world.size} processes after training; this is a "
-                            "dpllm bug (no checkpoint was written)")
-    weights = full_state_dict(unwrap(model))  # FSDP: every process takes part in the gather
-    summary: dict = {}
-    if world.is_main:
-        append_jsonl(metrics_path, {"step": step, "split": "eval", **final})
-        stage = {
-            "name": out.name, "enabled": dp, "dataset": dcfg.dataset, "train_on": dcfg.train_on,
-            "split_seed": dcfg.split_seed, "num_records": len(train_ds), "steps": step,
-            "history": pt.history()[len(prior_history):] if dp else [],
-        }
-        report = build_report(cfg, plan=plan, pt=pt, num_records=len(train_ds), steps=step,
-                              adjustments=adjustments, stages=prior_stages + [stage], source=source)
-        save_checkpoint(out / "checkpoint", model=model, tokenizer=tokenizer, privacy_report=report,
-                        config_yaml=cfg.to_yaml(), base_model=lora_base, state_dict=weights)
-        write_json_atomic(out / "privacy_report.json", report)
-        ledger.append(out, kind="final", step=step, privacy=report, checkpoint="checkpoint")
-        summary = {
-            "run_dir": str(out), "model": cfg.model.model_name_or_path, "finetuning": cfg.model.finetuning,
-            "params_total": n_total, "params_trainable": n_trainable, "tokens_seen": tokens_seen, "steps": step,
-            "logical_batch_size": t.logical_batch_size, "epsilon": report.get("epsilon"),
-            "delta": report.get("delta"), "noise_multiplier": report.get("noise_multiplier"),
-            "sample_rate": report.get("sample_rate"), "privacy_enabled": dp,
-            "initial_eval_loss": initial["loss"] if initial else None, "final_eval_loss": final["loss"],
-            "final_eval_ppl": final["ppl"], "seed": t.seed, "wall_time_s": round(wall, 2),
-            "world_size": world.size, "params_sha256": digests[0], "resumed_from_step": start_step or None,
-        }
-        write_json_atomic(out / "run_summary.json", summary)
-        if t.runs_file:
-            append_jsonl(t.runs_file, summary)
-    accelerator.wait_for_everyone()
-    return summary
-
-
-def build_report(cfg: RunConfig, *, plan, pt, num_records: int, steps: int, adjustments: list, stages: list,
-                 source: dict) -> dict:
-    """The privacy report: ε with everything needed to recompute it, and library versions."""
-    p, t = cfg.privacy, cfg.train
-    report = {
-        "enabled": p.enabled, "privacy_unit": "record", "num_records": num_records, "steps": steps,
-        "logical_batch_size": t.logical_batch_size, "physical_batch_size": t.physical_batch_size,
-        "model_adjustments": adjustments, "base_model": source, "versions": library_versions(),
-    }
-    if p.enabled:
-        from dpllm.privacy import clipping
-
-        history = pt.history()
-        report.update({
-            "epsilon": pt.epsilon(), "delta": plan.delta, "accountant": plan.accountant,
-            "target_epsilon": p.target_epsilon, "noise_multiplier": plan.noise_multiplier,
-            "sample_rate": plan.sample_rate, "expected_batch_size": plan.expected_batch_size,
-            "max_grad_norm": p.max_grad_norm, "clipping": p.clipping,
-            "sensitivity": clipping.get(p.clipping).sensitivity(p), "grad_sample_mode": p.grad_sample_mode,
-            "poisson_sampling": True, "secure_mode": p.secure_mode, "history": [list(h) for h in history],
-            "composition": "stages on the same private data are composed by the accountant over their full history"
-            if len(history) > 1 else "single stage",
-        })
-    else:
-        report.update({"epsilon": None, "delta": None, "accountant": None, "noise_multiplier": None,
-                       "sample_rate": None, "max_grad_norm": None, "clipping": None, "history": []})
-    report["stages"] = stages
-    other = [s for s in stages[:-1] if s.get("enabled") and s.get("dataset") != cfg.data.dataset]
-    if other:
-        report["note"] = ("earlier private stages used other data; their ε applies to their own records and is "
-                          "not composed into this ε")
-    return report
+    return Trainer(cfg).run()

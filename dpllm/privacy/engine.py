@@ -61,7 +61,7 @@ class PrivateTraining:
 
     def history(self) -> list[tuple[float, float, int]]:
         """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
-        return self.plan.prior_history + [tuple(h) for h in self.engine.accountant.history]
+        return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
 
     def steps_taken(self) -> int:
         return sum(int(h[2]) for h in self.engine.accountant.history)

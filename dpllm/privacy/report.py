@@ -1,0 +1,139 @@
+"""``privacy_report.json``: one type that writes and reads it.
+
+Every reader (``dpllm report``, ``dpllm ledger verify``, ``dpllm export``, resume, a later stage, ``mia``)
+goes through :meth:`PrivacyReport.read`, which turns a missing, cut or non-JSON file into a
+:class:`ReportError` that names the file, instead of a traceback.
+
+The report holds ε with everything needed to recompute it: δ, the accountant, and the full
+``(noise_multiplier, sample_rate, steps)`` history (earlier stages composed first). ``noise_secret``
+says whether the noise and sampling randomness came from the operating system's entropy (a releasable
+run) or from a seed (``privacy.reproducible_noise: true``, tests and debugging only).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from dpllm.io import write_json_atomic
+
+FILENAME = "privacy_report.json"
+
+
+class ReportError(ValueError):
+    """A privacy report that is missing or cannot be read; the message names the file and the fix."""
+
+
+@dataclass
+class PrivacyReport:
+    """What a run spent and how; written beside the run and inside its ``checkpoint/``."""
+
+    enabled: bool
+    num_records: int
+    steps: int
+    logical_batch_size: int
+    physical_batch_size: int
+    privacy_unit: str = "record"
+    epsilon: Optional[float] = None
+    delta: Optional[float] = None
+    accountant: Optional[str] = None
+    target_epsilon: Optional[float] = None
+    noise_multiplier: Optional[float] = None
+    sample_rate: Optional[float] = None
+    expected_batch_size: Optional[int] = None
+    max_grad_norm: Optional[float] = None
+    clipping: Optional[str] = None
+    sensitivity: Optional[float] = None
+    grad_sample_mode: Optional[str] = None
+    poisson_sampling: Optional[bool] = None
+    secure_mode: Optional[bool] = None
+    noise_secret: Optional[bool] = None
+    history: list = field(default_factory=list)
+    composition: Optional[str] = None
+    stages: list = field(default_factory=list)
+    model_adjustments: list = field(default_factory=list)
+    base_model: dict = field(default_factory=dict)
+    versions: dict = field(default_factory=dict)
+    warnings: list = field(default_factory=list)
+    note: Optional[str] = None
+
+    @property
+    def releasable(self) -> bool:
+        """A private run whose noise was secret; a non-private run is never 'releasable under DP'."""
+        return bool(self.enabled and self.noise_secret)
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        if out["note"] is None:
+            del out["note"]
+        return out
+
+    def write(self, path: str | Path) -> Path:
+        """Write atomically to ``path`` (a file, or a directory that gets ``privacy_report.json``)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / FILENAME
+        eps = self.epsilon
+        if eps is not None and not math.isfinite(eps):
+            raise ReportError(f"refusing to write ε={eps} into {path}: not a finite number (a dpllm bug)")
+        write_json_atomic(path, self.to_dict())
+        return path
+
+    @classmethod
+    def from_dict(cls, data: dict, *, source: str = "privacy report") -> "PrivacyReport":
+        if not isinstance(data, dict):
+            raise ReportError(f"{source}: not a JSON object")
+        names = {f.name for f in dataclasses.fields(cls)}
+        missing = [n for n in ("enabled", "num_records", "steps") if n not in data]
+        if missing:
+            raise ReportError(f"{source}: missing {', '.join(missing)}; not a dpllm privacy report")
+        known = {k: v for k, v in data.items() if k in names}
+        known.setdefault("logical_batch_size", 0)
+        known.setdefault("physical_batch_size", 0)
+        return cls(**known)
+
+    @classmethod
+    def read(cls, path: str | Path) -> "PrivacyReport":
+        """Read a report from a file, a checkpoint directory or a run directory.
+
+        Raises:
+            ReportError: no report there, or a file that is cut, not UTF-8 or not JSON.
+        """
+        path = Path(path)
+        candidates = [path] if path.suffix == ".json" else [path / FILENAME, path / "checkpoint" / FILENAME]
+        found = next((p for p in candidates if p.is_file()), None)
+        if found is None:
+            raise ReportError(f"{path} has no {FILENAME}; is it a dpllm run or checkpoint directory?")
+        try:
+            data = json.loads(found.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as err:
+            raise ReportError(f"{found} is not UTF-8 text (byte {err.start}); the file is damaged") from err
+        except json.JSONDecodeError as err:
+            raise ReportError(f"{found} is not valid JSON (line {err.lineno}, column {err.colno}: {err.msg}); "
+                              "the file is damaged or was cut short — restore it from the run's checkpoint/") from err
+        return cls.from_dict(data, source=str(found))
+
+    def summary(self) -> str:
+        """One line a person reads: (ε, δ) and everything needed to recompute it."""
+        if not self.enabled:
+            return "privacy: disabled (no DP guarantee for this run)"
+        secret = "" if self.noise_secret is not False else "; NOT RELEASABLE: reproducible (seeded) noise"
+        return (f"(ε = {self.epsilon:.3f}, δ = {self.delta:g}) via {self.accountant} accountant; "
+                f"σ = {self.noise_multiplier:.4g}, q = {self.sample_rate:.4g}, steps = {self.steps}, "
+                f"C = {self.max_grad_norm:g}, clipping = {self.clipping}, N = {self.num_records:,} records "
+                f"(unit: {self.privacy_unit}){secret}")
+
+    def as_ledger_privacy(self) -> dict[str, Any]:
+        """The fields a ledger line records."""
+        return {"epsilon": self.epsilon, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
+                "sample_rate": self.sample_rate, "accountant": self.accountant,
+                "history": [list(h) for h in self.history]}
+
+
+NOT_RELEASABLE = ("this run used reproducible (seeded) noise (privacy.reproducible_noise: true): anyone with its "
+                  "config can regenerate the noise and batches, so it carries no DP guarantee; retrain without "
+                  "reproducible_noise before releasing anything")
