@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -92,7 +93,8 @@ class TrainConfig:
     eval_every: int = _f(50, "Evaluate held-out loss and perplexity every N steps (and at the end).")
     eval_max_records: Optional[int] = _f(256, "Held-out records used per evaluation (None: all).")
     log_every: int = _f(10, "Write a train metrics line every N steps.")
-    seed: int = _f(0, "Seed for model init, sampling and noise.")
+    seed: int = _f(0, "Seed for model init, the data split's shuffles and non-private batches. DP noise and "
+                      "Poisson sampling never use it (fresh OS entropy), unless privacy.reproducible_noise.")
     mixed_precision: str = _f("no", "'no' or 'bf16' (autocast on GPU; CPU falls back to fp32).")
     gradient_checkpointing: bool = _f(False, "Recompute activations in backward (non-private runs only; "
                                              "refused under DP, see docs/operations.md).")
@@ -118,7 +120,11 @@ class PrivacyConfig:
     clipping: str = _f("flat", "Per-sample clipping function (dpllm.privacy.clipping registry).")
     clipping_r: float = _f(0.1, "r of the psac/psasc clipping functions (stability constant of automatic).")
     clipping_s: float = _f(1.0, "s of psasc (sensitivity C/s).")
-    secure_mode: bool = _f(False, "Cryptographically secure noise (Opacus secure_mode; slower).")
+    secure_mode: bool = _f(False, "Noise from Opacus's cryptographically secure generator (needs torchcsprng; "
+                                  "slower noise draws). Without it noise is still secretly seeded from OS entropy.")
+    reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
+                                         "ONLY): anyone with the config can regenerate them, so the run is marked "
+                                         "noise_secret=false and is not releasable.")
 
 
 SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig, "privacy": PrivacyConfig}
@@ -190,6 +196,9 @@ def parse_config(argv: Optional[list[str]] = None) -> RunConfig:
 
     argv = list(sys.argv[1:] if argv is None else argv)
     defaults: dict[str, Any] = {}
+    if sum(a == "--config" or a.startswith("--config=") for a in argv) > 1:
+        raise ConfigError("--config was given more than once; merge the files into one YAML (only one is read)")
+    argv = [x for a in argv for x in (a.split("=", 1) if a.startswith("--config=") else [a])]
     if "--config" in argv:
         i = argv.index("--config")
         if i + 1 >= len(argv):
@@ -271,11 +280,21 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("set max_steps ≥ 1 or epochs > 0")
     if t.epochs is not None and t.epochs <= 0:
         raise ConfigError(f"epochs={t.epochs} must be positive")
+    for name, value in (("target_epsilon", p.target_epsilon), ("target_delta", p.target_delta),
+                        ("noise_multiplier", p.noise_multiplier), ("max_grad_norm", p.max_grad_norm),
+                        ("learning_rate", t.learning_rate), ("epochs", t.epochs)):
+        if value is not None and not math.isfinite(value):
+            hint = "; for a run without DP set privacy.enabled=false" if name == "target_epsilon" else ""
+            raise ConfigError(f"{name}={value} must be a finite number{hint}")
     if p.enabled:
         if p.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm={p.max_grad_norm} must be positive")
         if p.noise_multiplier is None and p.target_epsilon is None:
             raise ConfigError("privacy is enabled: set target_epsilon (calibrates noise) or noise_multiplier")
+        if p.target_epsilon is not None and p.target_epsilon <= 0:
+            raise ConfigError(f"target_epsilon={p.target_epsilon} must be positive")
+        if not 0 < p.target_delta < 1:
+            raise ConfigError(f"target_delta={p.target_delta} must be in (0, 1), and below 1/N for N records")
         if p.noise_multiplier is not None and p.noise_multiplier <= 0:
             raise ConfigError(f"noise_multiplier={p.noise_multiplier} must be positive under DP")
         if d.train_on == "public":
