@@ -5,11 +5,18 @@
     dpllm scaling fit --runs runs/sweep/runs.jsonl --form dp_noise --out runs/sweep/fit_dp
     dpllm scaling plan --fit runs/sweep/fit/fit.json --epsilon 8 --target-ppl 20 --n 1.2e8
     dpllm scaling plan --fit runs/sweep/fit/fit.json --epsilon 8 --target-ppl 20 --compute 1e19
+    dpllm scaling plan --fit runs/gpu/fit_nb/fit.json --records 40000 --epsilon 8 --delta 1e-6 --compute 1e17
+    dpllm scaling plan --fit runs/gpu/fit_nb/fit.json --records 40000 --epsilon 8 --delta 1e-6 --target-loss 1.1
+    dpllm scaling frontier --fit runs/gpu/fit_nb/fit.json --records 40000 --epsilons 2,4,8 --delta 1e-6 --out DIR
 
 ``fit`` writes ``OUT/fit.json`` (parameters, 95% bootstrap intervals, R² on loss, residuals, input
 summary and the filter used) and ``OUT/loss_vs_N.png`` / ``loss_vs_D.png``.
 ``plan`` prints tokens for a target at ``--n``, parameters at ``--d``, the compute-optimal point for
-``--compute``, or (with none of them) the least compute that reaches the target.
+``--compute``, or (with none of them) the least compute that reaches the target. With a ``noise_batch``
+fit it plans private training: ``--records --epsilon --delta`` and ``--compute`` (best model size, batch,
+steps and σ) or ``--target-loss`` (least compute that reaches it). Plans outside the fitted range are
+refused (``--extrapolate X`` allows X× beyond it, loudly), and so are degenerate fits (``--force``).
+``frontier`` draws the best predicted loss against compute for several ε (frontier.png, frontier.json).
 """
 
 from __future__ import annotations
@@ -18,10 +25,14 @@ import argparse
 import json
 import math
 import sys
+import warnings
 from pathlib import Path
 
+import numpy as np
+
+from dpllm.scaling import dp_plan
 from dpllm.scaling import plan as planning
-from dpllm.scaling.fit import fit_runs, load_fit, write_fit
+from dpllm.scaling.fit import JOINT, FitResult, fit_runs, load_fit, write_fit
 from dpllm.scaling.forms import FORMS, ScalingError
 from dpllm.scaling.runs import load_runs, parse_epsilon, runs_to_points
 
@@ -46,6 +57,20 @@ def _parser() -> argparse.ArgumentParser:
     q.add_argument("--epsilon", help="which ε group's fit to use ('inf' = non-private); needed when "
                    "the fit has several")
     q.add_argument("--target-ppl", type=float, help="target eval perplexity (loss = ln ppl)")
+    q.add_argument("--target-loss", type=float, help="target eval loss in nats (instead of --target-ppl)")
+    q.add_argument("--records", type=int, help="noise_batch fits: private records (the privacy unit)")
+    q.add_argument("--delta", type=float, help="noise_batch fits: δ (< 1/records)")
+    q.add_argument("--accountant", default="prv", help="noise_batch fits: accountant for σ (default prv, as "
+                   "the trainer)")
+    q.add_argument("--tokens-per-record", type=float, help="noise_batch fits: tokens per record (default: the "
+                   "sweep's, from fit.json)")
+    q.add_argument("--sizes", help="noise_batch fits: comma-separated model sizes to consider (default: 9 across "
+                   "the fitted range)")
+    q.add_argument("--batches", help="noise_batch fits: comma-separated logical batches (default 16, 32, … ≤ records)")
+    q.add_argument("--top", type=int, default=5, help="noise_batch fits: candidates to print (default 5)")
+    q.add_argument("--extrapolate", type=float, default=1.0, help="allow plans up to this factor beyond the fitted "
+                   "range of each input (default 1: refuse anything outside), with a warning")
+    q.add_argument("--force", action="store_true", help="plan from a degenerate fit anyway (with a warning)")
     q.add_argument("--sigma-bar", type=float, help="noise multiplier / logical batch, for dp_noise fits "
                    "(default: the ε group's σ̄ from the runs)")
     what = q.add_mutually_exclusive_group()
@@ -53,6 +78,18 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--d", type=float, help="tokens D: print the model size N needed")
     what.add_argument("--compute", type=float, help="FLOPs C = 6ND: print the compute-optimal N, D and loss")
     q.add_argument("--json", action="store_true", help="print the answer as JSON")
+    r = sub.add_parser("frontier", help="best predicted loss vs compute at several ε, from a noise_batch fit")
+    r.add_argument("--fit", required=True)
+    r.add_argument("--records", type=int, required=True)
+    r.add_argument("--delta", type=float, required=True)
+    r.add_argument("--epsilons", default="2,4,8", help="comma-separated ε (default 2,4,8)")
+    r.add_argument("--compute-min", type=float, help="smallest compute (default: the sweep's smallest run)")
+    r.add_argument("--compute-max", type=float, help="largest compute (default: 10× the sweep's largest run)")
+    r.add_argument("--points", type=int, default=9, help="computes on the log grid (default 9)")
+    r.add_argument("--accountant", default="prv")
+    r.add_argument("--extrapolate", type=float, default=1.0)
+    r.add_argument("--force", action="store_true")
+    r.add_argument("--out", required=True, help="folder for frontier.json and frontier.png")
     return p
 
 
@@ -85,25 +122,105 @@ def _fit(args: argparse.Namespace) -> int:
         for name, value in fit["params"].items():
             print(_fmt_param(name, value, fit["ci"].get(name))
                   + ("  (at its bound: not determined by the data)" if name in fit.get("at_bound", []) else ""))
+        for reason in fit.get("degenerate", []):
+            print(f"    DEGENERATE: {reason}")
     for label, reason in doc["skipped"].items():
         print(f"  [{label}] skipped: {reason}")
     print(f"wrote {path}" + "".join(f", {p}" for p in plots))
     return 0
 
 
+def _floats(text: str | None, kind=float) -> list | None:
+    if text is None:
+        return None
+    try:
+        return [kind(float(v)) for v in text.split(",") if v.strip()]
+    except ValueError as err:
+        raise ScalingError(f"{text!r} must be comma-separated numbers") from err
+
+
+def _noise_batch_fit(doc: dict) -> FitResult:
+    fit = FitResult.from_dict(doc["fits"][JOINT]) if JOINT in doc["fits"] else None
+    if fit is None or fit.form != "noise_batch":
+        raise ScalingError("this needs a noise_batch fit: `dpllm scaling fit --form noise_batch`")
+    return fit
+
+
+def _dp_kw(args: argparse.Namespace, doc: dict) -> dict:
+    for name in ("records", "delta"):
+        if getattr(args, name) is None:
+            raise ScalingError(f"a noise_batch plan needs --{name}")
+    ell = getattr(args, "tokens_per_record", None) or doc.get("inputs", {}).get("tokens_per_record")
+    if ell is None:
+        raise ScalingError("fit.json does not record tokens per record; pass --tokens-per-record")
+    return {"records": args.records, "delta": args.delta, "tokens_per_record": ell, "accountant": args.accountant,
+            "extrapolate": args.extrapolate, "force": args.force}
+
+
+def _plan_dp(args: argparse.Namespace, doc: dict, fit: FitResult) -> int:
+    if args.epsilon is None or parse_epsilon(args.epsilon) == "non-private":
+        raise ScalingError("a noise_batch plan needs a finite --epsilon")
+    kw = {**_dp_kw(args, doc), "epsilon": float(args.epsilon), "top": args.top,
+          "sizes": _floats(args.sizes), "batches": _floats(args.batches, int)}
+    target = args.target_loss if args.target_loss is not None else (
+        planning.loss_from_ppl(args.target_ppl) if args.target_ppl is not None else None)
+    if args.compute is not None:
+        out = dp_plan.best_for_compute(fit, compute=args.compute, **kw)
+    elif target is not None:
+        out = dp_plan.least_compute_for_loss(fit, target_loss=target, **kw)
+    else:
+        raise ScalingError("give --compute FLOPS (best plan within it) or --target-loss / --target-ppl")
+    print(json.dumps(out, indent=2) if args.json else dp_plan.format_plan(out))
+    return 0
+
+
+def _frontier(args: argparse.Namespace) -> int:
+    doc = load_fit(args.fit)
+    fit = _noise_batch_fit(doc)
+    kw = _dp_kw(args, doc)
+    runs = [r for r in fit.residuals]
+    ell = kw["tokens_per_record"]
+    batches = doc["inputs"]["groups"]
+    bs = sorted({b for g in batches.values() for b in g.get("logical_batch_size", [])}) or [1.0]
+    run_c = [6 * r["N"] * r["S"] * ell * bs[0] for r in runs] or [1e12]
+    lo = args.compute_min or min(run_c)
+    hi = args.compute_max or 10 * max(run_c)
+    computes = list(np.geomspace(lo, hi, args.points))
+    curves = {}
+    for eps in _floats(args.epsilons):
+        curves[f"eps={eps:g}"] = dp_plan.frontier(fit, computes=computes, epsilon=eps, **kw)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_fit({"fit": str(args.fit), "records": args.records, "delta": args.delta, "curves": curves,
+               "fits": {}}, out / "frontier.json")
+    from dpllm.scaling.plot import plot_frontier
+
+    png = plot_frontier(curves, out)
+    for label, rows in curves.items():
+        for r in rows:
+            print(f"{label:>8}  C={r['budget']:.3g}  N={r['N']:.3g}  B={r['batch']}  S={r['steps']}  "
+                  f"σ={r['noise_multiplier']:.3g}  loss={r['loss']:.4f} [{r['loss_low']:.4f}, {r['loss_high']:.4f}]")
+    print(f"wrote {out / 'frontier.json'}, {png}")
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     doc = load_fit(args.fit)
+    if JOINT in doc["fits"] and doc["fits"][JOINT]["form"] == "noise_batch":
+        return _plan_dp(args, doc, _noise_batch_fit(doc))
     fit, sigma_bar = planning.select_fit(doc, epsilon=args.epsilon)
     if args.sigma_bar is not None:
         sigma_bar = args.sigma_bar
     if fit.form == "dp_noise" and sigma_bar is None:
         raise ScalingError("this is a dp_noise fit: pass --epsilon (a group with one σ̄) or --sigma-bar")
-    if args.target_ppl is None and args.compute is None:
-        raise ScalingError("give --target-ppl (with --n, --d or neither), or --compute")
-    target = planning.loss_from_ppl(args.target_ppl) if args.target_ppl is not None else None
-    kw = {"sigma_bar": sigma_bar}
+    if args.target_ppl is None and args.target_loss is None and args.compute is None:
+        raise ScalingError("give --target-ppl or --target-loss (with --n, --d or neither), or --compute")
+    target = planning.loss_from_ppl(args.target_ppl) if args.target_ppl is not None else args.target_loss
+    if target is not None and args.target_ppl is None:
+        args.target_ppl = math.exp(target)
+    kw = {"sigma_bar": sigma_bar, "extrapolate": args.extrapolate, "force": args.force}
     answer: dict = {"group": fit.label, "form": fit.form, "r2": fit.r2, "sigma_bar": sigma_bar,
-                    "floor_loss": planning.floor_loss(fit, **kw)}
+                    "floor_loss": planning.floor_loss(fit, sigma_bar=sigma_bar)}
     if target is not None:
         answer.update(target_ppl=args.target_ppl, target_loss=target)
     if args.n is not None:
@@ -154,7 +271,15 @@ def cli_main(argv: list[str]) -> int:
     except SystemExit as exit_:  # argparse exits on --help / bad flags; hand back its code instead
         return int(exit_.code or 0)
     try:
-        return _fit(args) if args.command == "fit" else _plan(args)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", planning.ExtrapolationWarning)
+            code = {"fit": _fit, "plan": _plan, "frontier": _frontier}[args.command](args)
+        for w in caught:
+            if issubclass(w.category, planning.ExtrapolationWarning):
+                print(f"WARNING: {w.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        return code
     except ScalingError as err:
         print(f"dpllm scaling {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -25,10 +25,11 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from dpllm.scaling.forms import HUBER_DELTA, MAX_EXPONENT, Form, ScalingError, get_form
+from dpllm.scaling.forms import HUBER_DELTA, Form, ScalingError, exponent_bounds, get_form
 from dpllm.scaling.runs import PARAMS_FIELDS, parse_epsilon, runs_to_points
 
-JOINT = "joint"  # the label of a fit over all privacy groups at once (dp_noise)
+JOINT = "joint"  # the label of a fit over all privacy groups at once (dp_noise, noise_batch)
+JOINT_FORMS = ("dp_noise", "noise_batch")
 
 
 @dataclass
@@ -46,6 +47,11 @@ class FitResult:
         label: privacy group (``"eps=8"``, ``"non-private"``) or ``"joint"``.
         at_bound: parameters the optimiser left on a bound (an exponent at 0 or 5, L∞ at 0): the data do
             not pin them down, so neither the value nor plans built on it mean much.
+        domain: ``{input: [min, max]}`` over the fitted configurations (σ̄ over its positive values): the
+            range a plan may use without extrapolating.
+        samples: up to :data:`MAX_SAMPLES` bootstrap parameter vectors (in ``param_names`` order), for
+            prediction intervals.
+        degenerate: reasons the fit should not be planned with (see :func:`degenerate_reasons`).
     """
 
     form: str
@@ -58,6 +64,9 @@ class FitResult:
     bootstrap: dict = field(default_factory=dict)
     label: str = ""
     at_bound: list[str] = field(default_factory=list)
+    domain: dict[str, list[float]] = field(default_factory=dict)
+    samples: list[list[float]] = field(default_factory=list)
+    degenerate: list[str] = field(default_factory=list)
 
     def predict(self, **inputs: Any) -> np.ndarray:
         """Predicted loss at ``N=..., D=..., sigma_bar=...`` (whichever the form reads)."""
@@ -73,9 +82,66 @@ class FitResult:
         d["r2_on"] = "loss, per-configuration means"
         return d
 
+    def predict_interval(self, level: float = 0.95, **inputs: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Percentile interval of the prediction over the stored bootstrap samples (nan without them)."""
+        form = get_form(self.form)
+        x = {k: np.asarray(inputs[k], dtype=float) for k in form.inputs}
+        if not self.samples:
+            nan = np.full(np.shape(form.predict(self.params, x)), np.nan)
+            return nan, nan
+        preds = np.array([form.predict(dict(zip(form.param_names, s)), x) for s in self.samples])
+        tail = 100 * (1 - level) / 2
+        return np.percentile(preds, tail, axis=0), np.percentile(preds, 100 - tail, axis=0)
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "FitResult":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        fit = cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+        if not fit.domain and fit.residuals:  # fit.json written before domains were stored
+            fit.domain = domain_of({k: np.array([r[k] for r in fit.residuals]) for k in get_form(fit.form).inputs})
+        # Re-judged on load, so fits written by older versions are flagged too.
+        fit.degenerate = degenerate_reasons(fit)
+        return fit
+
+
+MAX_SAMPLES = 200
+# A coefficient this far below the smallest loss contributes nothing anywhere in the data: the optimiser
+# pushed it to zero, so the term (or the floor E) is not identified.
+NEGLIGIBLE = 1e-6
+MIN_R2 = 0.9
+
+
+def domain_of(x: Mapping[str, np.ndarray]) -> dict[str, list[float]]:
+    """``{input: [min, max]}``; σ̄ over its positive values (σ̄ = 0 is the non-private edge, always in range)."""
+    out = {}
+    for k, v in x.items():
+        v = np.asarray(v, dtype=float)
+        v = v[v > 0] if k == "sigma_bar" else v
+        if len(v):
+            out[k] = [float(v.min()), float(v.max())]
+    return out
+
+
+def degenerate_reasons(fit: "FitResult") -> list[str]:
+    """Why a fit cannot be trusted to plan: exponents on their bounds, coefficients pushed to ~0,
+    zero-width intervals, failed bootstraps, or a poor R². Empty when none applies."""
+    out = []
+    for k in fit.at_bound:
+        out.append(f"{k}={fit.params.get(k, float('nan')):.3g} is on its bound (not determined by the data)")
+    losses = [r["loss"] for r in fit.residuals] or [1.0]
+    scale = min(losses)
+    for k, v in fit.params.items():
+        if k in ("E", "A", "B", "C", "a", "L_inf") and v < NEGLIGIBLE * scale:
+            out.append(f"{k}={v:.3g} is negligible next to the losses (≥ {scale:.3g}): that term is not identified")
+    for k, (lo, hi) in fit.ci.items():
+        v = fit.params.get(k, 0.0)
+        if hi - lo <= 1e-9 * max(abs(v), 1e-300) and fit.bootstrap.get("n_ok", 0) > 1:
+            out.append(f"{k} has a zero-width interval [{lo:.3g}, {hi:.3g}]: every resample gave the same value")
+    boot = fit.bootstrap or {}
+    if boot.get("n_boot") and boot.get("n_ok", 0) < 0.9 * boot["n_boot"]:
+        out.append(f"only {boot.get('n_ok', 0)}/{boot['n_boot']} bootstrap resamples could be fitted")
+    if fit.r2 is not None and np.isfinite(fit.r2) and fit.r2 < MIN_R2:
+        out.append(f"R²={fit.r2:.3f} < {MIN_R2} on the fitted points")
+    return out
 
 
 def _check_points(form: Form, x: dict[str, np.ndarray], loss: np.ndarray) -> None:
@@ -113,14 +179,14 @@ def _identified(form: Form, x: dict[str, np.ndarray]) -> bool:
 
 
 def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterable[float] | None = None,
-             sigma_bar: Iterable[float] | None = None, n_boot: int = 1000, seed: int = 0,
+             sigma_bar: Iterable[float] | None = None, S: Iterable[float] | None = None, n_boot: int = 1000, seed: int = 0,
              level: float = 0.95, label: str = "") -> FitResult:
     """Fit ``form`` to one loss per run and bootstrap its parameters.
 
     Args:
         form: registered form name (``power_law``, ``chinchilla``, ``dp_noise``).
         loss: final eval loss per run (nats).
-        N, D, sigma_bar: inputs per run; those the form does not read are ignored.
+        N, D, sigma_bar, S: inputs per run (S = optimizer steps); those the form does not read are ignored.
         n_boot: bootstrap resamples (0 disables intervals).
         seed: bootstrap RNG seed; the same seed gives the same intervals.
         level: interval coverage (percentile bootstrap).
@@ -131,10 +197,10 @@ def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterabl
             values for the form's parameters.
     """
     f = get_form(form)
-    given = {"N": N, "D": D, "sigma_bar": sigma_bar}
+    given = {"N": N, "D": D, "sigma_bar": sigma_bar, "S": S}
     for k in f.inputs:
         if given[k] is None:
-            raise ScalingError(f"{form} needs {k}; pass it (runs tables give N, D = tokens_seen, σ̄)")
+            raise ScalingError(f"{form} needs {k}; pass it (runs tables give N, D = tokens_seen, S = steps, σ̄)")
     x = {k: np.asarray(list(given[k]), dtype=float) for k in f.inputs}
     y = np.asarray(list(loss), dtype=float)
     _check_points(f, x, y)
@@ -158,12 +224,19 @@ def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterabl
         for i in range(len(ymean))
     ]
     at_bound = [k for k, v in params.items()
-                if (k in ("alpha", "beta", "gamma") and not 1e-6 < v < MAX_EXPONENT - 1e-6)
+                if (k in EXPONENTS and not exponent_bounds(k)[0] + 1e-6 < v < exponent_bounds(k)[1] - 1e-6)
                 or (k == "L_inf" and v < 1e-9)]
-    return FitResult(form=form, params=params, ci=ci, r2=r2, n_points=len(ymean), n_runs=len(y),
-                     residuals=residuals, label=label, at_bound=at_bound,
-                     bootstrap={"n_boot": n_boot, "n_ok": len(samples), "seed": seed, "level": level,
-                                "method": method})
+    keep = np.random.default_rng(seed).permutation(len(samples))[:MAX_SAMPLES] if len(samples) else []
+    res = FitResult(form=form, params=params, ci=ci, r2=r2, n_points=len(ymean), n_runs=len(y),
+                    residuals=residuals, label=label, at_bound=at_bound,
+                    bootstrap={"n_boot": n_boot, "n_ok": len(samples), "seed": seed, "level": level,
+                               "method": method},
+                    domain=domain_of(xc), samples=[[float(v) for v in samples[i]] for i in sorted(keep)])
+    res.degenerate = degenerate_reasons(res)
+    return res
+
+
+EXPONENTS = ("alpha", "beta", "gamma", "kappa", "eta")
 
 
 def _config_means(f: Form, x: Mapping[str, np.ndarray], y: np.ndarray):
@@ -240,7 +313,9 @@ def summarise_groups(points: Mapping[str, np.ndarray]) -> dict[str, dict]:
                   "D": [float(points["D"][m].min()), float(points["D"][m].max())],
                   "sigma_bar": sorted({float(s) for s in points["sigma_bar"][m]}),
                   "n_distinct_N": int(len(np.unique(points["N"][m]))),
-                  "n_distinct_D": int(len(np.unique(points["D"][m])))}
+                  "n_distinct_D": int(len(np.unique(points["D"][m]))),
+                  "S": [float(points["S"][m].min()), float(points["S"][m].max())],
+                  "logical_batch_size": sorted({float(b) for b in points["B"][m]})}
     return out
 
 
@@ -266,13 +341,13 @@ def fit_runs(rows: Iterable[Mapping[str, Any]], *, form: str, params: str = "tra
     group = parse_epsilon(epsilon)
     rows = list(rows)
     points = runs_to_points(rows, params=params, group=group)
-    groups = [JOINT] if form == "dp_noise" else sorted(set(points["group"]))
+    groups = [JOINT] if form in JOINT_FORMS else sorted(set(points["group"]))
     fits, skipped = {}, {}
     for g in groups:
         m = np.ones(len(points["loss"]), bool) if g == JOINT else points["group"] == g
         try:
             fits[g] = fit_form(form, loss=points["loss"][m], N=points["N"][m], D=points["D"][m],
-                               sigma_bar=points["sigma_bar"][m], n_boot=n_boot, seed=seed, label=g).to_dict()
+                               sigma_bar=points["sigma_bar"][m], S=points["S"][m], n_boot=n_boot, seed=seed, label=g).to_dict()
         except ScalingError as err:
             if len(groups) == 1:
                 raise
@@ -284,7 +359,10 @@ def fit_runs(rows: Iterable[Mapping[str, Any]], *, form: str, params: str = "tra
         "filter": {"epsilon": group, "params": params, "N_field": PARAMS_FIELDS[params],
                    "grouping": "privacy_enabled=false → non-private; else ε rounded to 2 significant figures"},
         "inputs": {"n_runs": len(points["loss"]), "n_runs_in_file": len(rows),
-                   "groups": summarise_groups(points)},
+                   "groups": summarise_groups(points),
+                   # tokens per record actually trained on (tokens_seen / (steps · logical batch)): what a
+                   # plan needs to turn (N, B, S) into compute 6·N·B·S·tokens_per_record
+                   "tokens_per_record": float(np.median(points["D"] / (points["S"] * points["B"])))},
         "bootstrap": {"n_boot": n_boot, "seed": seed, "level": 0.95},
         "fits": fits, "skipped": skipped,
     }
@@ -311,4 +389,5 @@ def load_fit(path: str | os.PathLike) -> dict:
     return doc
 
 
-__all__ = ["FitResult", "JOINT", "fit_form", "fit_runs", "load_fit", "summarise_groups", "write_fit"]
+__all__ = ["FitResult", "JOINT", "JOINT_FORMS", "degenerate_reasons", "domain_of", "fit_form", "fit_runs", "load_fit",
+           "summarise_groups", "write_fit"]

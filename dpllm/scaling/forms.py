@@ -254,3 +254,172 @@ register_form(_lse_form(
     "dp_noise", ("N", "D", "sigma_bar"), {"N": 2, "D": 2, "sigma_bar": 2},
     "L(N, D, σ̄) = E + A/N^alpha + B/D^beta + C·σ̄^gamma, σ̄ = noise_multiplier / logical_batch_size",
 ))
+
+
+# ----------------------------------------------- noise_batch: log-sum-exp of monomials (several inputs)
+# A term is exp(c + Σ_j s_j·p_j·log x_j): a coefficient times a product of powers. The single-input terms
+# above are the special case of one factor. The noise term below multiplies three inputs, which is why
+# this form has its own (small) fitter rather than the one of chinchilla / dp_noise.
+#
+#   L(N, S, σ̄) = E + A/N^α + B/S^β + C·σ̄^γ·N^κ/S^η
+#
+# Why this shape (docs/scaling.md has the longer version): DP-SGD adds Gaussian noise of standard deviation
+# σ·c/B per coordinate to the averaged clipped gradient, so the noise a step sees is fixed by σ̄ = σ/B
+# (McKenna et al. 2025: the noise-batch ratio). Convex DP-SGD theory puts the excess loss from that noise at
+# about σ̄·√(d/T) for d parameters after T steps: it grows with the model and averages out over steps.
+# The noise term keeps that structure with free exponents (γ, κ, η; theory says 1, ½, ½); E + A/N^α + B/S^β
+# is the non-private law in model size and steps at the sweep's batch (σ̄ = 0 drops the noise term).
+_MONO_TERMS = {
+    "noise_batch": (
+        ("A", (("N", "alpha", -1.0),)),
+        ("B", (("S", "beta", -1.0),)),
+        ("C", (("sigma_bar", "gamma", 1.0), ("N", "kappa", 1.0), ("S", "eta", -1.0))),
+    ),
+}
+
+
+def _mono_predict(p: Mapping[str, float], x: Inputs, terms) -> np.ndarray:
+    first = terms[0][1][0][0]
+    out = np.full(np.shape(x[first]), float(p["E"]))
+    for coef, factors in terms:
+        active = np.ones(np.shape(out), bool)
+        log_t = np.full(np.shape(out), np.log(p[coef]) if p[coef] > 0 else -np.inf)
+        for name, expo, sign in factors:
+            v = np.asarray(x[name], dtype=float)
+            active &= v > 0
+            log_t = log_t + sign * p[expo] * np.log(np.where(v > 0, v, 1.0))
+        out = out + np.where(active, np.exp(log_t), 0.0)  # σ̄ = 0 (non-private): no noise term
+    return out
+
+
+def _mono_objective(theta, design, masks, logy, delta):
+    """Huber loss of log-sum-exp residuals; theta = [e, c_1, p_1..., c_2, p_2..., ...]."""
+    n = logy.shape[0]
+    t = [np.full(n, theta[0])]
+    pos = 1
+    slices = []
+    for X, mask in zip(design, masks):  # X: (n, k) signed centred log inputs of the term's factors
+        k = X.shape[1]
+        t.append(np.where(mask, theta[pos] + X @ theta[pos + 1: pos + 1 + k], -np.inf))
+        slices.append((pos, k))
+        pos += 1 + k
+    t = np.column_stack(t)
+    m = t.max(axis=1)
+    w = np.exp(t - m[:, None])
+    s = w.sum(axis=1)
+    r = m + np.log(s) - logy
+    w /= s[:, None]
+    absr = np.abs(r)
+    f = np.where(absr <= delta, 0.5 * r * r, delta * (absr - 0.5 * delta)).sum()
+    dr = np.clip(r, -delta, delta)
+    g = np.empty_like(theta)
+    g[0] = dr @ w[:, 0]
+    for j, ((pos, k), X) in enumerate(zip(slices, design)):
+        wj = dr * w[:, j + 1]
+        g[pos] = wj.sum()
+        g[pos + 1: pos + 1 + k] = wj @ X
+    return f, g
+
+
+def _mono_fit(x: Inputs, y: np.ndarray, start: Mapping[str, float] | None, terms, bounds_of,
+              n_starts: int = 8) -> Params:
+    y = np.asarray(y, dtype=float)
+    logy = np.log(y)
+    refs = {}
+    for name in {f[0] for _, fs in terms for f in fs}:
+        v = np.asarray(x[name], dtype=float)
+        refs[name] = float(np.log(v[v > 0]).mean()) if (v > 0).any() else 0.0
+    design, masks = [], []
+    for _, factors in terms:
+        mask = np.ones(len(y), bool)
+        cols = []
+        for name, _, sign in factors:
+            v = np.asarray(x[name], dtype=float)
+            mask &= v > 0
+            cols.append(sign * (np.log(np.where(v > 0, v, 1.0)) - refs[name]))
+        design.append(np.column_stack(cols))
+        masks.append(mask)
+
+    def to_theta(p: Mapping[str, float]) -> np.ndarray:
+        th = [np.log(p["E"])]
+        for coef, factors in terms:
+            lo_hi = [bounds_of(e) for _, e, _ in factors]
+            ps = [float(np.clip(p[e], lo + 1e-9, hi - 1e-9)) for (_, e, _), (lo, hi) in zip(factors, lo_hi)]
+            c = np.log(max(p[coef], 1e-300)) + sum(sg * pe * refs[n] for (n, _, sg), pe in zip(factors, ps))
+            th += [c] + ps
+        return np.array(th)
+
+    bounds = [(None, None)]
+    for _, factors in terms:
+        bounds += [(None, None)] + [bounds_of(e) for _, e, _ in factors]
+    if start is not None:
+        starts = to_theta(start)[None, :]
+    else:
+        ybar = float(y.mean())
+        axes = [np.log(float(y.min()) * np.array([0.05, 0.4, 0.8, 0.95]))]
+        for _, factors in terms:
+            axes.append(np.log(ybar * np.array([0.01, 0.1, 0.3, 1.0])))
+            for _, e, _ in factors:
+                lo, hi = bounds_of(e)
+                axes.append(np.array([v for v in (0.1, 0.3, 0.6, 1.0) if lo <= v <= hi] if len(factors) == 1
+                                     else [v for v in (0.25, 0.5, 1.0) if lo <= v <= hi]))
+        grid = np.array(list(itertools.product(*axes)))
+        score = np.concatenate([_mono_grid(chunk, design, masks, logy)
+                                for chunk in np.array_split(grid, max(1, len(grid) // 2048))])
+        starts = grid[np.argsort(score)[:n_starts]]
+    best = None
+    for th0 in starts:
+        sol = minimize(_mono_objective, th0, args=(design, masks, logy, HUBER_DELTA), jac=True,
+                       method="L-BFGS-B", bounds=bounds, options={"maxiter": 3000, "ftol": 1e-15, "gtol": 1e-12})
+        if best is None or sol.fun < best.fun:
+            best = sol
+    th = best.x
+    out: Params = {"E": float(np.exp(th[0]))}
+    pos = 1
+    for coef, factors in terms:
+        ps = th[pos + 1: pos + 1 + len(factors)]
+        out[coef] = float(np.exp(th[pos] - sum(sg * pe * refs[n] for (n, _, sg), pe in zip(factors, ps))))
+        for (_, e, _), pe in zip(factors, ps):
+            out[e] = float(pe)
+        pos += 1 + len(factors)
+    return out
+
+
+def _mono_grid(grid, design, masks, logy):
+    """Huber objective for every row of ``grid`` at once (screening of starting points)."""
+    t = [np.broadcast_to(grid[:, :1], (grid.shape[0], logy.shape[0]))]
+    pos = 1
+    for X, mask in zip(design, masks):
+        k = X.shape[1]
+        tj = grid[:, pos, None] + grid[:, pos + 1: pos + 1 + k] @ X.T
+        t.append(np.where(mask[None, :], tj, -np.inf))
+        pos += 1 + k
+    pred = np.logaddexp.reduce(np.stack(t), axis=0)
+    absr = np.abs(pred - logy[None, :])
+    return np.where(absr <= HUBER_DELTA, 0.5 * absr**2, HUBER_DELTA * (absr - 0.5 * HUBER_DELTA)).sum(axis=1)
+
+
+# κ (how the noise term grows with model size) may come out negative on real data; allow it, within reason.
+EXPONENT_BOUNDS = {"kappa": (-2.0, MAX_EXPONENT)}
+
+
+def exponent_bounds(name: str) -> tuple[float, float]:
+    """The (low, high) box an exponent is fitted in (0..5 unless listed in :data:`EXPONENT_BOUNDS`)."""
+    return EXPONENT_BOUNDS.get(name, (0.0, MAX_EXPONENT))
+
+
+def _mono_form(name: str, min_distinct: dict[str, int], formula: str) -> Form:
+    terms = _MONO_TERMS[name]
+    inputs = tuple(dict.fromkeys(f[0] for _, fs in terms for f in fs))
+    names = ("E",) + tuple(p for coef, fs in terms for p in (coef,) + tuple(f[1] for f in fs))
+    return Form(name=name, inputs=inputs, param_names=names,
+                predict=lambda p, x: _mono_predict(p, x, terms),
+                fit=lambda x, y, start=None: _mono_fit(x, y, start, terms, exponent_bounds),
+                min_distinct=min_distinct, formula=formula)
+
+
+register_form(_mono_form(
+    "noise_batch", {"N": 2, "S": 2, "sigma_bar": 2},
+    "L(N, S, σ̄) = E + A/N^alpha + B/S^beta + C·σ̄^gamma·N^kappa/S^eta, S = optimizer steps, "
+    "σ̄ = noise_multiplier / logical_batch_size",
+))

@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any, Mapping
 
 from dpllm.scaling.fit import JOINT, FitResult
@@ -28,6 +29,65 @@ FLOPS_PER_PARAM_TOKEN = 6.0  # ≈2 forward + 4 backward FLOPs per parameter per
 
 class UnreachableTargetError(ScalingError):
     """The target loss is at or below what the fitted law can ever reach."""
+
+
+class OutsideFitError(ScalingError):
+    """A plan needs inputs (N, D, S, σ̄) outside the range the law was fitted on."""
+
+
+class DegenerateFitError(ScalingError):
+    """The fit is degenerate (terms not identified, zero-width intervals, poor R²): it cannot plan."""
+
+
+class ExtrapolationWarning(UserWarning):
+    """A plan was allowed outside the fitted range (``extrapolate > 1``) or from a degenerate fit (``force``)."""
+
+
+_WHAT = {"N": "parameters N", "D": "tokens D", "S": "steps S", "sigma_bar": "noise-batch ratio σ̄"}
+
+
+def check_fit_usable(fit: FitResult, *, force: bool = False) -> None:
+    """Refuse a degenerate fit (``fit.degenerate`` non-empty); with ``force`` warn loudly instead.
+
+    Raises:
+        DegenerateFitError: the reasons, and how to get a usable fit.
+    """
+    if not fit.degenerate:
+        return
+    msg = (f"the {fit.form} fit [{fit.label}] is degenerate: " + "; ".join(fit.degenerate)
+           + ". Plans from it are numbers, not predictions; add runs over a wider range (more sizes, longer "
+             "runs) and refit")
+    if not force:
+        raise DegenerateFitError(msg + " (or pass --force to plan anyway)")
+    warnings.warn(msg, ExtrapolationWarning, stacklevel=2)
+
+
+def check_in_domain(fit: FitResult, *, extrapolate: float = 1.0, **values: float) -> None:
+    """Refuse inputs outside the fitted range ``fit.domain``; allow up to ``extrapolate``× beyond it, loudly.
+
+    Args:
+        fit: the fit (its ``domain`` is ``{input: [min, max]}``; an input without one is not checked).
+        extrapolate: how far beyond the fitted range (a factor ≥ 1) a value may lie; 1 refuses anything out.
+        values: ``N=..., D=..., S=..., sigma_bar=...`` (σ̄ = 0, non-private, is always in range).
+
+    Raises:
+        OutsideFitError: a value beyond ``extrapolate``× the range, naming the range.
+    """
+    if not extrapolate >= 1:
+        raise ScalingError(f"extrapolate={extrapolate} must be a factor ≥ 1")
+    for name, v in values.items():
+        if name not in fit.domain or v is None or (name == "sigma_bar" and v == 0):
+            continue
+        lo, hi = fit.domain[name]
+        if lo <= v <= hi:
+            continue
+        rng = f"{_WHAT.get(name, name)} = {v:.3g} is outside the fitted range [{lo:.3g}, {hi:.3g}]"
+        if not (lo / extrapolate <= v <= hi * extrapolate):
+            raise OutsideFitError(f"{rng}: the law was not fitted there, so its answer is a guess; plan inside the "
+                                  f"range, add runs that cover {v:.3g}, or allow it with --extrapolate "
+                                  f"{max(v / hi, lo / v):.2g}")
+        warnings.warn(f"EXTRAPOLATING: {rng} (allowed by extrapolate={extrapolate:g})", ExtrapolationWarning,
+                      stacklevel=2)
 
 
 def loss_from_ppl(ppl: float) -> float:
@@ -51,6 +111,10 @@ def _terms(fit: FitResult, sigma_bar: float | None) -> tuple[float, Mapping[str,
             raise ScalingError("dp_noise plans need sigma_bar (noise multiplier / logical batch) ≥ 0; pass "
                                "--sigma-bar, or --epsilon for a group whose runs share one σ̄")
         floor += p["C"] * sigma_bar ** p["gamma"] if sigma_bar > 0 else 0.0
+    elif fit.form == "noise_batch":
+        raise ScalingError("a noise_batch fit plans model size, batch and steps at a privacy budget: use "
+                           "`dpllm scaling plan --fit FIT --records N --epsilon E --delta D --compute C` "
+                           "(dpllm.scaling.dp_plan)")
     elif fit.form != "chinchilla":
         raise ScalingError(f"planning does not know form {fit.form!r}")
     for name in ("alpha", "beta"):
@@ -80,31 +144,42 @@ def _unreachable(target: float, floor: float, where: str) -> UnreachableTargetEr
     )
 
 
-def tokens_for_target(fit: FitResult, *, target_loss: float, n: float, sigma_bar: float | None = None) -> float:
+def tokens_for_target(fit: FitResult, *, target_loss: float, n: float, sigma_bar: float | None = None,
+                      extrapolate: float = 1.0, force: bool = False) -> float:
     """Tokens D at which the law reaches ``target_loss`` for a model of ``n`` parameters.
+
+    ``extrapolate`` and ``force`` are as in :func:`check_in_domain` and :func:`check_fit_usable`.
 
     Raises:
         ScalingError: the form has no D term (power_law).
         UnreachableTargetError: ``target_loss`` ≤ the floor at this N, E + A/N^α (+ noise term).
+        OutsideFitError, DegenerateFitError: N or the answer D outside the fitted range; a degenerate fit.
     """
     if fit.form == "power_law":
         raise ScalingError("power_law has no D term; fit chinchilla or dp_noise to plan tokens")
     const, p = _terms(fit, sigma_bar)
+    check_fit_usable(fit, force=force)
+    check_in_domain(fit, extrapolate=extrapolate, N=n, sigma_bar=sigma_bar)
     floor = const + p["A"] * _need_positive("n", n) ** -p["alpha"]
     if target_loss <= floor:
         raise _unreachable(target_loss, floor, f" at N={n:.3g}")
-    return (p["B"] / (target_loss - floor)) ** (1.0 / p["beta"])
+    d = (p["B"] / (target_loss - floor)) ** (1.0 / p["beta"])
+    check_in_domain(fit, extrapolate=extrapolate, D=d)
+    return d
 
 
 def params_for_target(fit: FitResult, *, target_loss: float, d: float | None = None,
-                      sigma_bar: float | None = None) -> float:
+                      sigma_bar: float | None = None, extrapolate: float = 1.0, force: bool = False) -> float:
     """Parameters N at which the law reaches ``target_loss`` (at ``d`` tokens, except for power_law).
 
     Raises:
         ScalingError: ``d`` missing for a form with a D term.
         UnreachableTargetError: ``target_loss`` ≤ the floor (at this D).
+        OutsideFitError, DegenerateFitError: D or the answer N outside the fitted range; a degenerate fit.
     """
     const, p = _terms(fit, sigma_bar)
+    check_fit_usable(fit, force=force)
+    check_in_domain(fit, extrapolate=extrapolate, D=d, sigma_bar=sigma_bar)
     if fit.form == "power_law":
         floor, coef, expo, where = const, p["a"], p["alpha"], ""
     else:
@@ -114,10 +189,13 @@ def params_for_target(fit: FitResult, *, target_loss: float, d: float | None = N
         coef, expo, where = p["A"], p["alpha"], f" at D={d:.3g}"
     if target_loss <= floor:
         raise _unreachable(target_loss, floor, where)
-    return (coef / (target_loss - floor)) ** (1.0 / expo)
+    n = (coef / (target_loss - floor)) ** (1.0 / expo)
+    check_in_domain(fit, extrapolate=extrapolate, N=n)
+    return n
 
 
-def compute_optimal(fit: FitResult, *, compute: float, sigma_bar: float | None = None) -> dict[str, float]:
+def compute_optimal(fit: FitResult, *, compute: float, sigma_bar: float | None = None, extrapolate: float = 1.0,
+                    force: bool = False) -> dict[str, float]:
     """The (N, D) that minimise predicted loss subject to 6·N·D = ``compute``.
 
     Closed form (setting dL/dN = 0 along D = C/(6N)): N* = G·(C/6)^(β/(α+β)) with
@@ -129,6 +207,8 @@ def compute_optimal(fit: FitResult, *, compute: float, sigma_bar: float | None =
     if fit.form == "power_law":
         raise ScalingError("power_law has no D term, so no compute trade-off; fit chinchilla or dp_noise")
     const, p = _terms(fit, sigma_bar)
+    check_fit_usable(fit, force=force)
+    check_in_domain(fit, extrapolate=extrapolate, sigma_bar=sigma_bar)
     c6 = _need_positive("compute", compute) / FLOPS_PER_PARAM_TOKEN
     a, b = p["alpha"], p["beta"]
     if a <= 0 or b <= 0:
@@ -136,11 +216,13 @@ def compute_optimal(fit: FitResult, *, compute: float, sigma_bar: float | None =
     g = (a * p["A"] / (b * p["B"])) ** (1.0 / (a + b))
     n = g * c6 ** (b / (a + b))
     d = c6 / n
+    check_in_domain(fit, extrapolate=extrapolate, N=n, D=d)
     loss = const + p["A"] * n**-a + p["B"] * d**-b
     return {"N": n, "D": d, "compute": float(compute), "loss": loss, "ppl": math.exp(loss)}
 
 
-def compute_for_target(fit: FitResult, *, target_loss: float, sigma_bar: float | None = None) -> dict[str, float]:
+def compute_for_target(fit: FitResult, *, target_loss: float, sigma_bar: float | None = None,
+                       extrapolate: float = 1.0, force: bool = False) -> dict[str, float]:
     """Least compute 6·N·D that reaches ``target_loss``, and the compute-optimal (N, D) that does it.
 
     At the optimum αA/N^α = βB/D^β, so with X = target − floor: A/N^α = X·β/(α+β), B/D^β = X·α/(α+β).
@@ -151,11 +233,14 @@ def compute_for_target(fit: FitResult, *, target_loss: float, sigma_bar: float |
     if fit.form == "power_law":
         raise ScalingError("power_law has no D term, so no compute trade-off; fit chinchilla or dp_noise")
     const, p = _terms(fit, sigma_bar)
+    check_fit_usable(fit, force=force)
+    check_in_domain(fit, extrapolate=extrapolate, sigma_bar=sigma_bar)
     if target_loss <= const:
         raise _unreachable(target_loss, const, "")
     x, a, b = target_loss - const, p["alpha"], p["beta"]
     n = (p["A"] * (a + b) / (x * b)) ** (1.0 / a)
     d = (p["B"] * (a + b) / (x * a)) ** (1.0 / b)
+    check_in_domain(fit, extrapolate=extrapolate, N=n, D=d)
     return {"N": n, "D": d, "compute": FLOPS_PER_PARAM_TOKEN * n * d, "loss": target_loss,
             "ppl": math.exp(target_loss)}
 

@@ -65,6 +65,8 @@ def plot_fit(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], out_dir: 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     form = doc["form"]
+    if form == "noise_batch":
+        return [plot_noise_batch(doc, points, out_dir)]
     groups = sorted(set(points["group"]))
     colours = _colours(groups)
     axes_to_draw = ("N",) if form == "power_law" else ("N", "D")
@@ -103,3 +105,84 @@ def plot_fit(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], out_dir: 
         plt.close(fig)
         written.append(path)
     return written
+
+
+def plot_noise_batch(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], out_dir: str | os.PathLike) -> Path:
+    """``loss_vs_sigma_bar.png``: one panel per step count, loss against σ̄ with one colour per model size.
+
+    Non-private runs (σ̄ = 0) are drawn as dashed horizontal lines at the size's loss; the fitted law is a
+    solid curve over the fitted σ̄ range.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fit = FitResult.from_dict(doc["fits"][JOINT])
+    steps = np.unique(points["S"])
+    shown = _pick(steps)
+    sizes = np.unique(points["N"])
+    cmap = plt.get_cmap("viridis")
+    colour = {n: cmap(0.85 * i / max(len(sizes) - 1, 1)) for i, n in enumerate(sizes)}
+    fig, axes = plt.subplots(1, len(shown), figsize=(4.2 * len(shown), 4.2), sharey=True, squeeze=False)
+    lo, hi = fit.domain.get("sigma_bar", [1e-4, 1e-2])
+    xs = np.geomspace(lo / 1.5, hi * 1.5, 200)
+    for ax, s in zip(axes[0], shown):
+        for n in sizes:
+            m = (points["S"] == s) & (points["N"] == n)
+            if not m.any():
+                continue
+            priv = m & (points["sigma_bar"] > 0)
+            ax.plot(points["sigma_bar"][priv], points["loss"][priv], "o", ms=4, color=colour[n])
+            nonpriv = m & (points["sigma_bar"] == 0)
+            if nonpriv.any():
+                ax.axhline(points["loss"][nonpriv].mean(), ls="--", lw=0.8, color=colour[n])
+            ax.plot(xs, fit.predict(N=np.full_like(xs, n), S=np.full_like(xs, s), sigma_bar=xs), "-", lw=1.2,
+                    color=colour[n], label=f"N={n:.3g}")
+        ax.set_xscale("log")
+        ax.set_xlabel("σ̄ = noise multiplier / logical batch")
+        ax.set_title(f"S = {s:g} steps", fontsize=9)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("eval loss (nats); dashed: non-private")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"noise_batch fit, R² = {fit.r2:.3f}", fontsize=9)
+    fig.tight_layout()
+    path = Path(out_dir) / "loss_vs_sigma_bar.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_frontier(curves: Mapping[str, list], out_dir: str | os.PathLike) -> Path:
+    """``frontier.png``: best predicted loss (with its bootstrap interval) against compute, one line per ε,
+    and the model size and batch the planner chose along it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4.2))
+    cmap = plt.get_cmap("viridis")
+    for i, (label, rows) in enumerate(curves.items()):
+        if not rows:
+            continue
+        col = cmap(0.85 * i / max(len(curves) - 1, 1))
+        c = np.array([r["compute"] for r in rows])
+        ax.plot(c, [r["loss"] for r in rows], "o-", color=col, label=label)
+        ax.fill_between(c, [r["loss_low"] for r in rows], [r["loss_high"] for r in rows], color=col, alpha=0.2)
+        ax2.plot(c, [r["N"] for r in rows], "o-", color=col, label=f"{label}: N")
+        ax2.plot(c, [r["batch"] for r in rows], "s--", color=col, label=f"{label}: batch")
+    for a in (ax, ax2):
+        a.set_xscale("log")
+        a.set_xlabel("compute (FLOPs)")
+        a.grid(True, which="both", alpha=0.3)
+        a.legend(fontsize=7)
+    ax2.set_yscale("log")
+    ax.set_ylabel("best predicted eval loss (95% interval)")
+    ax2.set_ylabel("chosen model size N / logical batch")
+    fig.suptitle("compute-optimal private training (noise_batch fit)", fontsize=9)
+    fig.tight_layout()
+    path = Path(out_dir) / "frontier.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -141,7 +141,8 @@ def runs_to_points(rows: Iterable[Mapping[str, Any]], *, params: str = "trainabl
         group: keep only this privacy group (a :func:`group_label` value), e.g. ``"eps=8"``.
 
     Returns:
-        ``{"N", "D", "sigma_bar", "loss", "seed", "group", "run_dir"}`` as numpy arrays.
+        ``{"N", "D", "S", "B", "sigma_bar", "loss", "seed", "group", "run_dir"}`` as numpy arrays
+        (S = optimizer steps, B = logical batch size).
 
     Raises:
         ScalingError: unknown ``params``, no rows left after filtering, or a non-positive/NaN value.
@@ -155,10 +156,12 @@ def runs_to_points(rows: Iterable[Mapping[str, Any]], *, params: str = "trainabl
         if not kept:
             raise ScalingError(f"no runs in group {group}; groups present: {', '.join(sorted(set(labels)))}")
         rows, labels = [r for r, _ in kept], [g for _, g in kept]
-    out: dict[str, list] = {k: [] for k in ("N", "D", "sigma_bar", "loss", "seed", "group", "run_dir")}
+    out: dict[str, list] = {k: [] for k in ("N", "D", "S", "B", "sigma_bar", "loss", "seed", "group", "run_dir")}
     for i, (row, label) in enumerate(zip(rows, labels), start=1):
         out["N"].append(_number(row, PARAMS_FIELDS[params], i))
         out["D"].append(_number(row, "tokens_seen", i))
+        out["S"].append(_number(row, "steps", i))
+        out["B"].append(_number(row, "logical_batch_size", i))
         out["loss"].append(_number(row, "final_eval_loss", i))
         private = label != NON_PRIVATE
         # Non-private runs have no noise: σ̄ = 0, whatever the row's noise_multiplier field says.
@@ -167,5 +170,5 @@ def runs_to_points(rows: Iterable[Mapping[str, Any]], *, params: str = "trainabl
         out["seed"].append(row.get("seed"))
         out["group"].append(label)
         out["run_dir"].append(str(row.get("run_dir", f"row {i}")))
-    return {k: np.asarray(v, dtype=float if k in ("N", "D", "sigma_bar", "loss") else object)
+    return {k: np.asarray(v, dtype=float if k in ("N", "D", "S", "B", "sigma_bar", "loss") else object)
             for k, v in out.items()}
