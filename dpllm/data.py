@@ -13,7 +13,6 @@ import json
 import logging
 import random
 import re
-import string
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -180,17 +179,13 @@ def make_splits(num_records: int, cfg: DataConfig) -> Splits:
 
 
 def make_canaries(cfg: DataConfig) -> list[dict]:
-    """``num_canaries`` random secrets, each included in training with probability 1/2.
+    """``num_canaries`` canaries of ``canary_design`` (:mod:`dpllm.canaries`), each included with probability 1/2.
 
-    The secrets are random letters, so they carry no private information and are stored in full.
+    The secrets are random, so they carry no private information and are stored in full.
     """
-    rng = random.Random(cfg.canary_seed)
-    alphabet = string.ascii_lowercase + string.digits
-    out = []
-    for i in range(cfg.num_canaries):
-        secret = "".join(rng.choice(alphabet) for _ in range(40))
-        out.append({"id": i, "text": f"canary {i}: the secret code is {secret}", "included": rng.random() < 0.5})
-    return out
+    from dpllm import canaries
+
+    return canaries.make(cfg.num_canaries, design=cfg.canary_design, seed=cfg.canary_seed)
 
 
 def load_split_texts(run_dir: str | Path, split: str) -> list[str]:

@@ -1,0 +1,72 @@
+"""Canary records for privacy audits: a registry of designs, each canary included by a fair coin.
+
+A canary is a record the auditor writes, trains on with probability 1/2 (an independent coin per
+canary, drawn before training) and later scores; ``mia canaries`` turns the scores into a lower
+bound on ε. Each canary has a public ``prefix`` (the format, shared by all canaries) and a random
+``secret`` after it; the audit scores the secret's tokens only, since the shared prefix is learnt
+from members and non-members alike and carries no membership signal.
+
+Designs (``data.canary_design``):
+
+* ``random`` — the "secret sharer" format of Carlini et al. (2019): ``canary {i}: the secret code is``
+  followed by 40 random letters and digits. Close to ordinary text, so the model's fit to the data
+  also lowers non-members' loss.
+* ``rare`` — input-space canaries in the spirit of Panda et al. (2025, "Privacy auditing of large
+  language models"): make the secret out of tokens the training data (almost) never uses, so that
+  nothing but the canary itself moves the model's predictions of those tokens and the canary is
+  easy to memorise. Here: 12 random letters of the Cyrillic and Greek alphabets after a 3-character
+  prefix (for byte-level tokenizers these are byte pairs that English documentation never contains).
+* ``rare_long`` — the same with 32-letter secrets: more memorisable content per canary, at the price
+  of a gradient shared over more tokens.
+
+Example:
+    >>> [c["text"][:20] for c in make(2, design="random", seed=0)]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import random
+import string
+
+_ALNUM = string.ascii_lowercase + string.digits
+# 32 Cyrillic + 24 Greek lower-case letters: two UTF-8 bytes each, never in English prose or code.
+_RARE = "".join(chr(c) for c in range(0x430, 0x450)) + "".join(chr(c) for c in range(0x3B1, 0x3CA) if c != 0x3C2)
+
+
+def _random(i: int, rng: random.Random) -> tuple[str, str]:
+    return f"canary {i}: the secret code is ", "".join(rng.choice(_ALNUM) for _ in range(40))
+
+
+def _rare(length: int):
+    def design(i: int, rng: random.Random) -> tuple[str, str]:
+        return "§§ ", "".join(rng.choice(_RARE) for _ in range(length))
+    return design
+
+
+DESIGNS = {"random": _random, "rare": _rare(12), "rare_long": _rare(32)}
+
+
+def make(num: int, *, design: str = "random", seed: int = 1234) -> list[dict]:
+    """``num`` canaries of one design, each with its own fair inclusion coin.
+
+    Args:
+        num: Number of canaries m.
+        design: A key of :data:`DESIGNS`.
+        seed: Seeds the secrets and the coins (one ``random.Random`` stream, in canary order).
+
+    Returns:
+        ``[{"id", "text", "prefix", "design", "included"}, ...]``; ``text = prefix + secret``.
+        The ``random`` design draws exactly as earlier dpllm versions did (same texts and coins).
+
+    Raises:
+        ValueError: An unknown design.
+    """
+    if design not in DESIGNS:
+        raise ValueError(f"canary_design={design!r} is not known; choose one of {', '.join(DESIGNS)}")
+    rng = random.Random(seed)
+    out = []
+    for i in range(num):
+        prefix, secret = DESIGNS[design](i, rng)
+        out.append({"id": i, "text": prefix + secret, "prefix": prefix, "design": design,
+                    "included": rng.random() < 0.5})
+    return out
