@@ -4,6 +4,7 @@
     dpllm scaling fit|plan    scaling-law fits and compute planning
     dpllm ledger verify RUN   check a run's tamper-evident ε ledger
     dpllm report RUN          print a run's privacy report
+    dpllm export RUN --out D  write the releasable part of a run (model, tokenizer, report, model card)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ COMMANDS = {
     "scaling": ("dpllm.scaling.cli", "fit scaling laws to a runs table and plan N, D for a target"),
     "ledger": ("dpllm.ledger", "verify a run's privacy ledger (hash chain)"),
     "report": ("dpllm.checkpoint", "print a run's privacy report"),
+    "export": ("dpllm.export", "write a run's release bundle: model, tokenizer, privacy report, model card"),
 }
 
 

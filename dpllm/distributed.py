@@ -51,10 +51,35 @@ class World:
         return self.size > 1
 
 
+def die_with_parent(sig: int = 15) -> bool:
+    """Ask the kernel to send this process ``sig`` (SIGTERM) when its parent dies (Linux ``PR_SET_PDEATHSIG``).
+
+    A worker started by ``accelerate launch`` otherwise outlives a launcher killed with SIGKILL and keeps
+    writing into the run directory. Returns False where the call is unavailable (not Linux).
+    """
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(1, sig, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() == 1:  # the parent died before the request: nobody will send the signal
+        os.kill(os.getpid(), sig or signal.SIGTERM)
+    return True
+
+
 def make_accelerator(mixed_precision: str):
-    """An ``Accelerator``; multi-process on CPU gets ``cpu=True`` so accelerate starts a gloo group."""
+    """An ``Accelerator``; multi-process on CPU gets ``cpu=True`` so accelerate starts a gloo group.
+
+    A process started by a launcher (``LOCAL_RANK`` set) dies with it (:func:`die_with_parent`).
+    """
     from accelerate import Accelerator
 
+    if "LOCAL_RANK" in os.environ:
+        die_with_parent()
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if launched not in ("no", mixed_precision):
         log.warning("accelerate's mixed_precision=%s is not used: dpllm autocasts per train.mixed_precision (%s here); "

@@ -69,7 +69,11 @@ def _parse(run_dir: Path) -> list[dict]:
         n = raw.count(b"\n") + 1
         raise LedgerError(f"line {n}: incomplete (the file ends mid-line: cut or interrupted while writing)")
     entries = []
-    for i, text in enumerate(raw.decode().splitlines(), start=1):
+    for i, line in enumerate(raw.split(b"\n")[:-1] if raw else [], start=1):
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise LedgerError(f"line {i}: not UTF-8 text (byte {err.start}): the ledger was damaged or edited") from None
         try:
             entry = json.loads(text)
         except json.JSONDecodeError as err:
@@ -100,8 +104,8 @@ def append(run_dir: str | Path, *, kind: str, step: int, privacy: dict, checkpoi
         run_dir: the run directory holding the ledger.
         kind: one of ``stage``, ``checkpoint``, ``resume``, ``final``.
         step: optimizer steps of this run at this point.
-        privacy: ``epsilon, delta, noise_multiplier, sample_rate, accountant`` (None values for a
-            non-private run).
+        privacy: ``epsilon, delta, noise_multiplier, sample_rate, accountant`` and the full ``history`` of
+            ``(σ, q, steps)`` that ε was computed from (None values for a non-private run).
         checkpoint: checkpoint directory relative to ``run_dir``; its :func:`dir_sha256` is recorded.
         extra: further JSON fields (e.g. ``previous_stage``).
 
@@ -113,7 +117,7 @@ def append(run_dir: str | Path, *, kind: str, step: int, privacy: dict, checkpoi
     run_dir = Path(run_dir)
     entries = read(run_dir)
     entry: dict[str, Any] = {"index": len(entries) + 1, "kind": kind, "step": int(step)}
-    for key in ("epsilon", "delta", "noise_multiplier", "sample_rate", "accountant"):
+    for key in ("epsilon", "delta", "noise_multiplier", "sample_rate", "accountant", "history"):
         entry[key] = privacy.get(key)
     entry["checkpoint"] = checkpoint
     entry["checkpoint_sha256"] = dir_sha256(run_dir / checkpoint) if checkpoint else None
@@ -187,6 +191,49 @@ def _check_chain(entries: list[dict]) -> None:
         last_step, last_eps = step, eps
 
 
+def _check_epsilons(entries: list[dict]) -> int:
+    """Recompute every line's ε from its own history with its accountant; return how many were checked.
+
+    A rewrite that lowers ε must now also change σ, q or steps, which the report, the checkpoint's report
+    and the plan in the resumable checkpoints record too.
+    """
+    from dpllm.privacy.accounting import compute_epsilon_history
+
+    cache: dict = {}
+    checked = 0
+    for i, e in enumerate(entries, start=1):
+        eps = e.get("epsilon")
+        if eps is None:
+            continue
+        history = e.get("history")
+        if not isinstance(history, list):
+            raise LedgerError(f"line {i}: ε={eps} without the (σ, q, steps) history it was computed from")
+        key = (json.dumps(history), e.get("delta"), e.get("accountant"))
+        if key not in cache:
+            try:
+                cache[key] = compute_epsilon_history(history=[tuple(h) for h in history], delta=e["delta"],
+                                                     accountant=e["accountant"])
+            except (ValueError, TypeError, KeyError) as err:
+                raise LedgerError(f"line {i}: its history, δ or accountant cannot be accounted ({err})") from None
+        if not math.isclose(cache[key], eps, rel_tol=1e-6, abs_tol=1e-9):
+            raise LedgerError(f"line {i}: ε={eps:.6g} but its history {history} gives ε={cache[key]:.6g} with the "
+                              f"{e.get('accountant')} accountant at δ={e.get('delta'):g}")
+        if e.get("kind") in ("checkpoint", "final") and history and int(history[-1][2]) > int(e.get("step", 0)):
+            raise LedgerError(f"line {i}: its history counts {history[-1][2]} steps in the last stage, but the line "
+                              f"is at step {e.get('step')}")
+        checked += 1
+    return checked
+
+
+def _read_report(path: Path):
+    from dpllm.privacy.report import PrivacyReport, ReportError
+
+    try:
+        return PrivacyReport.read(path)
+    except ReportError as err:
+        raise LedgerError(str(err)) from None
+
+
 def verify(run_dir: str | Path, *, _depth: int = 0) -> Verified:
     """Check a run's ledger: chain, order, resumes, final line against privacy_report.json and checkpoint/.
 
@@ -199,6 +246,7 @@ def verify(run_dir: str | Path, *, _depth: int = 0) -> Verified:
         if not entries:
             raise LedgerError(f"{run_dir / LEDGER} is empty")
         _check_chain(entries)
+        recomputed = _check_epsilons(entries)
     except LedgerError as err:
         return Verified(False, str(err))
     n, last = len(entries), entries[-1]
@@ -210,10 +258,25 @@ def verify(run_dir: str | Path, *, _depth: int = 0) -> Verified:
     report_path = run_dir / "privacy_report.json"
     if not report_path.is_file():
         return Verified(False, f"{report_path} is missing; cannot check the final line's ε", lines=n)
-    report = json.loads(report_path.read_text())
-    if not _same_eps(report.get("epsilon"), last.get("epsilon")) or report.get("steps") != last.get("step"):
+    try:
+        report = _read_report(report_path)
+        inner = _read_report(run_dir / last.get("checkpoint", "checkpoint") / "privacy_report.json")
+    except LedgerError as err:
+        return Verified(False, str(err), lines=n)
+    if not _same_eps(report.epsilon, last.get("epsilon")) or report.steps != last.get("step"):
         return Verified(False, f"line {n}: final ε={last.get('epsilon')} at step {last.get('step')} does not match "
-                               f"privacy_report.json (ε={report.get('epsilon')}, steps={report.get('steps')})", lines=n)
+                               f"privacy_report.json (ε={report.epsilon}, steps={report.steps})", lines=n)
+    if report.enabled and [list(h) for h in report.history] != last.get("history"):
+        return Verified(False, f"line {n}: final history {last.get('history')} does not match privacy_report.json's "
+                               f"{report.history}", lines=n)
+    if inner.to_dict() != report.to_dict():
+        return Verified(False, f"{last.get('checkpoint')}/privacy_report.json differs from privacy_report.json "
+                               "(one of them was changed after the run)", lines=n)
+    notes.append(f"ε recomputed from the history on {recomputed} line(s)")
+    if report.enabled and report.noise_secret is False:
+        from dpllm.privacy.report import NOT_RELEASABLE
+
+        notes.append(f"WARNING: {NOT_RELEASABLE}")
     latest: dict[str, tuple[int, str]] = {}
     for i, e in enumerate(entries, start=1):
         if e.get("checkpoint"):
@@ -259,6 +322,9 @@ def cli_main(argv: list[str]) -> int:
     result = verify(argv[1])
     if result.ok:
         print(f"OK {argv[1]}: {result.message}\nhead {result.head}")
+        for note in result.notes:
+            if note.startswith("WARNING"):
+                print(note, file=sys.stderr)
         return 0
     print(f"FAIL {argv[1]}: {result.message}", file=sys.stderr)
     return 1

@@ -303,15 +303,21 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
     reads = world.is_main or not is_sharded(unwrap(model))
     _load_optimizer(model, optimizer, torch.load(ckpt / "optimizer.pt", weights_only=True) if reads else None)
     scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
-    rng = torch.load(ckpt / "rng_state.pt", weights_only=True)
-    if len(rng) != world.size:
-        log.warning("resuming a %d-process run on %d processes: privacy accounting is unchanged; every process "
-                    "draws fresh noise, so the run is not bit-identical to an uninterrupted one", len(rng), world.size)
-        mine = dict(rng[0], noise=None)  # the sampler's state is the same on every rank; noise never carries over
-    else:
-        mine = rng[world.rank]
-    _set_rng_state(mine, generators)
+    _set_rng_state(rng_for_process(torch.load(ckpt / "rng_state.pt", weights_only=True), world), generators)
     return state
+
+
+def rng_for_process(saved: list[dict], world: World) -> dict:
+    """This process's random state from a checkpoint's per-process list.
+
+    On the same number of processes, its own. On another number, rank 0's sampler state (the same on every
+    rank) and *no* noise state: each process keeps the fresh secret noise generator it started with.
+    """
+    if len(saved) == world.size:
+        return saved[world.rank]
+    log.warning("resuming a %d-process run on %d processes: privacy accounting is unchanged; every process draws "
+                "fresh noise, so the run is not bit-identical to an uninterrupted one", len(saved), world.size)
+    return dict(saved[0], noise=None)
 
 
 def finished_summary(run_dir: Path) -> Optional[dict]:

@@ -81,7 +81,7 @@ def forward_loss(model, batch: dict, criterion=None, autocast=None):
 
 
 @torch.no_grad()
-def evaluate(model, dataset, collate, *, batch_size: int, device, world) -> dict:
+def evaluate(model, dataset, collate, *, batch_size: int, device, world: World = World()) -> dict:
     """Token-weighted held-out loss (nats per token) and perplexity.
 
     Called on every process: each evaluates every W-th record and the sums are all-reduced (under

@@ -32,42 +32,38 @@ privacy_ledger.jsonl and, with save_every, checkpoints/ (see docs/operations.md)
 
 from __future__ import annotations
 
-import logging
-import warnings
 import sys
 
-from dpllm.checkpoint import format_report
 from dpllm.config import parse_config
-from dpllm.train import train
-
-
-def quiet_known_warnings() -> None:
-    """Hide warnings that are expected on every run and say nothing about this one."""
-    # Opacus's ghost clipping backward on a model whose inputs need no grad (always true for LMs)
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
-    # transformers 5 renamed a property that peft still reads
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+from dpllm.logs import setup_logging
+from dpllm.privacy.report import PrivacyReport
+from dpllm.train import TrainingError, train
 
 
 def main(argv: list[str] | None = None) -> dict:
-    quiet_known_warnings()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    cfg = parse_config(argv)
-    summary = train(cfg)
+    """Train as configured; print the held-out loss and the privacy report. Returns the run summary."""
+    setup_logging()
+    summary = train(parse_config(argv))
     if summary:
-        import json
-        from pathlib import Path
-
-        report = json.loads((Path(summary["run_dir"]) / "privacy_report.json").read_text())
+        report = PrivacyReport.read(summary["run_dir"])
         print(f"\nheld-out loss {summary['final_eval_loss']:.4f} (perplexity {summary['final_eval_ppl']:.2f})")
-        print(format_report(report) if not report.get("enabled", True) else f"privacy: {format_report(report)}")
+        print(report.summary() if not report.enabled else f"privacy: {report.summary()}")
         print(f"checkpoint: {summary['run_dir']}/checkpoint   report: {summary['run_dir']}/privacy_report.json")
     return summary
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int:
+    """``main`` with the exit codes of a command: 0 done, 2 bad input (one line saying what to change), 1 failed."""
     try:
-        main()
+        main(argv)
     except ValueError as err:  # config, data, model and privacy-plan errors all say what to change
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return 2
+    except TrainingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -41,7 +41,7 @@ def check_finite_positive(name: str, value: Optional[float]) -> None:
     if value is None:
         return
     if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-        raise PrivacyPlanError(f"{name}={value} must be a finite positive number"
+        raise PrivacyPlanError(f"{name}={value} must be positive and finite"
                                + ("; for a run without DP set privacy.enabled=false" if name == "target_epsilon"
                                   and value == math.inf else ""))
 

@@ -1,0 +1,208 @@
+"""The guarantee holds against someone who reads everything a run writes (issue #9, parts 1-4).
+
+Secret and fresh noise; stages composed by record content; one q, one step count and one σ from plan
+to report; a release bundle that holds only what may be published.
+"""
+
+import json
+import math
+import os
+import stat
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dpllm.config import parse_config
+from dpllm.distributed import World
+from dpllm.privacy import accounting
+from dpllm.privacy.accounting import PrivacyPlanError
+from dpllm.privacy.plan import plan_privacy, sample_rate_for, steps_for
+from dpllm.privacy.randomness import privacy_generators
+from dpllm.resume import rng_for_process
+from dpllm.sampling import PoissonBatchSampler, stream_seed
+from dpllm.train import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--max_steps", "2", "--logical_batch_size", "16", "--physical_batch_size", "16", "--max_length", "32",
+        "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every", "0", "--eval_max_records", "8",
+        "--progress", "false", "--max_records", "120", "--finetuning", "full", "--accountant", "rdp"]
+
+
+def run(tmp_path, name, *extra):
+    return train(parse_config(["--output_dir", str(tmp_path / name), *FAST, *extra]))
+
+
+def report_of(path):
+    return json.loads((path / "privacy_report.json").read_text())
+
+
+# ---- 1. secret, fresh noise -------------------------------------------------------------------------
+
+def test_same_seed_same_config_draws_new_noise_and_batches(tmp_path):
+    a, b = run(tmp_path, "a"), run(tmp_path, "b")
+    assert a["seed"] == b["seed"] == 0
+    assert a["params_sha256"] != b["params_sha256"]  # today's seeded streams made these equal
+    assert report_of(tmp_path / "a")["noise_secret"] is True
+
+
+def test_reproducible_noise_repeats_and_is_flagged(tmp_path):
+    a = run(tmp_path, "a", "--reproducible_noise", "true")
+    b = run(tmp_path, "b", "--reproducible_noise", "true")
+    assert a["params_sha256"] == b["params_sha256"]
+    assert report_of(tmp_path / "a")["noise_secret"] is False
+    dpllm = os.path.join(os.path.dirname(sys.executable), "dpllm")
+    shown = subprocess.run([dpllm, "report", str(tmp_path / "a")], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "NOT RELEASABLE" in shown.stdout and "reproducible" in shown.stderr
+    verified = subprocess.run([dpllm, "ledger", "verify", str(tmp_path / "a")], capture_output=True, text=True,
+                              timeout=120)
+    assert verified.returncode == 0 and "WARNING" in verified.stderr
+    refused = subprocess.run([dpllm, "export", str(tmp_path / "a"), "--out", str(tmp_path / "bundle")],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1 and "reproducible" in refused.stderr and not (tmp_path / "bundle").exists()
+
+
+def test_generators_are_fresh_and_not_derived_from_the_seed():
+    seeded = torch.Generator().manual_seed(stream_seed(0, "poisson")).get_state()
+    draws = [privacy_generators(reproducible=False, seed=0, stage="s", world=World(), device="cpu")
+             for _ in range(2)]
+    assert not torch.equal(draws[0]["sampling"].get_state(), draws[1]["sampling"].get_state())
+    assert not torch.equal(draws[0]["noise"].get_state(), draws[1]["noise"].get_state())
+    assert not torch.equal(draws[0]["sampling"].get_state(), seeded)
+    # two reproducible stages with the same seed still never share noise
+    one = privacy_generators(reproducible=True, seed=0, stage="s1", world=World(), device="cpu")
+    two = privacy_generators(reproducible=True, seed=0, stage="s2", world=World(), device="cpu")
+    assert not torch.equal(one["noise"].get_state(), two["noise"].get_state())
+
+
+def test_generator_states_stay_in_owner_only_resumable_checkpoints(tmp_path):
+    run(tmp_path, "r", "--save_every", "1")
+    out = tmp_path / "r"
+    assert stat.S_IMODE((out / "checkpoints").stat().st_mode) == 0o700
+    for step_dir in (out / "checkpoints").glob("step-*"):
+        assert stat.S_IMODE(step_dir.stat().st_mode) == 0o700
+        assert stat.S_IMODE((step_dir / "rng_state.pt").stat().st_mode) == 0o600
+    assert not list((out / "checkpoint").rglob("rng_state*"))
+    released = (out / "privacy_report.json").read_text() + (out / "run_summary.json").read_text()
+    assert "rng" not in released and "generator" not in released
+
+
+def test_resume_on_another_process_count_never_restores_noise():
+    saved = [{"sampling": torch.tensor([1]), "noise": torch.tensor([2])},
+             {"sampling": torch.tensor([1]), "noise": torch.tensor([3])}]
+    assert rng_for_process(saved, World(rank=1, size=2))["noise"].item() == 3  # same count: its own state
+    for world in (World(rank=0, size=1), World(rank=2, size=3)):
+        mine = rng_for_process(saved, world)
+        assert mine["noise"] is None and mine["sampling"].item() == 1
+
+
+# ---- 2. stages compose by content ---------------------------------------------------------------------
+
+@pytest.fixture
+def records(tmp_path):
+    from pydoc_data.topics import topics
+
+    texts = [" ".join(v.split())[:200] for _, v in sorted(topics.items())][:160]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    return path
+
+
+def test_the_same_file_under_another_name_is_composed(tmp_path, records):
+    run(tmp_path, "first", "--dataset", str(records), "--target_epsilon", "2")
+    (tmp_path / "sub").mkdir()
+    other_name = str(tmp_path / "sub" / ".." / "d.jsonl")
+    run(tmp_path, "second", "--dataset", other_name, "--model_name_or_path", str(tmp_path / "first"),
+        "--target_epsilon", "4")
+    report = report_of(tmp_path / "second")
+    assert len(report["history"]) == 2  # today: 1, with a false note that the data differed
+    assert 2.0 < report["epsilon"] <= 4.0 and "composed" in report["composition"]
+    assert report["epsilon"] == pytest.approx(accounting.compute_epsilon_history(
+        history=report["history"], delta=1e-5, accountant="rdp"))
+
+
+def test_non_private_stage_on_private_records_is_refused_before_any_work(tmp_path, records, monkeypatch):
+    run(tmp_path, "leaky", "--dataset", str(records), "--privacy.enabled", "false")
+    import dpllm.train as T
+
+    monkeypatch.setattr(T, "load_base", lambda *a, **k: pytest.fail("the model was loaded before the refusal"))
+    with pytest.raises(PrivacyPlanError, match=r"non-private stage 'leaky'.*trained on \d+ of this stage's private"):
+        run(tmp_path, "dp", "--dataset", str(records), "--model_name_or_path", str(tmp_path / "leaky"))
+    assert not (tmp_path / "dp").exists()
+
+
+def test_private_stage_on_disjoint_records_is_not_composed(tmp_path, records):
+    lines = records.read_text().splitlines()
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("\n".join(lines[:80]) + "\n")
+    b.write_text("\n".join(lines[80:]) + "\n")
+    run(tmp_path, "first", "--dataset", str(a), "--target_epsilon", "2", "--target_delta", "1e-3")
+    run(tmp_path, "second", "--dataset", str(b), "--model_name_or_path", str(tmp_path / "first"),
+        "--target_epsilon", "2", "--target_delta", "1e-3")
+    report = report_of(tmp_path / "second")
+    assert len(report["history"]) == 1 and report["epsilon"] <= 2.0
+    assert "disjoint" in report["composition"]
+
+
+# ---- 3. one q, one step count, one σ -----------------------------------------------------------------
+
+def test_opacus_own_rate_would_differ_but_ours_is_exactly_one_over_k():
+    wrong = [k for k in range(1, 10_001) if int(1 / (1 / k)) != k]  # how Opacus derives len(DPDataLoader)
+    assert len(wrong) / 10_000 == pytest.approx(0.067, abs=0.005) and 93 in wrong
+    for k in range(1, 10_001):
+        sampler = PoissonBatchSampler(num_samples=k, sample_rate=1.0 / k, generator=torch.Generator())
+        assert 1 / len(sampler) == 1.0 / k  # what make_private computes from our loader
+
+
+def test_reported_epsilon_never_exceeds_the_target_over_many_plans():
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        n = int(torch.randint(50, 200_000, (1,), generator=rng))
+        b = int(torch.randint(1, min(n, 4096) + 1, (1,), generator=rng))
+        epochs = float(torch.randint(1, 40, (1,), generator=rng)) / 4
+        target = float(torch.rand(1, generator=rng)) * 9 + 0.5
+        steps = steps_for(num_records=n, batch=b, epochs=epochs)
+        try:
+            plan = plan_privacy(num_records=n, logical_batch_size=b, steps=steps, target_epsilon=target,
+                                delta=1 / (10 * n), accountant="rdp")
+        except PrivacyPlanError:
+            continue  # unreachable targets are refused, never under-reported
+        assert plan.sample_rate == sample_rate_for(n, b) == 1.0 / math.ceil(n / b)
+        eps = accounting.compute_epsilon_history(history=plan.history, delta=1 / (10 * n), accountant="rdp")
+        assert eps <= target
+
+
+def test_a_run_with_93_batches_per_epoch_reports_its_plan(tmp_path):
+    """k = 93 is one of the counts where Opacus would have recorded q = 1/92 and reported ε > target."""
+    summary = run(tmp_path, "k93", "--max_records", "240", "--heldout_fraction", "0.225", "--logical_batch_size",
+                  "2", "--physical_batch_size", "2", "--epochs", "1", "--target_epsilon", "2",
+                  "--target_delta", "1e-3", "--max_length", "16", "--tiny_hidden_size", "16")
+    report = report_of(tmp_path / "k93")
+    assert report["num_records"] == 186 and summary["steps"] == 93
+    assert report["history"] == [[report["noise_multiplier"], 1 / 93, 93]]
+    assert report["epsilon"] <= 2.0
+
+
+# ---- 4. the release bundle ------------------------------------------------------------------------------
+
+def test_export_writes_only_releasable_files_and_the_bundle_loads(tmp_path):
+    from dpllm.checkpoint import load_model
+    from dpllm.export import export
+
+    run(tmp_path, "r", "--finetuning", "lora", "--save_every", "1")
+    out = export(tmp_path / "r", tmp_path / "bundle")
+    names = {p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()}
+    assert {"README.md", "privacy_report.json", "adapter_model.safetensors", "adapter_config.json"} <= names
+    assert any(n.startswith("base_model/") for n in names)
+    for secret in ("splits.json", "metrics.jsonl", "config.yaml", "dpllm_config.yaml", "rng_state.pt",
+                   "privacy_ledger.jsonl", "canaries.json"):
+        assert not any(n.endswith(secret) for n in names), secret
+    card = (out / "README.md").read_text()
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert f"ε = {report['epsilon']:.3f}" in card and "record" in card
+    assert all("run_dir" not in s for s in report["stages"]) and str(tmp_path) not in json.dumps(report)
+    model, _ = load_model(out)
+    assert model is not None
+    with pytest.raises(ValueError, match="not empty"):
+        export(tmp_path / "r", tmp_path / "bundle")
