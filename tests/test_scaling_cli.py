@@ -96,9 +96,14 @@ def test_fit_dp_noise_jointly_then_plan(runs, tmp_path, capsys):
     p = doc["fits"]["joint"]["params"]
     assert abs(p["gamma"] - 0.8) < 0.15 and abs(p["alpha"] - 0.34) < 0.03
     capsys.readouterr()
-    assert main(["scaling", "plan", "--fit", str(out / "fit.json"), "--epsilon", "8", "--target-ppl", "20",
-                 "--n", "1e8", "--json"]) == 0
-    ans = json.loads(capsys.readouterr().out)
+    plan = ["scaling", "plan", "--fit", str(out / "fit.json"), "--epsilon", "8", "--target-ppl", "20", "--n", "1e8",
+            "--json"]
+    # the answer (4.9e10 tokens) lies beyond the fitted D range [1e7, 1e10]: refused, then allowed loudly
+    assert main(plan) == 2 and "outside the fitted range [1e+07, 1e+10]" in capsys.readouterr().err
+    assert main(plan + ["--extrapolate", "10"]) == 0
+    captured = capsys.readouterr()
+    assert "WARNING: EXTRAPOLATING: tokens D" in captured.err
+    ans = json.loads(captured.out)
     assert ans["sigma_bar"] == pytest.approx(0.9 / BATCH)
     pred = get_form("dp_noise").predict(p, {"N": np.array([1e8]), "D": np.array([ans["D"]]),
                                             "sigma_bar": np.array([ans["sigma_bar"]])})
@@ -111,10 +116,13 @@ def test_plan_from_chinchilla_fit_compute_and_unreachable(runs, tmp_path, capsys
                  "--out", str(out), "--n-boot", "20", "--no-plots"]) == 0
     fit_json = str(out / "fit.json")
     capsys.readouterr()
-    assert main(["scaling", "plan", "--fit", fit_json, "--compute", "1e20", "--json"]) == 0
+    assert main(["scaling", "plan", "--fit", fit_json, "--compute", "1e17", "--json"]) == 0
     ans = json.loads(capsys.readouterr().out)
-    assert 6 * ans["N"] * ans["D"] == pytest.approx(1e20)
-    assert main(["scaling", "plan", "--fit", fit_json, "--target-ppl", "20"]) == 0
+    assert 6 * ans["N"] * ans["D"] == pytest.approx(1e17)
+    # 1e20 FLOPs puts the optimum beyond the largest fitted model (1e8): refused, with the range
+    assert main(["scaling", "plan", "--fit", fit_json, "--compute", "1e20"]) == 2
+    assert "outside the fitted range [1e+06, 1e+08]" in capsys.readouterr().err
+    assert main(["scaling", "plan", "--fit", fit_json, "--target-ppl", "20", "--extrapolate", "100"]) == 0
     text = capsys.readouterr().out
     assert "compute C = 6·N·D =" in text and "target: ppl 20 = loss 2.9957 nats" in text
     assert main(["scaling", "plan", "--fit", fit_json, "--target-ppl", "5", "--n", "1e8"]) == 2
