@@ -15,12 +15,17 @@ lower bound is larger: a privacy bug)::
 
     python -m mia canaries --run runs/x
 
+White-box audit (the auditor sees every noisy update): DP-SGD on a tiny Llama through dpllm's
+engine with M Dirac gradient canaries, exit code 1 when the bound exceeds the accountant's ε::
+
+    python -m mia whitebox --m 1000 --steps 20 --sample-rate 0.2 --target-epsilon 8 --out audit/
+
 Likelihood-ratio attack (LiRA) with shadow models trained like the run, each on half of its
 members + non-members (slow: trains SHADOWS models)::
 
     python -m mia lira --run runs/x --shadows 8 [--offline] [--max-records N] [--out DIR]
 
-Exit codes: 0 ok, 1 privacy bug found by ``canaries``, 2 bad input.
+Exit codes: 0 ok, 1 privacy bug found by ``canaries`` or ``whitebox``, 2 bad input.
 """
 
 from __future__ import annotations
@@ -68,12 +73,30 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("canaries", help="ε lower bound from a run's canaries vs the accountant's ε")
     c.add_argument("--run", required=True, help="run directory with canaries.json and checkpoint/")
     c.add_argument("--attack", default="loss", help="attack scoring the canaries")
-    c.add_argument("--confidence", type=float, default=0.95, help="confidence of the lower bounds")
-    c.add_argument("--selection", default="bonferroni", choices=["bonferroni", "split", "none"],
-                   help="how the number of guesses is chosen: bonferroni-corrected max over a grid "
-                        "(valid), chosen on half the canaries (valid), or plain max (optimistic)")
+    c.add_argument("--confidence", type=float, default=0.95,
+                   help="confidence of the lower bound over the canaries' coins")
+    c.add_argument("--tokens", default="secret", choices=["secret", "all"],
+                   help="with --attack loss: score only the tokens after each canary's public prefix "
+                        "(secret) or the whole canary (all)")
+    c.add_argument("--audit-delta", type=float, default=1e-5,
+                   help="δ of the bound when the run has none (non-private runs)")
     c.add_argument("--out", default=None, help="output directory (default: RUN_DIR/audit)")
     _common(c)
+
+    w = sub.add_parser("whitebox", help="white-box audit with Dirac gradient canaries (mia.whitebox)")
+    w.add_argument("--m", type=int, default=1000, help="number of canaries (each included by a fair coin)")
+    w.add_argument("--records", type=int, default=200, help="real pydoc records trained alongside")
+    w.add_argument("--steps", type=int, default=20, help="DP-SGD steps")
+    w.add_argument("--sample-rate", type=float, default=0.2, help="Poisson sampling rate q")
+    w.add_argument("--target-epsilon", type=float, default=8.0, help="calibrate σ to this ε")
+    w.add_argument("--noise-multiplier", type=float, default=None,
+                   help="use this σ instead of calibrating (e.g. 1e-3: a no-noise check)")
+    w.add_argument("--delta", type=float, default=1e-5, help="δ")
+    w.add_argument("--accountant", default="prv", help="prv, rdp or gdp")
+    w.add_argument("--score", default="lr", choices=["lr", "sum"], help="canary score from its updates")
+    w.add_argument("--confidence", type=float, default=0.95, help="confidence of the bound")
+    w.add_argument("--seed", type=int, default=0, help="coins, init, sampling, noise")
+    w.add_argument("--out", required=True, help="output directory for whitebox_report.{json,md}")
 
     l_ = sub.add_parser("lira", help="LiRA (Carlini et al. 2022) with shadow models trained like the run")
     l_.add_argument("--run", required=True, help="run directory (splits.json, config.yaml, checkpoint/)")
@@ -126,6 +149,14 @@ def cmd_audit(args) -> int:
     else:
         model, tok = audit.load_target(target, device=args.device, dtype=args.dtype)
     max_length = args.max_length or (audit.run_max_length(target) if run_dir else None)
+    bound = None
+    if run_dir:
+        try:
+            privacy = audit.read_privacy_report(target)
+            if privacy.get("enabled", True) and privacy.get("epsilon") is not None:
+                bound = (float(privacy["epsilon"]), float(privacy.get("delta") or 0.0))
+        except ValueError:
+            pass
     out = args.out or (target / "audit" if run_dir else None)
     if out is None:
         raise ValueError("pass --out DIR for the report files")
@@ -135,8 +166,15 @@ def cmd_audit(args) -> int:
         attack_params={"k": args.k}, n_bootstrap=args.n_bootstrap, seed=args.seed,
         max_records=args.max_records, progress=not args.no_progress)
     rep = {"checkpoint": str(target), "reference": args.reference, **rep}
+    if run_dir and not (args.members or args.nonmembers):
+        rep["split"] = ("members and non-members are the run's own random (IID) train/heldout split "
+                        "(splits.json): no distribution shift by construction")
+    if bound:
+        rep["dp_bound"] = {"epsilon": bound[0], "delta": bound[1]}
     paths = report.write_audit_report(rep, scores, out)
     print(report.markdown_table(rep))
+    if "blind" in rep:
+        print(f"\nblind baseline: {rep['blind']['message']}")
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     return 0
 
@@ -151,18 +189,37 @@ def cmd_canaries(args) -> int:
     rep = audit.canary_audit(
         run, model, tok, attack=args.attack, reference=_reference(args),
         max_length=args.max_length or audit.run_max_length(run), batch_size=args.batch_size,
-        device=args.device, confidence=args.confidence, selection=args.selection,
-        seed=args.seed, progress=not args.no_progress)
+        device=args.device, confidence=args.confidence, tokens=args.tokens,
+        audit_delta=args.audit_delta, seed=args.seed, progress=not args.no_progress)
     paths = report.write_canary_report(rep, args.out or run / "audit")
     print(f"accountant ε = {rep['accountant_epsilon']}, empirical lower bound ε >= "
-          f"{rep['epsilon_lower']:.3f} (one-run {rep['one_run']['epsilon_lower']:.3f}, "
-          f"Clopper-Pearson {rep['clopper_pearson']['epsilon_lower']:.3f})")
+          f"{rep['epsilon_lower']:.3f} at δ = {rep['delta']:g} with {rep['confidence']:.0%} confidence "
+          f"(Gaussian-DP reading: μ >= {rep['gdp']['mu_lower']:.3f}, ε = {rep['gdp']['epsilon_lower']:.3f})")
     print(f"wrote {', '.join(str(p) for p in paths.values())}")
     if rep["privacy_bug"]:
         bar = "!" * 78
         print(f"{bar}\nPRIVACY BUG: {rep['message']}\n{bar}", file=sys.stderr)
         return 1
     print(rep["message"])
+    return 0
+
+
+def cmd_whitebox(args) -> int:
+    from mia import report
+    from mia.whitebox import whitebox_audit
+
+    rep = whitebox_audit(m=args.m, num_records=args.records, steps=args.steps, sample_rate=args.sample_rate,
+                         target_epsilon=None if args.noise_multiplier else args.target_epsilon,
+                         noise_multiplier=args.noise_multiplier, delta=args.delta,
+                         accountant=args.accountant, score=args.score, confidence=args.confidence,
+                         seed=args.seed)
+    paths = report.write_whitebox_report(rep, args.out)
+    print(report.whitebox_summary(rep))
+    print(f"wrote {', '.join(str(p) for p in paths.values())}")
+    if rep["privacy_bug"]:
+        bar = "!" * 78
+        print(f"{bar}\nPRIVACY BUG: {rep['message']}\n{bar}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -188,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
-        return {"audit": cmd_audit, "canaries": cmd_canaries, "lira": cmd_lira}[args.command](args)
+        return {"audit": cmd_audit, "canaries": cmd_canaries, "whitebox": cmd_whitebox,
+                "lira": cmd_lira}[args.command](args)
     except (ValueError, FileNotFoundError) as err:
         print(f"python -m mia {args.command}: error: {err}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from mia import attacks as attacks_mod
-from mia.canaries import clopper_pearson_epsilon, one_run_epsilon
+from mia.canaries import one_run_audit, one_run_epsilon
 from mia.metrics import DEFAULT_FPRS, evaluate
 from mia.signals import compute_signals
 
@@ -164,7 +164,7 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
               attacks=("loss", "zlib", "mink", "minkpp"), reference=None, max_length=None,
               batch_size: int = 8, device=None, attack_params: dict | None = None,
               n_bootstrap: int = 1000, seed: int = 0, max_records: int | None = None,
-              progress: bool = True) -> tuple[dict, dict]:
+              progress: bool = True, blind: bool = True) -> tuple[dict, dict]:
     """Compute signals once, score each attack and evaluate it.
 
     Args:
@@ -182,6 +182,8 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
         seed: Seed of record subsampling and bootstrap.
         max_records: Audit at most this many members and this many non-members.
         progress: Show progress bars.
+        blind: Also run the model-free blind baseline (:mod:`mia.blind`) on the same texts; its
+            verdict (``report["blind"]["shifted"]``) says whether the sets are distribution-shifted.
 
     Returns:
         ``(report, scores)``: the report dict written to ``mia_report.json`` and
@@ -217,13 +219,21 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
         report["attacks"][name] = evaluate(s[:n_m], s[n_m:], member_losses=sig.loss[:n_m],
                                            nonmember_losses=sig.loss[n_m:],
                                            n_bootstrap=n_bootstrap, seed=seed)
+    if blind:
+        from mia.blind import blind_baseline
+
+        report["blind"] = blind_baseline(members, nonmembers, seed=seed)
     return report, scores
 
 
-def read_canaries(run_dir: str | Path) -> tuple[list[str], np.ndarray]:
+def read_canaries(run_dir: str | Path, *, with_prefixes: bool = False):
     """Canary texts and inclusion flags from ``RUN_DIR/canaries.json``.
 
-    Format: ``{"canaries": [{"text": str, "included": bool}, ...], "seed": int, ...}``.
+    Format: ``{"canaries": [{"text": str, "included": bool, "prefix"?: str}, ...], "seed": int, ...}``.
+    ``prefix`` (optional) is the public start of the canary; the secret is the rest.
+
+    Returns:
+        ``(texts, included)``, plus the list of prefixes ("" where absent) if ``with_prefixes``.
     """
     path = Path(run_dir) / "canaries.json"
     if not path.is_file():
@@ -235,6 +245,11 @@ def read_canaries(run_dir: str | Path) -> tuple[list[str], np.ndarray]:
     included = np.array([bool(r["included"]) for r in rows])
     check_member_sets([t for t, i in zip(texts, included) if i],
                       [t for t, i in zip(texts, included) if not i])
+    if with_prefixes:
+        prefixes = [r.get("prefix") or "" for r in rows]
+        if any(not t.startswith(p) for t, p in zip(texts, prefixes)):
+            raise ValueError(f"{path}: a canary's 'prefix' is not the start of its 'text'")
+        return texts, included, prefixes
     return texts, included
 
 
@@ -247,48 +262,103 @@ def read_privacy_report(run_dir: str | Path) -> dict:
                      f"compares against the accountant's ε and needs it")
 
 
+def prefix_token_counts(tokenizer, texts: list[str], prefixes: list[str]) -> np.ndarray:
+    """Tokens of each text that belong to its public prefix (leading special tokens included)."""
+    counts = []
+    for text, prefix in zip(texts, prefixes):
+        if not prefix:
+            counts.append(0)
+            continue
+        full = tokenizer(text)["input_ids"]
+        bare = tokenizer(text, add_special_tokens=False)["input_ids"]
+        lead = next((i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare), 0)
+        counts.append(lead + len(tokenizer(prefix, add_special_tokens=False)["input_ids"]))
+    return np.asarray(counts)
+
+
+def secret_scores(sig, n_prefix: np.ndarray) -> np.ndarray:
+    """Mean log-probability of each canary's tokens after its prefix (higher = more likely member).
+
+    ``sig.token_logprobs[i][t]`` scores token ``t + 1``, so the secret starts at index ``n_prefix - 1``.
+    A canary truncated inside its prefix falls back to all its tokens.
+    """
+    out = np.empty(len(sig))
+    for i, lp in enumerate(sig.token_logprobs):
+        tail = lp[max(int(n_prefix[i]) - 1, 0):]
+        out[i] = float(np.mean(tail if tail.size else lp))
+    return out
+
+
 def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss", reference=None,
                  max_length=None, batch_size: int = 8, device=None, confidence: float = 0.95,
-                 selection: str = "bonferroni", seed: int = 0, progress: bool = True) -> dict:
-    """Score a run's canaries and compare the empirical ε lower bounds with the accountant's ε.
+                 tokens: str = "secret", audit_delta: float = 1e-5, seed: int = 0,
+                 progress: bool = True) -> dict:
+    """Score a run's canaries and compare the one-run ε lower bound with the accountant's ε.
+
+    The bound (``report["epsilon_lower"]``) is the f-DP one-run bound for the (ε, δ) family
+    (:func:`mia.canaries.one_run_audit`): valid with probability ``confidence`` over the canary
+    coins for any (ε, δ)-DP training, so it can be compared with the accountant's ε at the same δ.
+    Reported beside it, never combined with it: the Gaussian-DP reading (``gdp``: μ and its ε at
+    δ) and the older ε-DP analysis of Steinke et al. (``steinke``) from the same scores.
+
+    Args:
+        attack: Attack scoring the canaries; with ``loss`` and ``tokens="secret"`` only the tokens
+            after each canary's public prefix count (when ``canaries.json`` records prefixes).
+        tokens: ``"secret"`` or ``"all"``.
+        audit_delta: δ used when the run has none (a non-private run).
 
     Returns:
-        The canary report; ``report["privacy_bug"]`` is True when a lower bound exceeds the
-        accountant's ε.
+        The canary report; ``report["privacy_bug"]`` is True when the bound exceeds the accountant's ε.
     """
     attacks_mod.parse_attacks([attack])
     if attacks_mod.ATTACKS[attack].needs_reference and reference is None:
         raise ValueError(f"attack {attack!r} needs --reference PATH")
-    texts, included = read_canaries(run_dir)
+    if tokens not in ("secret", "all"):
+        raise ValueError(f"tokens={tokens!r}; use 'secret' or 'all'")
+    texts, included, prefixes = read_canaries(run_dir, with_prefixes=True)
     privacy = read_privacy_report(run_dir)
-    delta = float(privacy.get("delta") or 0.0)
     eps = privacy.get("epsilon")
-    private = privacy.get("enabled", True) and eps is not None and np.isfinite(float(eps))
+    private = bool(privacy.get("enabled", True) and eps is not None and np.isfinite(float(eps)))
+    delta = float(privacy.get("delta") or 0.0) if private else 0.0
+    delta = delta or float(audit_delta)
     common = dict(max_length=max_length, batch_size=batch_size, device=device, progress=progress)
     sig = compute_signals(model, tokenizer, texts, desc="canaries", **common)
-    ref_sig = compute_signals(*reference, texts, desc="reference", **common) if reference else None
-    scores = attacks_mod.score(attack, sig, reference=ref_sig)
-    one = one_run_epsilon(scores, included, delta=delta, confidence=confidence,
-                          selection=selection, seed=seed)
-    cp = clopper_pearson_epsilon(scores, included, delta=delta, confidence=confidence,
-                                 selection="none" if selection == "none" else "bonferroni")
-    lower = max(one["epsilon_lower"], cp["epsilon_lower"])
+    secret = attack == "loss" and tokens == "secret" and any(prefixes)
+    if secret:
+        scores = secret_scores(sig, prefix_token_counts(tokenizer, texts, prefixes))
+        scored = "mean log-probability of the secret tokens (after each canary's prefix)"
+    else:
+        ref_sig = compute_signals(*reference, texts, desc="reference", **common) if reference else None
+        scores = attacks_mod.score(attack, sig, reference=ref_sig)
+        scored = f"attack {attack!r} on the whole canary"
+    primary = one_run_audit(scores, included, delta=delta, confidence=confidence, seed=seed)
+    gdp = one_run_audit(scores, included, delta=delta, confidence=confidence, family="gdp", seed=seed)
+    steinke = one_run_epsilon(scores, included, delta=delta, confidence=confidence, seed=seed)
+    lower = primary["epsilon_lower"]
     bug = bool(private and lower > float(eps))
+    conf = f"{confidence:.0%}"
     if not private:
-        verdict, msg = "not private", "The run has no finite accountant ε; bounds are informational."
+        verdict = "not private"
+        msg = (f"The run has no finite accountant ε; ε ≥ {lower:.3f} at δ = {delta:g} ({conf} confidence) "
+               f"measures how much the audit can see.")
     elif bug:
-        which = [n for n, b in (("one-run", one), ("Clopper-Pearson", cp)) if b["epsilon_lower"] > float(eps)]
         verdict = "PRIVACY BUG"
-        msg = (f"Empirical ε lower bound {lower:.3f} ({' and '.join(which)}) exceeds the accountant's "
-               f"ε = {float(eps):.3f}: the training leaks more than its guarantee allows. Check the "
-               f"noise multiplier, sampling, clipping and accounting before using this model.")
+        msg = (f"Empirical ε lower bound {lower:.3f} ({conf} confidence over the canary coins) exceeds the "
+               f"accountant's ε = {float(eps):.3f} at δ = {delta:g}: the training leaks more than its "
+               f"guarantee allows. Check the noise multiplier, sampling, clipping and accounting before "
+               f"using this model.")
     else:
         verdict = "consistent"
-        msg = (f"Empirical ε lower bound {lower:.3f} <= accountant ε = {float(eps):.3f} "
-               f"(no evidence of a privacy bug; a low bound does not prove the guarantee is tight).")
-    return {"run_dir": str(run_dir), "attack": attack, "m": int(included.size),
+        msg = (f"Empirical ε lower bound {lower:.3f} ({conf} confidence) <= accountant ε = {float(eps):.3f} "
+               f"at δ = {delta:g} (no evidence of a privacy bug; a low bound does not prove the guarantee "
+               f"is tight).")
+    return {"run_dir": str(run_dir), "attack": attack, "scored": scored, "m": int(included.size),
             "n_included": int(included.sum()), "delta": delta, "confidence": confidence,
             "accountant_epsilon": float(eps) if eps is not None else None,
-            "epsilon_lower": lower, "one_run": one, "clopper_pearson": cp,
+            "epsilon_lower": lower,
+            "bound": (f"f-DP one-run bound, (ε, δ) family (Mahloujifar et al. 2024), one-sided top-k "
+                      f"guesses, Bonferroni over {len(primary['grid'])} guess counts; holds with "
+                      f"probability >= {conf} over the canaries' inclusion coins"),
+            "one_run": primary, "gdp": gdp, "steinke": steinke,
             "privacy_bug": bug, "verdict": verdict, "message": msg, "max_length": max_length,
             "scores": scores.tolist(), "included": included.tolist()}

@@ -1,7 +1,9 @@
 """Empirical lower bounds on ε from canaries inserted into one training run.
 
-Two estimators, both from canary scores (higher = more likely trained on) and the canaries'
-inclusion coins:
+:func:`one_run_audit` is the audit the reports use: the f-DP one-run analysis of :mod:`mia.fdp`
+(Mahloujifar, Melis & Chaudhuri 2024) with abstention (only the ``k`` highest scores are guessed
+"member") and a Bonferroni correction over a fixed grid of ``k``. The older estimators stay for
+comparison, from canary scores (higher = more likely trained on) and the inclusion coins:
 
 * :func:`one_run_epsilon` — the one-run audit of Steinke, Nasr & Jagielski (2023, "Privacy auditing
   with one (1) training run"). Each of ``m`` canaries is included independently with probability
@@ -12,8 +14,8 @@ inclusion coins:
   improbable (p-value below β) under ε-DP rules ε out; the bound is the largest ε ruled out.
 * :func:`clopper_pearson_epsilon` — the classic hypothesis-testing bound
   ``ε >= log((1 - δ - FNR) / FPR)`` with Clopper-Pearson upper limits on FPR and FNR. It treats
-  canaries as independent trials, which one training run does not strictly give; use it as a
-  cross-check next to the one-run bound.
+  canaries as independent trials, which one training run does not give: it is NOT a valid
+  one-run bound and no report uses it any more.
 
 A lower bound above the accountant's ε means the implementation leaks more than it claims: a bug.
 
@@ -232,3 +234,76 @@ def clopper_pearson_epsilon(scores, included, *, delta: float, confidence: float
                         "fpr": fp / n_out, "fnr": fn / n_in, "fpr_upper": fpr_u, "fnr_upper": fnr_u}
     return {**best, "n_thresholds": int(distinct.size), "selection": selection,
             "confidence": confidence}
+
+
+def one_sided_grid(m: int) -> list[int]:
+    """Guess counts ``k`` tried by :func:`one_run_audit`: 0.1% .. 50% of ``m``, fixed in advance.
+
+    The top end stops a little below m/2 as well as at it: about half the canaries are members, so
+    a perfect attack is all-correct only while ``k`` stays below their (random) number.
+    """
+    fracs = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.45, 0.5)
+    return sorted({max(1, int(round(f * m))) for f in fracs})
+
+
+def one_run_audit(scores, included, *, delta: float, confidence: float = 0.95,
+                  family: str = "epsdelta", grid: list[int] | None = None, seed: int = 0) -> dict:
+    """One-run f-DP lower bound (:mod:`mia.fdp`), best over the number of guesses ``k``.
+
+    The auditor guesses "member" for the ``k`` highest scores and abstains on the rest. Each ``k``
+    of the grid is tested at level ``(1 - confidence) / len(grid)`` (Bonferroni), so the best of
+    them is a valid bound at ``confidence`` over the canaries' coins.
+
+    Args:
+        scores: Canary scores ``[m]`` (higher = guessed member).
+        included: Inclusion coins ``[m]`` (bool), each a fair coin drawn before training.
+        delta: δ of the audited guarantee (``epsdelta``; also the δ at which μ is read as ε).
+        confidence: 1 - β of the final bound.
+        family: ``"epsdelta"`` (a valid ε lower bound for any (ε, δ)-DP training; the default)
+            or ``"gdp"`` (a μ lower bound, "not μ-GDP"; ``epsilon_lower`` is μ's ε at δ).
+        grid: Guess counts; default :func:`one_sided_grid`.
+        seed: Breaks score ties at random (never by file order).
+
+    Returns:
+        ``{"epsilon_lower", "family", "k", "correct", "m", "confidence", "per_test_confidence",
+        "delta", "grid": [{"k", "correct", "bound"}...]}`` plus ``"mu_lower"`` for ``gdp``.
+
+    Example:
+        >>> import numpy as np
+        >>> inc = np.arange(1000) % 2 == 0
+        >>> round(one_run_audit(inc.astype(float), inc, delta=1e-5)["epsilon_lower"], 2)
+        4.51
+    """
+    from mia import fdp
+
+    scores = np.asarray(scores, dtype=np.float64)
+    included = np.asarray(included, dtype=bool)
+    if scores.shape != included.shape or scores.ndim != 1 or scores.size < 2:
+        raise ValueError(f"scores {scores.shape} and included {included.shape} must be equal 1-D "
+                         f"arrays of at least 2 canaries; train with more canaries (1,000+ give useful bounds)")
+    if np.isnan(scores).any():
+        raise ValueError("canary scores contain NaN; check the signals that produced them")
+    if family not in fdp.FAMILIES:
+        raise ValueError(f"family={family!r}; use one of {', '.join(fdp.FAMILIES)}")
+    m = scores.size
+    grid = one_sided_grid(m) if grid is None else sorted({int(k) for k in grid})
+    if not grid or grid[0] < 1 or grid[-1] > m:
+        raise ValueError(f"guess counts must lie in 1..{m}, got {grid}")
+    level = 1.0 - (1.0 - confidence) / len(grid)
+    rng = np.random.default_rng(seed)
+    order = np.lexsort((rng.random(m), scores))[::-1]  # best-scored first, random among ties
+    correct_at = np.cumsum(included[order])
+    rows = []
+    for k in grid:
+        c = int(correct_at[k - 1])
+        bound = fdp.lower_bound(m=m, k=k, c=c, family=family, delta=delta, confidence=level)
+        rows.append({"k": k, "correct": c, "bound": bound})
+    best = max(rows, key=lambda row: row["bound"])
+    out = {"family": family, "k": best["k"], "correct": best["correct"], "m": m,
+           "confidence": confidence, "per_test_confidence": level, "delta": delta, "grid": rows}
+    if family == "gdp":
+        out["mu_lower"] = best["bound"]
+        out["epsilon_lower"] = fdp.gdp_epsilon(best["bound"], delta) if delta > 0 else math.inf * (best["bound"] > 0)
+    else:
+        out["epsilon_lower"] = best["bound"]
+    return out

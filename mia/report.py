@@ -6,7 +6,11 @@ Files written into the output directory:
 * ``mia_scores.json`` — per attack, the member and non-member scores (no texts), for re-analysis;
 * ``mia_report.md`` — one table row per attack;
 * ``mia_roc.png`` — ROC curves of all attacks on log-log axes with the chance diagonal;
-* ``canary_report.json`` / ``canary_report.md`` — the canary ε audit (:func:`write_canary_report`).
+* ``canary_report.json`` / ``canary_report.md`` / ``canary_roc.png`` — the canary ε audit
+  (:func:`write_canary_report`);
+* ``whitebox_report.json`` / ``whitebox_report.md`` — the white-box audit (:func:`write_whitebox_report`).
+
+ROC plots of a private run also draw the region an (ε, δ)-DP run allows: ``TPR <= e^ε FPR + δ``.
 """
 
 from __future__ import annotations
@@ -48,13 +52,15 @@ def markdown_table(report: dict) -> str:
 
 
 def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
-             title: str = "Membership inference ROC") -> Path:
+             title: str = "Membership inference ROC", dp_bound: tuple[float, float] | None = None) -> Path:
     """Log-log ROC curves of several attacks plus the chance diagonal, saved as PNG.
 
     Args:
         scores: ``{attack: (member_scores, nonmember_scores)}``.
         path: Output file.
         title: Plot title.
+        dp_bound: ``(ε, δ)`` of the run: also draw ``TPR = min(1, e^ε FPR + δ)``, the most any
+            attack can reach on an (ε, δ)-DP run (Kairouz et al. 2015).
     """
     import matplotlib
 
@@ -69,6 +75,11 @@ def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
         # Log axes cannot show 0; draw zero rates at half the smallest resolvable rate.
         ax.plot(np.maximum(fpr, floor / 2), np.maximum(tpr, floor / 2), label=name)
     ax.plot([floor / 2, 1], [floor / 2, 1], "k--", lw=1, label="chance")
+    if dp_bound is not None:
+        eps, delta = dp_bound
+        x = np.logspace(math.log10(floor / 2), 0, 200)
+        ax.plot(x, np.minimum(1.0, math.exp(min(eps, 700.0)) * x + delta), "r:", lw=1.5,
+                label=f"DP bound ε={eps:.3g}, δ={delta:.0e}")
     ax.set(xscale="log", yscale="log", xlabel="false positive rate", ylabel="true positive rate",
            xlim=(floor / 2, 1), ylim=(floor / 2, 1), title=title)
     ax.legend(loc="lower right")
@@ -81,7 +92,8 @@ def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
 
 def write_attack_report(report: dict, scores: dict[str, tuple[np.ndarray, np.ndarray]], out_dir: str | Path, *,
                         stem: str, title: str, summary: str, extra_scores: dict | None = None, plot: bool = True,
-                        plot_title: str = "Membership inference ROC") -> dict[str, Path]:
+                        plot_title: str = "Membership inference ROC",
+                        notes: list[str] | None = None) -> dict[str, Path]:
     """Write ``{stem}_report.json``, ``{stem}_scores.json``, ``{stem}_report.md`` and ``{stem}_roc.png``.
 
     Each file is written atomically (temp file + rename), so a crash never leaves half a report.
@@ -93,7 +105,9 @@ def write_attack_report(report: dict, scores: dict[str, tuple[np.ndarray, np.nda
         stem: File-name prefix (``mia``, ``lira``).
         title, summary: The markdown heading and the paragraph under it.
         extra_scores: More JSON-serialisable entries for the scores file (no texts).
-        plot: Also draw the ROC PNG; plot_title: its title.
+        plot: Also draw the ROC PNG; plot_title: its title. With ``report["dp_bound"]``
+            (``{"epsilon", "delta"}``) the plot also shows the DP bound curve.
+        notes: Paragraphs placed under the table (e.g. the blind-baseline verdict).
 
     Returns:
         ``{"json", "scores", "md", "png"?}`` paths.
@@ -109,9 +123,14 @@ def write_attack_report(report: dict, scores: dict[str, tuple[np.ndarray, np.nda
             for k, (m, n) in scores.items()}
     data.update(extra_scores or {})
     write_text_atomic(paths["scores"], json.dumps(data) + "\n")
-    md = [title, "", summary, "", markdown_table(report), "", f"Conventions: {CONVENTIONS}", ""]
+    md = [title, "", summary, "", markdown_table(report), ""]
+    for note in notes or []:
+        md += [note, ""]
+    md += [f"Conventions: {CONVENTIONS}", ""]
     if plot:
-        paths["png"] = plot_roc(scores, out / f"{stem}_roc.png", title=plot_title)
+        b = report.get("dp_bound")
+        paths["png"] = plot_roc(scores, out / f"{stem}_roc.png", title=plot_title,
+                                dp_bound=(b["epsilon"], b["delta"]) if b else None)
         md += [f"![ROC]({stem}_roc.png)", ""]
     write_text_atomic(paths["md"], "\n".join(md))
     return paths
@@ -129,34 +148,86 @@ def write_audit_report(report: dict, scores: dict[str, tuple[np.ndarray, np.ndar
     """
     summary = (f"{report['n_members']} members, {report['n_nonmembers']} non-members; "
                f"max_length={report.get('max_length')}; CIs {report.get('ci_confidence', 0.95):.0%}.")
-    return write_attack_report(report, scores, out_dir, stem="mia", plot=plot, summary=summary,
+    notes = []
+    if report.get("split"):
+        notes.append(f"Sets: {report['split']}.")
+    if report.get("blind"):
+        b = report["blind"]
+        notes.append(f"**Blind baseline** ({b['method']}): {b['message']}")
+    return write_attack_report(report, scores, out_dir, stem="mia", plot=plot, summary=summary, notes=notes,
                                title=f"# Membership-inference audit of `{report.get('checkpoint', '?')}`")
 
 
 def write_canary_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
-    """Write ``canary_report.json`` and ``canary_report.md`` for a canary ε audit."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out / "canary_report.json", "md": out / "canary_report.md"}
+    """Write ``canary_report.json``, ``canary_report.md`` and ``canary_roc.png`` for a canary ε audit."""
     from dpllm.io import write_text_atomic
 
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "canary_report.json", "md": out / "canary_report.md", "png": out / "canary_roc.png"}
     write_text_atomic(paths["json"], json.dumps(report, indent=2, default=float) + "\n")
-    one, cp = report["one_run"], report["clopper_pearson"]
+    scores, inc = np.asarray(report["scores"]), np.asarray(report["included"], dtype=bool)
     eps = report["accountant_epsilon"]
-    md = [
+    private = report["verdict"] != "not private"
+    plot_roc({"canaries": (scores[inc], scores[~inc])}, paths["png"], title="Canary ROC",
+             dp_bound=(eps, report["delta"]) if private else None)
+    write_text_atomic(paths["md"], "\n".join([
         f"# Canary privacy audit of `{report['run_dir']}`", "",
-        f"{report['m']} canaries ({report['n_included']} trained on), attack `{report['attack']}`, "
-        f"δ = {report['delta']:g}, confidence {report['confidence']:.0%}.", "",
-        "| estimate | ε |", "|---|---|",
-        f"| accountant (upper bound) | {_fmt(eps)} |",
-        f"| one-run lower bound (Steinke et al. 2023; {one['selection']}) | "
-        f"{_fmt(one['epsilon_lower'])} |",
-        f"| Clopper-Pearson lower bound ({cp['selection']}, {cp['n_thresholds']} thresholds) | "
-        f"{_fmt(cp['epsilon_lower'])} |", "",
-        f"One-run: {one['correct']} of {one['guesses']} guesses correct "
-        f"(k+ = {one['k_plus']}, k- = {one['k_minus']}).", "",
-        f"**Verdict: {report['verdict']}**", "",
-        report["message"], "",
-    ]
-    write_text_atomic(paths["md"], "\n".join(md))
+        f"{report['m']} canaries ({report['n_included']} trained on), scored by {report['scored']}; "
+        f"δ = {report['delta']:g}.", "",
+        *_bound_table(report, eps), "",
+        f"**Verdict: {report['verdict']}**", "", report["message"], "",
+        "![canary ROC](canary_roc.png)", ""]))
+    return paths
+
+
+def _bound_table(report: dict, eps) -> list[str]:
+    one, gdp, conf = report["one_run"], report["gdp"], report["confidence"]
+    rows = ["| estimate | ε | confidence |", "|---|---|---|",
+            f"| accountant (upper bound) | {_fmt(eps)} | – |",
+            f"| **one-run f-DP lower bound, (ε, δ) family** (used for the verdict) | "
+            f"**{_fmt(one['epsilon_lower'])}** | {conf:.0%} |",
+            f"| Gaussian-DP reading: μ ≥ {_fmt(gdp['mu_lower'])} (not an ε bound for non-Gaussian "
+            f"mechanisms) | {_fmt(gdp['epsilon_lower'])} | {conf:.0%} |"]
+    if report.get("steinke"):
+        rows.append(f"| ε-DP one-run analysis (Steinke et al. 2023), same scores | "
+                    f"{_fmt(report['steinke']['epsilon_lower'])} | {conf:.0%} |")
+    rows += ["", f"Best guess count: {one['correct']} of the top {one['k']} scores are members "
+                 f"(m = {one['m']}; each of {len(one.get('grid', [])) or '?'} guess counts tested at "
+                 f"{one['per_test_confidence']:.4f}, Bonferroni)."]
+    if "bound" in report:
+        rows += ["", f"Bound: {report['bound']}."]
+    return rows
+
+
+def whitebox_summary(report: dict) -> str:
+    """One paragraph: the white-box bound beside the accountant's ε."""
+    g = report["gdp"]
+    return (f"white-box audit, {report['m']} Dirac canaries ({report['n_included']} in), σ = "
+            f"{report['noise_multiplier']:.4g}, q = {report['sample_rate']:.4g}, {report['steps']} steps: "
+            f"{report['message']} Gaussian-DP reading: μ >= {g['mu_lower']:.3f} (ε = {g['epsilon_lower']:.3f}).")
+
+
+def write_whitebox_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
+    """Write ``whitebox_report.json`` and ``whitebox_report.md``."""
+    from dpllm.io import write_text_atomic
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "whitebox_report.json", "md": out / "whitebox_report.md"}
+    write_text_atomic(paths["json"], json.dumps(report, indent=2, default=float) + "\n")
+    one, g = report["primary"], report["gdp"]
+    write_text_atomic(paths["md"], "\n".join([
+        "# White-box one-run audit (Dirac gradient canaries)", "",
+        f"Threat model: {report['threat_model']}. {report['m']} canaries ({report['n_included']} in) and "
+        f"{report['num_records'] - report['n_included']} real records; σ = {report['noise_multiplier']:.4g}, "
+        f"q = {report['sample_rate']:.4g}, {report['steps']} steps, {report['accountant']} accountant; "
+        f"score `{report['score']}`.", "",
+        "| estimate | ε | confidence |", "|---|---|---|",
+        f"| accountant | {_fmt(report['accountant_epsilon'])} | – |",
+        f"| **one-run f-DP lower bound, (ε, δ) family** | **{_fmt(one['epsilon_lower'])}** | "
+        f"{report['confidence']:.0%} |",
+        f"| Gaussian-DP reading (μ ≥ {_fmt(g['mu_lower'])}) | {_fmt(g['epsilon_lower'])} | "
+        f"{report['confidence']:.0%} |", "",
+        f"Best guess count: {one['correct']} of the top {one['k']}.", "", report["message"], ""]))
     return paths
