@@ -102,6 +102,14 @@ def _flat(d: dict) -> dict:
     return {f"{section}.{k}": v for section, fields in d.items() for k, v in fields.items()}
 
 
+def config_key(cfg: RunConfig) -> str:
+    """sha256 of the config without the fields a resumed run may change: the same run, the same key."""
+    import hashlib
+
+    kept = {k: v for k, v in _flat(cfg.to_dict()).items() if k.split(".", 1)[1] not in NOT_COMPARED}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def check_config(ckpt: Path, cfg: RunConfig) -> None:
     """Refuse to resume with a config other than the checkpoint's (output and resume fields aside).
 

@@ -230,9 +230,9 @@ class Trainer:
                     "gradient_checkpointing=true is refused under DP: recomputed activations re-run Opacus's "
                     "forward hooks and corrupt per-sample norms; turn it off or lower physical_batch_size")
             unwrap(model).gradient_checkpointing_enable()
+        model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
         if self.dp:
             check_dp_layers(model)
-        model.to(self.device).train()
         self.n_params = count_parameters(model)
         # DDP / FSDP wrapping comes before the optimizer (FSDP replaces parameters) and before make_private.
         self.model = wrap_model(model, dp=self.dp, world=self.world, accelerator=self.accelerator,
@@ -269,8 +269,8 @@ class Trainer:
 
     def setup_privacy(self) -> None:
         self.generators = privacy_generators(reproducible=self.p.reproducible_noise, seed=self.t.seed,
-                                             stage=self.out.name, world=self.world, device=self.device,
-                                             secure_mode=self.p.secure_mode)
+                                             stage=resume.config_key(self.cfg), world=self.world,
+                                             device=self.device, secure_mode=self.p.secure_mode)
         if self.dp:
             self.private = make_private(
                 model=self.model, optimizer=self.optimizer, dataset=self.train_ds, collate_fn=self.collate,
