@@ -1,13 +1,21 @@
-"""Step time and peak memory of DP training versus the same step without DP.
+"""Step time, throughput and peak memory of DP training versus the same step without DP, per mode.
 
-Same model, same physical batch, three modes: no DP, Opacus ghost clipping, Opacus hooks (materialised
-per-sample gradients). Each mode runs in its own process so peak memory is its own. Prints a table and
-writes JSON.
+Same model, same physical batch; modes: ``nodp``, Opacus ``ghost`` and ``hooks``, dpllm ``bk``
+(book-keeping, :mod:`dpllm.privacy.bk`). Each mode runs in its own process so peak memory is its own,
+through the trainer's own loss (:func:`dpllm.train.forward_loss`) and Opacus's DP optimizer step.
+Prints a table and writes JSON (figures, not a timed test).
 
-    python scripts/bench_overhead.py                                  # tiny Llama on CPU
-    python scripts/bench_overhead.py --model tiny-gpt2 --finetuning full --seq 256 --batch 8
-    python scripts/bench_overhead.py --model meta-llama/Meta-Llama-3-8B --finetuning lora --device cuda \\
-        --dtype bfloat16 --seq 512 --batch 8 --out runs/bench/llama8b.json
+    python scripts/bench_overhead.py                                  # tiny Llama 4×256, T=256, B=8, CPU
+    python scripts/bench_overhead.py --finetuning lora
+    python scripts/bench_overhead.py --model tiny-gpt2 --seq 256 --batch 8
+    # GPU, random-init shapes built on the device in bf16 (no download), bf16 autocast, batch search:
+    python scripts/bench_overhead.py --shape llama3-8b --finetuning lora --device cuda --dtype bfloat16 \\
+        --autocast bf16 --seq 512 --batch 8 --search-batch --out runs/bench/llama3_8b_lora.json
+    python scripts/bench_overhead.py --shape qwen2.5-1.5b --finetuning full --device cuda --dtype bfloat16 \\
+        --autocast bf16 --seq 512 --batch 16 --search-batch --out runs/bench/qwen_1p5b_full.json
+
+``--chunked-loss N`` computes the per-record loss N positions at a time (no float32 B×T×V logits);
+``--gradient-checkpointing`` recomputes activations in backward (non-reentrant; bk and nodp only).
 """
 
 from __future__ import annotations
@@ -22,71 +30,164 @@ import sys
 import time
 from pathlib import Path
 
-MODES = ("nodp", "ghost", "hooks")
+MODES = ("nodp", "ghost", "hooks", "bk")
+# Random-init shapes of public models (sizes from their configs); vocabularies as the real ones.
+SHAPES = {
+    "llama3-8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "llama3.2-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                        tie_word_embeddings=True),
+    "qwen2.5-1.5b": dict(arch="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+
+
+def build(args, device, dtype):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dpllm.config import ModelConfig
+    from dpllm.models import load_base
+
+    mcfg = ModelConfig(model_name_or_path=args.model, finetuning=args.finetuning, tiny_hidden_size=args.hidden,
+                       tiny_num_layers=args.layers, tiny_num_heads=args.heads, tiny_intermediate_size=4 * args.hidden,
+                       tiny_max_positions=max(256, args.seq), torch_dtype=args.dtype, lora_r=args.lora_r)
+    if args.shape:
+        spec = dict(SHAPES[args.shape])
+        cfg = AutoConfig.for_model(spec.pop("arch"), max_position_embeddings=max(8192, args.seq), **spec)
+        with torch.device(device):  # built where it runs: an 8B model takes about a second on a GPU
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        model, _, _ = load_base(mcfg, args.seq)
+    return model, mcfg
+
+
+def make_step(args, model, mcfg, device, mode):
+    import torch
+
+    from dpllm.config import PrivacyConfig
+    from dpllm.data import make_collate
+    from dpllm.models import position_ids_for, prepare_model
+    from dpllm.privacy.engine import make_private
+    from dpllm.privacy.plan import PrivacyPlan
+    from dpllm.train import forward_loss
+
+    dp = mode != "nodp"
+    model, _ = prepare_model(model, mcfg, dp=dp)
+    if args.gradient_checkpointing:
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.to(device).train()
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
+    criterion, resolved = None, mode
+    if dp:
+        # A dataset of exactly one physical batch: q = 1, so every step sees the same shapes as no-DP.
+        records = [torch.full((8,), 3, dtype=torch.long) for _ in range(args.batch)]
+        plan = PrivacyPlan(num_records=args.batch, sample_rate=1.0, steps=1, noise_multiplier=1.0, delta=1e-5,
+                           accountant="rdp", expected_batch_size=args.batch)
+        pt = make_private(model=model, optimizer=opt, dataset=records, collate_fn=make_collate(0),
+                          cfg=PrivacyConfig(grad_sample_mode=mode), plan=plan, logical_batch_size=args.batch)
+        model, opt, criterion, resolved = pt.model, pt.optimizer, pt.criterion, pt.grad_sample_mode
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.autocast == "bf16" else None
+
+    def loss_of(batch):
+        if args.chunked_loss:
+            from dpllm.privacy.bk.loss import causal_lm_chunked_loss
+
+            with autocast() if autocast else torch.autocast(device.type, enabled=False):
+                return causal_lm_chunked_loss(model, batch, position_ids_for(batch["input_ids"]),
+                                              chunk_tokens=args.chunked_loss)
+        return forward_loss(model, batch, criterion, autocast)
+
+    def step(batch):
+        opt.zero_grad()
+        loss = loss_of(batch)
+        loss.backward()
+        opt.step()
+
+    return step, resolved
+
+
+def random_batch(args, batch_size, vocab, device):
+    import torch
+
+    g = torch.Generator().manual_seed(batch_size)
+    ids = torch.randint(3, vocab, (batch_size, args.seq), generator=g).to(device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
 def one_mode(args) -> dict:
     import torch
 
-    from dpllm.config import ModelConfig, PrivacyConfig
-    from dpllm.data import TokenizedRecords, make_collate
-    from dpllm.models import load_base, prepare_model
-    from dpllm.privacy.engine import PrivacyPlan, make_private
-    from dpllm.train import forward_loss
-
     torch.manual_seed(0)
     device = torch.device(args.device)
-    mcfg = ModelConfig(model_name_or_path=args.model, finetuning=args.finetuning, tiny_hidden_size=args.hidden,
-                       tiny_num_layers=args.layers, tiny_num_heads=args.heads, tiny_intermediate_size=4 * args.hidden,
-                       tiny_max_positions=max(256, args.seq), torch_dtype=args.dtype)
-    model, tok, _ = load_base(mcfg, args.seq)
-    dp = args.mode != "nodp"
-    model, _ = prepare_model(model, mcfg, dp=dp)
-    model.to(device).train()
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    model, mcfg = build(args, device, dtype)
     vocab = model.get_input_embeddings().num_embeddings
-    batch = {"input_ids": torch.randint(3, vocab, (args.batch, args.seq), device=device)}
-    batch["attention_mask"] = torch.ones_like(batch["input_ids"])
-    batch["labels"] = batch["input_ids"].clone()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    criterion = None
-    if dp:
-        # A dataset of exactly one physical batch: q = 1, so every step sees the same shapes as no-DP.
-        texts = ["x" * 8] * args.batch
-        ds = TokenizedRecords(texts, tok, 8)
-        plan = PrivacyPlan(num_records=args.batch, sample_rate=1.0, steps=1, noise_multiplier=1.0, delta=1e-5,
-                           accountant="rdp", expected_batch_size=args.batch)
-        pt = make_private(model=model, optimizer=opt, dataset=ds, collate_fn=make_collate(tok.pad_token_id),
-                          cfg=PrivacyConfig(grad_sample_mode=args.mode), plan=plan, logical_batch_size=args.batch)
-        model, opt, criterion = pt.model, pt.optimizer, pt.criterion
-    if device.type == "cuda":
+    step, resolved = make_step(args, model, mcfg, device, args.mode)
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    if cuda:
         torch.cuda.reset_peak_memory_stats()
+    batch = random_batch(args, args.batch, vocab, device)
     times = []
     for i in range(args.warmup + args.steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = forward_loss(model, batch, criterion)
-        loss.backward()
-        opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        step(batch)
+        sync()
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() / 2**20
-        kind = "cuda_max_allocated_mib"
+    if cuda:
+        peak, kind = torch.cuda.max_memory_allocated() / 2**20, "cuda_max_allocated_mib"
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-        kind = "process_peak_rss_mib"
-    return {"mode": args.mode, "median_step_s": statistics.median(times), "min_step_s": min(times),
-            "steps": args.steps, "peak_memory_mib": peak, "memory_kind": kind}
+        peak, kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process_peak_rss_mib"
+    med = statistics.median(times)
+    row = {"mode": args.mode, "resolved_mode": resolved, "median_step_s": med, "min_step_s": min(times),
+           "tokens_per_s": args.batch * args.seq / med, "steps": args.steps, "peak_memory_mib": peak,
+           "memory_kind": kind, "max_batch_fits": None}
+    if args.search_batch:
+        row["max_batch_fits"] = search_batch(args, step, vocab, device)
+    return row
+
+
+def search_batch(args, step, vocab, device) -> int:
+    """Largest physical batch for which two steps run: doubling from --batch, then bisection (GPU OOM)."""
+    import torch
+
+    def fits(b: int) -> bool:
+        try:
+            for _ in range(2):
+                step(random_batch(args, b, vocab, device))
+            return True
+        except torch.cuda.OutOfMemoryError:
+            return False
+        finally:
+            torch.cuda.empty_cache() if device.type == "cuda" else None
+
+    lo, hi = 0, None
+    b = args.batch
+    while b <= args.search_max:
+        if fits(b):
+            lo, b = b, 2 * b
+        else:
+            hi = b
+            break
+    if hi is None:
+        return lo  # capped by --search-max
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny-llama")
+    ap.add_argument("--model", default="tiny-llama", help="tiny-llama, tiny-gpt2 or a local HF model directory")
+    ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="random-init shape built on --device")
     ap.add_argument("--finetuning", default="full", choices=("full", "lora"))
+    ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -95,7 +196,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype")
+    ap.add_argument("--autocast", default="no", choices=("no", "bf16"))
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--chunked-loss", type=int, default=0, help="positions per loss chunk (0: whole logits)")
+    ap.add_argument("--search-batch", action="store_true", help="also find the largest physical batch that fits")
+    ap.add_argument("--search-max", type=int, default=1024)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--out", default="runs/bench/overhead.json")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: run one mode
@@ -104,26 +210,37 @@ def main(argv=None) -> dict:
         print(json.dumps(one_mode(args)))
         return {}
     rows = []
-    base_argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    base_argv = list(argv if argv is not None else sys.argv[1:])
     for mode in args.modes.split(","):
         res = subprocess.run([sys.executable, __file__, *base_argv, "--mode", mode], capture_output=True, text=True,
                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         if res.returncode != 0:
-            print(res.stderr[-2000:], file=sys.stderr)
-            raise SystemExit(f"mode {mode} failed")
+            print(res.stderr[-3000:], file=sys.stderr)
+            rows.append({"mode": mode, "error": res.stderr.strip().splitlines()[-1] if res.stderr.strip() else "?"})
+            continue
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    base = next((r for r in rows if r["mode"] == "nodp"), None)
+    base = next((r for r in rows if r["mode"] == "nodp" and "error" not in r), None)
     for r in rows:
+        if "error" in r:
+            continue
         r["time_ratio_vs_nodp"] = r["median_step_s"] / base["median_step_s"] if base else None
         r["memory_ratio_vs_nodp"] = r["peak_memory_mib"] / base["peak_memory_mib"] if base else None
+    import torch
+
     setup = {k: v for k, v in vars(args).items() if k not in ("mode", "out")}
+    setup.update(torch=torch.__version__, threads=torch.get_num_threads(),
+                 omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
     result = {"setup": setup, "results": rows}
-    print(f"model={args.model} finetuning={args.finetuning} seq={args.seq} batch={args.batch} device={args.device} "
-          f"(median of {args.steps} steps after {args.warmup} warm-up)")
-    print(f"{'mode':<8}{'step (s)':>10}{'× no-DP':>9}{'peak MiB':>10}{'× no-DP':>9}")
+    print(f"model={args.shape or args.model} finetuning={args.finetuning} seq={args.seq} batch={args.batch} "
+          f"device={args.device} autocast={args.autocast} (median of {args.steps} steps after {args.warmup} warm-up)")
+    print(f"{'mode':<7}{'ran':<7}{'step (s)':>10}{'tok/s':>10}{'× no-DP':>9}{'peak MiB':>10}{'× no-DP':>9}{'max B':>7}")
     for r in rows:
-        print(f"{r['mode']:<8}{r['median_step_s']:>10.4f}{r['time_ratio_vs_nodp'] or 0:>9.2f}"
-              f"{r['peak_memory_mib']:>10.0f}{r['memory_ratio_vs_nodp'] or 0:>9.2f}")
+        if "error" in r:
+            print(f"{r['mode']:<7}failed: {r['error'][:90]}")
+            continue
+        print(f"{r['mode']:<7}{r['resolved_mode']:<7}{r['median_step_s']:>10.4f}{r['tokens_per_s']:>10.0f}"
+              f"{r['time_ratio_vs_nodp'] or 0:>9.2f}{r['peak_memory_mib']:>10.0f}{r['memory_ratio_vs_nodp'] or 0:>9.2f}"
+              f"{r['max_batch_fits'] if r['max_batch_fits'] is not None else '-':>7}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")
