@@ -56,3 +56,20 @@ def test_chunked_loss_equals_sequence_loss_and_its_clipped_sum(kind, finetuning)
     torch.testing.assert_close(norms_c, norms)
     for a, b in zip(grads_c, grads):
         torch.testing.assert_close(a, b)
+
+
+def test_bf16_autocast_runs_and_stays_close_to_fp32():
+    """Under bf16 autocast layers save bf16 activations; norms and clipped sums stay within bf16 rounding."""
+    out = []
+    for ac in (False, True):
+        model, tok = tiny_model("tiny-llama", "lora")
+        bk = BookKeepingModule(model, clip_weights=lambda n: 1.0 / (n + 0.1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=ac):
+            loss = forward_loss(bk, batch_of(tok))
+        loss.backward()
+        out.append((bk.last_norms, [p.grad for p in model.parameters() if p.requires_grad]))
+    (n32, g32), (n16, g16) = out
+    assert all(g.dtype == torch.float32 for g in g16)
+    assert ((n16 - n32).abs() / n32).max() < 0.05
+    for a, b in zip(g16, g32):
+        assert (a - b).norm() <= 0.05 * b.norm() + 1e-6

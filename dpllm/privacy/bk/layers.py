@@ -16,6 +16,7 @@ LayerNorm / RMSNorm: explicit per-sample gradients (B·d).
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -147,7 +148,7 @@ class LinearRule(Rule):
 class Conv1DRule(LinearRule):
     transposed = True
 
-    @property
+    @functools.cached_property
     def types(self):
         from transformers.pytorch_utils import Conv1D
 
@@ -259,11 +260,21 @@ class LayerNormRule(Rule):
 class LlamaRMSNormRule(LayerNormRule):
     """Llama's ``weight * normalize(x.to(float32)).to(x.dtype)`` (Mistral, Qwen2 and others copy it)."""
 
-    @property
-    def types(self):
-        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    # Classes whose forward is Llama's line for line (checked against transformers 5.23).
+    known = (("llama", "LlamaRMSNorm"), ("mistral", "MistralRMSNorm"), ("qwen2", "Qwen2RMSNorm"),
+             ("qwen3", "Qwen3RMSNorm"))
 
-        return (LlamaRMSNorm,)
+    @functools.cached_property
+    def types(self):
+        import importlib
+
+        found = []
+        for module, name in self.known:
+            try:
+                found.append(getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), name))
+            except (ImportError, AttributeError):
+                pass
+        return tuple(found)
 
     def forward(self, module, record, x):
         return _AffineNormFn.apply(x, module.weight, None, record)
