@@ -258,7 +258,13 @@ def least_compute_for_loss(fit: FitResult, *, records: int, epsilon: float, delt
 
 
 def frontier(fit: FitResult, *, computes: Sequence[float], **kw) -> list[dict]:
-    """The best candidate at each compute (the compute-optimal frontier); computes with none are skipped."""
+    """The best candidate at each compute (the compute-optimal frontier); computes with none are skipped.
+
+    Raises:
+        DegenerateFitError: a degenerate fit without ``force``.
+        ScalingError: no compute has a candidate inside the fitted range.
+    """
+    check_fit_usable(fit, force=kw.get("force", False))
     out = []
     for c in computes:
         try:
@@ -267,6 +273,9 @@ def frontier(fit: FitResult, *, computes: Sequence[float], **kw) -> list[dict]:
             continue
         if best:
             out.append({"budget": float(c), **best[0]})
+    if not out:
+        raise ScalingError(f"no compute in [{min(computes):.3g}, {max(computes):.3g}] FLOPs has a candidate inside "
+                           f"the fitted range {_fmt_domain(fit)}; change the compute range or allow --extrapolate")
     return out
 
 
