@@ -225,11 +225,15 @@ class Trainer:
         self.lora_base = _copy(model) if keep_base else None
         model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp)
         if self.t.gradient_checkpointing:
-            if self.dp:
+            from dpllm.privacy.bk import resolve_mode
+
+            if self.dp and resolve_mode(self.p.grad_sample_mode, model) != "bk":
                 raise ConfigError(
-                    "gradient_checkpointing=true is refused under DP: recomputed activations re-run Opacus's "
-                    "forward hooks and corrupt per-sample norms; turn it off or lower physical_batch_size")
-            unwrap(model).gradient_checkpointing_enable()
+                    f"gradient_checkpointing=true under DP needs grad_sample_mode: bk (or auto on a model bk fully "
+                    f"supports), not {self.p.grad_sample_mode}: recomputed activations re-run Opacus's forward hooks "
+                    "and corrupt per-sample norms; switch the mode, or turn checkpointing off")
+            # non-reentrant: book-keeping reads activations from autograd's saved tensors, recorded once
+            unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
         if self.dp:
             check_dp_layers(model)
@@ -498,7 +502,7 @@ class Trainer:
             target_epsilon=p.target_epsilon, noise_multiplier=self.plan.noise_multiplier,
             sample_rate=self.plan.sample_rate, expected_batch_size=self.plan.expected_batch_size,
             max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),
-            grad_sample_mode=p.grad_sample_mode, poisson_sampling=True, secure_mode=p.secure_mode,
+            grad_sample_mode=self.private.grad_sample_mode, poisson_sampling=True, secure_mode=p.secure_mode,
             noise_secret=not p.reproducible_noise, history=[list(h) for h in history],
             composition=("; ".join(self.lineage.notes) if self.lineage.notes else "single stage"),
             warnings=list(self.plan.warnings))

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from mia import attacks as attacks_mod
-from mia.canaries import one_run_audit, one_run_epsilon
+from mia.canaries import one_run_audit
 from mia.metrics import DEFAULT_FPRS, evaluate
 from mia.signals import compute_signals
 
@@ -44,8 +44,8 @@ def load_target(path: str | Path, *, device: str = "cpu", dtype: str = "auto"):
     """Load a causal LM and its tokenizer from a full checkpoint, a LoRA adapter or a hub id.
 
     Args:
-        path: A directory with ``adapter_config.json`` (loaded with peft's
-            ``AutoPeftModelForCausalLM`` over the base it names), a full model directory, or a hub id.
+        path: A directory with ``adapter_config.json`` (loaded by :func:`dpllm.checkpoint.load_model` over
+            its ``base_model/`` or the base it names), a full model directory, or a hub id.
         device: Where to put the model.
         dtype: ``"auto"``, ``"float32"``, ``"bfloat16"`` or ``"float16"``.
 
@@ -72,9 +72,14 @@ def load_target(path: str | Path, *, device: str = "cpu", dtype: str = "auto"):
                          f"tokenizer with tokenizer.save_pretrained('{path}')") from err
     torch_dtype = resolve_dtype(dtype, device)
     if local and (path / "adapter_config.json").exists():
-        from peft import AutoPeftModelForCausalLM
+        # dpllm's own loader: a LoRA checkpoint over a base with no public name carries it under base_model/
+        # (its adapter_config names no base); the base it names is used otherwise.
+        from dpllm.checkpoint import CheckpointError, load_model
 
-        model = AutoPeftModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
+        try:
+            model, _ = load_model(path, device=device, dtype=torch_dtype)
+        except CheckpointError as err:
+            raise ValueError(str(err)) from err
     else:
         model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype)
     return model.to(device).eval(), tokenizer
@@ -298,8 +303,9 @@ def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss",
     The bound (``report["epsilon_lower"]``) is the f-DP one-run bound for the (ε, δ) family
     (:func:`mia.canaries.one_run_audit`): valid with probability ``confidence`` over the canary
     coins for any (ε, δ)-DP training, so it can be compared with the accountant's ε at the same δ.
-    Reported beside it, never combined with it: the Gaussian-DP reading (``gdp``: μ and its ε at
-    δ) and the older ε-DP analysis of Steinke et al. (``steinke``) from the same scores.
+    It takes the better of the f-DP and the ε-DP (Steinke et al.) analysis of each guess count,
+    paid for by Bonferroni. Reported beside it, never combined with it: the Gaussian-DP reading
+    (``gdp``: μ and its ε at δ).
 
     Args:
         attack: Attack scoring the canaries; with ``loss`` and ``tokens="secret"`` only the tokens
@@ -333,7 +339,6 @@ def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss",
         scored = f"attack {attack!r} on the whole canary"
     primary = one_run_audit(scores, included, delta=delta, confidence=confidence, seed=seed)
     gdp = one_run_audit(scores, included, delta=delta, confidence=confidence, family="gdp", seed=seed)
-    steinke = one_run_epsilon(scores, included, delta=delta, confidence=confidence, seed=seed)
     lower = primary["epsilon_lower"]
     bug = bool(private and lower > float(eps))
     conf = f"{confidence:.0%}"
@@ -356,9 +361,10 @@ def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss",
             "n_included": int(included.sum()), "delta": delta, "confidence": confidence,
             "accountant_epsilon": float(eps) if eps is not None else None,
             "epsilon_lower": lower,
-            "bound": (f"f-DP one-run bound, (ε, δ) family (Mahloujifar et al. 2024), one-sided top-k "
-                      f"guesses, Bonferroni over {len(primary['grid'])} guess counts; holds with "
-                      f"probability >= {conf} over the canaries' inclusion coins"),
-            "one_run": primary, "gdp": gdp, "steinke": steinke,
+            "bound": (f"one-run ε lower bound for (ε, δ)-DP: top-k guesses, each of {len(primary['grid'])} "
+                      f"guess counts analysed by f-DP (Mahloujifar et al. 2024) and ε-DP (Steinke et al. "
+                      f"2023), Bonferroni over all {primary['n_tests']} tests; holds with probability "
+                      f">= {conf} over the canaries' inclusion coins"),
+            "one_run": primary, "gdp": gdp,
             "privacy_bug": bug, "verdict": verdict, "message": msg, "max_length": max_length,
             "scores": scores.tolist(), "included": included.tolist()}

@@ -130,8 +130,10 @@ def _trainable(run):
 
 def test_one_and_two_processes_train_the_same_run(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` on CPU: same batches, σ, q, steps and ε as 1 process."""
-    two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2")
-    one = _launch(tmp_path / "one", "--cpu", "--num_processes", "1")
+    # Seeded noise (tests only) so that the two runs can be compared at all: secret noise differs per run.
+    same = ("--reproducible_noise", "true")
+    two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=same)
+    one = _launch(tmp_path / "one", "--cpu", "--num_processes", "1", extra=same)
     _finish(one)
     out2 = _finish(two)
     assert "privacy: (ε = " in out2

@@ -22,7 +22,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--finetuning", "full", "--max_steps", "24", "--save_every", "2", "--logical_batch_size", "16",
        "--physical_batch_size", "8", "--max_length", "48", "--tiny_hidden_size", "32", "--tiny_num_heads", "2",
        "--max_records", "300", "--eval_every", "8", "--eval_max_records", "16", "--log_every", "4",
-       "--accountant", "rdp", "--progress", "false"]
+       "--accountant", "rdp", "--progress", "false",
+       # seeded noise (tests only): a resumed run is compared with a separate uninterrupted one, which with
+       # secret noise would draw other noise; the resumed run restores its own generators either way
+       "--reproducible_noise", "true"]
 
 
 def run(out, *extra):

@@ -36,9 +36,18 @@ def test_gradient_checkpointing_is_refused_under_dp(tmp_path):
     # Opacus's hooks; hooks mode loses per-sample gradients ("Per sample gradient is not initialized") and
     # ghost mode fails its parameter-tying / norm-sample checks. Until an equivalence test against explicit
     # per-sample gradients passes, it stays refused, before anything is written.
-    with pytest.raises(ConfigError, match="gradient_checkpointing=true is refused under DP"):
+    # Book-keeping (grad_sample_mode: bk) reads activations from autograd's saved tensors, so it is allowed
+    # there (tests/test_bk_checkpointing.py proves it equal); Opacus's ghost and hooks modes stay refused.
+    with pytest.raises(ConfigError, match="gradient_checkpointing=true under DP needs grad_sample_mode: bk"):
         train(parse_config(["--output_dir", str(tmp_path / "run"), *FAST, "--gradient_checkpointing", "true"]))
     assert not (tmp_path / "run").exists()
+
+
+def test_gradient_checkpointing_under_dp_with_bookkeeping_trains(tmp_path):
+    summary = train(parse_config(["--output_dir", str(tmp_path / "run"), *FAST, "--gradient_checkpointing", "true",
+                                  "--grad_sample_mode", "auto"]))
+    report = json.loads((tmp_path / "run" / "privacy_report.json").read_text())
+    assert summary["steps"] == 3 and report["grad_sample_mode"] == "bk" and 0 < report["epsilon"] <= 8
 
 
 def test_gradient_checkpointing_without_dp_trains(tmp_path):
