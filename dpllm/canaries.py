@@ -18,6 +18,10 @@ Designs (``data.canary_design``):
   prefix (for byte-level tokenizers these are byte pairs that English documentation never contains).
 * ``rare_long`` — the same with 32-letter secrets: more memorisable content per canary, at the price
   of a gradient shared over more tokens.
+* ``short`` — no prefix, a secret of 2 random characters from U+0100..U+07FF (never in the data; for
+  byte-level tokenizers 4 bytes, each character a lead/continuation byte pair). As short as a record
+  can be, so the clipped gradient is concentrated on a few next-token predictions that other records
+  hardly share: the input-space counterpart of a Dirac canary. Secrets are distinct.
 
 Example:
     >>> [c["text"][:20] for c in make(2, design="random", seed=0)]  # doctest: +SKIP
@@ -43,7 +47,14 @@ def _rare(length: int):
     return design
 
 
-DESIGNS = {"random": _random, "rare": _rare(12), "rare_long": _rare(32)}
+_WIDE = "".join(chr(c) for c in range(0x100, 0x800))
+
+
+def _short(i: int, rng: random.Random) -> tuple[str, str]:
+    return "", "".join(rng.choice(_WIDE) for _ in range(2))
+
+
+DESIGNS = {"random": _random, "rare": _rare(12), "rare_long": _rare(32), "short": _short}
 
 
 def make(num: int, *, design: str = "random", seed: int = 1234) -> list[dict]:
@@ -64,9 +75,12 @@ def make(num: int, *, design: str = "random", seed: int = 1234) -> list[dict]:
     if design not in DESIGNS:
         raise ValueError(f"canary_design={design!r} is not known; choose one of {', '.join(DESIGNS)}")
     rng = random.Random(seed)
-    out = []
+    out, seen = [], set()
     for i in range(num):
         prefix, secret = DESIGNS[design](i, rng)
+        while prefix + secret in seen:  # a canary both in and out would have no label; redraw
+            prefix, secret = DESIGNS[design](i, rng)
+        seen.add(prefix + secret)
         out.append({"id": i, "text": prefix + secret, "prefix": prefix, "design": design,
                     "included": rng.random() < 0.5})
     return out

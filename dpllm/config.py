@@ -74,8 +74,9 @@ class DataConfig:
     train_on: str = _f("private", "'private' (the train split; the DP unit) or 'public' (the public split).")
     num_canaries: int = _f(0, "Random canary records, each trained on with probability 1/2 (audit).")
     canary_seed: int = _f(1234, "Seed for canary secrets and their inclusion.")
-    canary_design: str = _f("random", "Canary design (dpllm.canaries): 'random' (secret-sharer text), 'rare' or "
-                                      "'rare_long' (secrets of characters the data never uses; easier to audit).")
+    canary_design: str = _f("random", "Canary design (dpllm.canaries): 'random' (secret-sharer text); 'rare', "
+                                      "'rare_long' or 'short' (secrets of characters the data never uses; easier "
+                                      "to audit).")
 
 
 @dataclass
@@ -265,7 +266,9 @@ def validate(cfg: RunConfig) -> None:
     _choice("lr_scheduler", t.lr_scheduler, ("constant", "linear", "cosine"))
     _choice("mixed_precision", t.mixed_precision, ("no", "bf16"))
     _choice("train_on", d.train_on, ("private", "public"))
-    _choice("canary_design", d.canary_design, ("random", "rare", "rare_long"))
+    from dpllm.canaries import DESIGNS
+
+    _choice("canary_design", d.canary_design, tuple(DESIGNS))
     _choice("accountant", p.accountant, ("prv", "rdp", "gdp"))
     _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
     if d.max_length < 2:

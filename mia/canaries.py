@@ -248,11 +248,16 @@ def one_sided_grid(m: int) -> list[int]:
 
 def one_run_audit(scores, included, *, delta: float, confidence: float = 0.95,
                   family: str = "epsdelta", grid: list[int] | None = None, seed: int = 0) -> dict:
-    """One-run f-DP lower bound (:mod:`mia.fdp`), best over the number of guesses ``k``.
+    """One-run lower bound, best over the number of guesses ``k`` (and, for ε, over two analyses).
 
-    The auditor guesses "member" for the ``k`` highest scores and abstains on the rest. Each ``k``
-    of the grid is tested at level ``(1 - confidence) / len(grid)`` (Bonferroni), so the best of
-    them is a valid bound at ``confidence`` over the canaries' coins.
+    The auditor guesses "member" for the ``k`` highest scores and abstains on the rest.
+
+    * ``family="epsdelta"``: two valid analyses of the same guesses for (ε, δ)-DP, the f-DP one of
+      :mod:`mia.fdp` (tighter when nearly every guess is right) and the ε-DP one of Steinke et al.
+      (:func:`epsilon_lower_bound`; tighter at moderate precision). Every (k, analysis) pair is
+      tested at level ``(1 - confidence) / (2 len(grid))`` (Bonferroni), so the best of all of
+      them is a valid ε lower bound at ``confidence`` over the canaries' coins.
+    * ``family="gdp"``: the f-DP analysis for μ-GDP, each ``k`` at ``(1 - confidence) / len(grid)``.
 
     Args:
         scores: Canary scores ``[m]`` (higher = guessed member).
@@ -265,14 +270,16 @@ def one_run_audit(scores, included, *, delta: float, confidence: float = 0.95,
         seed: Breaks score ties at random (never by file order).
 
     Returns:
-        ``{"epsilon_lower", "family", "k", "correct", "m", "confidence", "per_test_confidence",
-        "delta", "grid": [{"k", "correct", "bound"}...]}`` plus ``"mu_lower"`` for ``gdp``.
+        ``{"epsilon_lower", "family", "analysis", "k", "correct", "m", "confidence",
+        "per_test_confidence", "n_tests", "delta", "grid": [{"k", "correct", "bound", ...}...]}``
+        plus ``"mu_lower"`` for ``gdp``; for ``epsdelta`` each grid row also has ``"fdp"`` and
+        ``"steinke"``, and ``"analysis"`` names the one that gave the bound.
 
     Example:
         >>> import numpy as np
         >>> inc = np.arange(1000) % 2 == 0
         >>> round(one_run_audit(inc.astype(float), inc, delta=1e-5)["epsilon_lower"], 2)
-        4.51
+        4.39
     """
     from mia import fdp
 
@@ -289,18 +296,25 @@ def one_run_audit(scores, included, *, delta: float, confidence: float = 0.95,
     grid = one_sided_grid(m) if grid is None else sorted({int(k) for k in grid})
     if not grid or grid[0] < 1 or grid[-1] > m:
         raise ValueError(f"guess counts must lie in 1..{m}, got {grid}")
-    level = 1.0 - (1.0 - confidence) / len(grid)
+    n_tests = len(grid) * (2 if family == "epsdelta" else 1)
+    level = 1.0 - (1.0 - confidence) / n_tests
     rng = np.random.default_rng(seed)
     order = np.lexsort((rng.random(m), scores))[::-1]  # best-scored first, random among ties
     correct_at = np.cumsum(included[order])
     rows = []
     for k in grid:
         c = int(correct_at[k - 1])
-        bound = fdp.lower_bound(m=m, k=k, c=c, family=family, delta=delta, confidence=level)
-        rows.append({"k": k, "correct": c, "bound": bound})
+        row = {"k": k, "correct": c,
+               "fdp": fdp.lower_bound(m=m, k=k, c=c, family=family, delta=delta, confidence=level)}
+        if family == "epsdelta":
+            row["steinke"] = epsilon_lower_bound(m=m, r=k, v=c, delta=delta, confidence=level)
+        row["analysis"] = max(("fdp", "steinke") if family == "epsdelta" else ("fdp",), key=row.get)
+        row["bound"] = row[row["analysis"]]
+        rows.append(row)
     best = max(rows, key=lambda row: row["bound"])
-    out = {"family": family, "k": best["k"], "correct": best["correct"], "m": m,
-           "confidence": confidence, "per_test_confidence": level, "delta": delta, "grid": rows}
+    out = {"family": family, "analysis": best["analysis"], "k": best["k"], "correct": best["correct"],
+           "m": m, "confidence": confidence, "per_test_confidence": level, "n_tests": n_tests,
+           "delta": delta, "grid": rows}
     if family == "gdp":
         out["mu_lower"] = best["bound"]
         out["epsilon_lower"] = fdp.gdp_epsilon(best["bound"], delta) if delta > 0 else math.inf * (best["bound"] > 0)

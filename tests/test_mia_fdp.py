@@ -91,7 +91,7 @@ def test_one_run_audit_power_and_null():
     inc = np.random.default_rng(1).random(1000) < 0.5
     perfect = canaries.one_run_audit(inc.astype(float), inc, delta=1e-5)
     assert perfect["epsilon_lower"] > 4.0 and perfect["correct"] == perfect["k"]
-    assert perfect["per_test_confidence"] == pytest.approx(1 - 0.05 / len(perfect["grid"]))
+    assert perfect["per_test_confidence"] == pytest.approx(1 - 0.05 / (2 * len(perfect["grid"])))
     # Scores that ignore the coins: a valid 95% bound is 0 in (nearly) every one of 20 draws.
     rng = np.random.default_rng(2)
     zeros = sum(canaries.one_run_audit(rng.normal(size=1000), inc, delta=1e-5)["epsilon_lower"] == 0
