@@ -57,7 +57,8 @@ class ModelConfig:
 class DataConfig:
     dataset: str = _f(
         "pydoc",
-        "'pydoc' (Python's own documentation text, shipped with CPython), a Hub dataset id, or a local "
+        "'pydoc' (Python's own documentation text, shipped with CPython), 'pystdlib' (CPython's standard-library "
+        "source outside its tests, chunked by lines), a Hub dataset id, or a local "
         ".jsonl/.json/.csv/.txt file (txt: one record per blank-line separated paragraph).",
     )
     dataset_config_name: Optional[str] = _f(None, "Hub dataset configuration name.")

@@ -40,6 +40,20 @@ def _pydoc_records() -> list[str]:
     return out
 
 
+def _pystdlib_records() -> list[str]:
+    # CPython's standard-library source outside its test suite (the stdlib ships with every Python): code,
+    # a different kind of text from pydoc's prose, so a model pretrained on pydoc visibly learns from it.
+    from dpllm.scaling.corpora import chunk_lines, stdlib_files
+
+    out = []
+    for path in stdlib_files()["private"]:
+        out += chunk_lines(path.read_text(encoding="utf-8", errors="replace"), max_chars=240)
+    return out
+
+
+BUILTIN = {"pydoc": _pydoc_records, "pystdlib": _pystdlib_records}
+
+
 def _file_records(path: Path, cfg: DataConfig) -> list[str]:
     suffix = path.suffix.lower()
     if suffix == ".txt":
@@ -112,8 +126,8 @@ def load_records(cfg: DataConfig) -> list[str]:
     Raises:
         DataError: the file or column is missing, a line cannot be parsed, or no record survives filtering.
     """
-    if cfg.dataset == "pydoc":
-        raw = _pydoc_records()
+    if cfg.dataset in BUILTIN:
+        raw = BUILTIN[cfg.dataset]()
     elif Path(cfg.dataset).is_file():
         raw = _file_records(Path(cfg.dataset), cfg)
     elif Path(cfg.dataset).is_dir():

@@ -232,14 +232,17 @@ def test_stage_on_same_dataset_with_another_split_is_still_composed(tmp_path):
     assert len(report["history"]) == 2 and 3.0 < report["epsilon"] <= 5.0
 
 
-def test_demo_quick_runs_both_stages(tmp_path):
+def test_demo_quick_runs_all_stages(tmp_path):
     res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "demo.py"), "--quick", "--output_dir",
                           str(tmp_path / "demo")], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "after DP fine-tuning" in res.stdout and "privacy: (ε = " in res.stdout
+    assert "+ fine-tuning with DP" in res.stdout and "privacy: (ε = " in res.stdout
     pre = json.loads((tmp_path / "demo" / "pretrain" / "privacy_report.json").read_text())
-    dp = json.loads((tmp_path / "demo" / "dp_lora" / "privacy_report.json").read_text())
-    assert pre["enabled"] is False and dp["enabled"] is True and dp["epsilon"] <= 8.0
-    assert [s["enabled"] for s in dp["stages"]] == [False, True]  # public stage listed, not composed
+    dp = json.loads((tmp_path / "demo" / "dp" / "privacy_report.json").read_text())
+    nodp = json.loads((tmp_path / "demo" / "no_dp" / "privacy_report.json").read_text())
+    assert pre["enabled"] is False and nodp["enabled"] is False and dp["enabled"] is True and dp["epsilon"] <= 8.0
+    assert [s["enabled"] for s in dp["stages"]] == [False, True]  # public stage listed, checked disjoint
     assert len(dp["history"]) == 1
-    assert (tmp_path / "demo" / "dp_lora" / "checkpoint" / "adapter_model.safetensors").is_file()
+    result = json.loads((tmp_path / "demo" / "demo_result.json").read_text())
+    assert 0.0 <= result["dp"]["loss_attack_auc"] <= 1.0 and result["dp"]["heldout_ppl"] > 1.0
+    assert (tmp_path / "demo" / "dp" / "checkpoint" / "model.safetensors").is_file()
