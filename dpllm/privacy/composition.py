@@ -79,8 +79,11 @@ def lineage(source: dict, *, private: set[str], heldout: set[str], dp: bool) -> 
     except ReportError as err:
         raise PrivacyPlanError(f"model_name_or_path is an earlier dpllm run, but {err}") from err
     out = Lineage(stages=list(report.stages))
-    for stage in report.stages:
+    here = Path(source["path"]).parent  # the run directory of the checkpoint, wherever it was moved
+    for i, stage in enumerate(report.stages):
         trained = trained_hashes(stage["run_dir"]) if stage.get("run_dir") else None
+        if trained is None and i == len(report.stages) - 1:
+            trained = trained_hashes(here)
         if trained is not None and stage.get("records_sha256") not in (None, set_digest(trained)):
             trained = None  # splits.json no longer matches what the stage recorded
         if stage.get("enabled"):
