@@ -233,3 +233,14 @@ def test_export_writes_only_releasable_files_and_the_bundle_loads(tmp_path):
     assert model is not None
     with pytest.raises(ValueError, match="not empty"):
         export(tmp_path / "r", tmp_path / "bundle")
+
+
+def test_the_plan_is_checked_before_the_model_loads(tmp_path, monkeypatch):
+    import dpllm.train as T
+
+    monkeypatch.setattr(T, "load_base", lambda *a, **k: pytest.fail("the model was loaded before the plan"))
+    with pytest.raises(PrivacyPlanError, match="1/N"):
+        run(tmp_path, "r", "--target_delta", "0.5")
+    with pytest.raises(PrivacyPlanError, match="cannot be met"):
+        run(tmp_path, "r", "--target_epsilon", "1e-9", "--max_steps", "500")
+    assert not (tmp_path / "r").exists()
