@@ -1,7 +1,12 @@
-"""train → audit → canaries through the real commands: leakage is caught without DP, bounded with it.
+"""train → audit → canaries through the real commands, with tests that can fail.
 
-A tiny Llama trained for many epochs on 96 records plus ~100 canaries memorises them; the same run at
-ε = 8 must give attack AUC near 0.5 and a canary lower bound under the accountant's ε.
+A tiny Llama is trained on a few pydoc records plus m = 1,000 ``rare`` canaries (each in by a fair
+coin). Without DP it memorises them: the canary bound must *exceed* 4.0 (a perfect attack on 1,000
+canaries reaches 4.28 at 95%, so this fails if the attack or the bound loses power). With DP at
+ε = 2 the bound must stay at or under 2: the same run without noise would give > 4, so a training
+bug that leaks (no noise, no clipping, wrong σ) makes this test fail.
+
+``@pytest.mark.slow`` repeats it at the issue's scale (m = 10,000; the DP run at ε = 8).
 """
 
 import json
@@ -12,62 +17,74 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-COMMON = ["--max_records", "120", "--num_canaries", "200", "--max_length", "64", "--tiny_hidden_size", "64",
-          "--logical_batch_size", "32", "--physical_batch_size", "32", "--eval_every", "0", "--progress", "false",
-          "--finetuning", "full", "--learning_rate", "0.003"]
+
+
+def common(m, max_length):
+    return ["--max_records", "60", "--num_canaries", str(m), "--canary_design", "rare",
+            "--max_length", str(max_length), "--tiny_hidden_size", "64", "--logical_batch_size", "32",
+            "--physical_batch_size", "32", "--eval_every", "0", "--progress", "false",
+            "--finetuning", "full", "--learning_rate", "0.003"]
 
 
 def run(*args):
-    res = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=900)
-    return res
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=1800)
+
+
+def train(out, m, max_length, *extra):
+    r = run("recipes/finetune_llm.py", *common(m, max_length), "--output_dir", str(out), *extra)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def audit(run_dir):
+    r = run("-m", "mia", "audit", "--checkpoint", str(run_dir), "--out", str(run_dir / "audit"),
+            "--attacks", "loss,mink", "--n-bootstrap", "200", "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads((run_dir / "audit" / "mia_report.json").read_text())
+    assert (run_dir / "audit" / "mia_roc.png").stat().st_size > 1000
+    # The run's own random split: the blind baseline must not call it shifted, and the report says IID.
+    assert not report["blind"]["shifted"] and "IID" in report["split"]
+    return report
+
+
+def canaries(run_dir):
+    r = run("-m", "mia", "canaries", "--run", str(run_dir), "--no-progress")
+    report = json.loads((run_dir / "audit" / "canary_report.json").read_text())
+    assert (run_dir / "audit" / "canary_roc.png").is_file()
+    return r.returncode, report
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("audit")
-    nodp, dp = base / "nodp", base / "dp"
-    r = run("recipes/finetune_llm.py", *COMMON, "--output_dir", str(nodp), "--privacy.enabled", "false",
-            "--epochs", "40")
-    assert r.returncode == 0, r.stderr[-2000:]
-    r = run("recipes/finetune_llm.py", *COMMON, "--output_dir", str(dp), "--target_epsilon", "8", "--epochs", "10",
-            "--physical_batch_size", "16")
-    assert r.returncode == 0, r.stderr[-2000:]
+    nodp = train(base / "nodp", 1000, 32, "--privacy.enabled", "false", "--epochs", "40")
+    dp = train(base / "dp", 1000, 32, "--target_epsilon", "2", "--epochs", "4")
     return nodp, dp
-
-
-def audit(run_dir):
-    r = run("-m", "mia", "audit", "--checkpoint", str(run_dir), "--out", str(run_dir / "audit"),
-            "--attacks", "loss,mink", "--n-bootstrap", "200")
-    assert r.returncode == 0, r.stderr[-2000:]
-    report = json.loads((run_dir / "audit" / "mia_report.json").read_text())
-    assert (run_dir / "audit" / "mia_roc.png").stat().st_size > 1000
-    return report
-
-
-def canaries(run_dir):
-    r = run("-m", "mia", "canaries", "--run", str(run_dir))
-    report = json.loads((run_dir / "audit" / "canary_report.json").read_text())
-    return r.returncode, report
-
-
-def auc_of(report, attack):
-    rows = report["attacks"] if "attacks" in report else report
-    return rows[attack]["auc"]
 
 
 def test_memorising_run_is_caught(runs):
     nodp, _ = runs
-    report = audit(nodp)
-    assert auc_of(report, "loss") > 0.9  # seen: 0.99
+    assert audit(nodp)["attacks"]["loss"]["auc"] > 0.8  # seen: 0.93 (48 members, 12 non-members)
     code, canary = canaries(nodp)
-    assert code == 0
-    assert canary["epsilon_lower"] > 1.0  # seen: 3.2 (one-run, Bonferroni over guess counts)
+    assert code == 0 and canary["verdict"] == "not private" and canary["m"] == 1000
+    assert canary["epsilon_lower"] > 4.0  # seen: 4.39 (every one of the top 500 guesses right)
 
 
 def test_dp_run_is_bounded(runs):
     _, dp = runs
-    report = audit(dp)
-    assert 0.3 < auc_of(report, "loss") < 0.7  # seen: 0.47
+    assert 0.3 < audit(dp)["attacks"]["loss"]["auc"] < 0.7
     code, canary = canaries(dp)
+    assert canary["accountant_epsilon"] <= 2.0 + 1e-6
     assert code == 0 and not canary["privacy_bug"]
-    assert canary["epsilon_lower"] <= canary["accountant_epsilon"] <= 8.0
+    assert canary["epsilon_lower"] <= canary["accountant_epsilon"]
+
+
+@pytest.mark.slow
+def test_issue_scale_targets(tmp_path):
+    """m = 10,000: the non-private bound must exceed 6; at ε = 8 it must stay under 8."""
+    nodp = train(tmp_path / "nodp", 10000, 32, "--privacy.enabled", "false", "--epochs", "40")
+    code, canary = canaries(nodp)
+    assert code == 0 and canary["epsilon_lower"] > 6.0  # cap for m = 10,000: 6.59
+    dp = train(tmp_path / "dp", 10000, 32, "--target_epsilon", "8", "--epochs", "4")
+    code, canary = canaries(dp)
+    assert code == 0 and canary["epsilon_lower"] <= canary["accountant_epsilon"] <= 8.0 + 1e-6
