@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -178,16 +179,19 @@ def whitebox_audit(*, m: int = 1000, num_records: int = 200, steps: int = 100, s
     scale = private.optimizer.expected_batch_size / max_grad_norm  # noisy mean -> sum, in units of C
     x = np.zeros((steps, m))
     loader = iter(private.data_loader)
-    for t in range(steps):
-        b = next(loader)
-        private.optimizer.zero_grad(set_to_none=True)
-        if b:
-            _loss(private.model, b, m, push).backward()
-        else:
-            add_empty_share(private.optimizer)
-        private.optimizer.step()
-        # What the auditor sees: the released noisy gradient, here the canaries' coordinates.
-        x[t] = probe.grad[:m, 0].detach().numpy() * scale
+    # Canary records have no trainable input; torch warns that the backward hook sees only outputs.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Full backward hook is firing")
+        for t in range(steps):
+            b = next(loader)
+            private.optimizer.zero_grad(set_to_none=True)
+            if b:
+                _loss(private.model, b, m, push).backward()
+            else:
+                add_empty_share(private.optimizer)
+            private.optimizer.step()
+            # What the auditor sees: the released noisy gradient, here the canaries' coordinates.
+            x[t] = probe.grad[:m, 0].detach().numpy() * scale
     sigma = plan.noise_multiplier
     q = plan.sample_rate
     scores = score_updates(x, q=q, sigma=sigma, kind=score)
@@ -201,7 +205,8 @@ def whitebox_audit(*, m: int = 1000, num_records: int = 200, steps: int = 100, s
     msg = (f"white-box ε >= {lower:.3f} ({confidence:.0%} confidence over the canary coins) "
            f"{'EXCEEDS' if bug else '<='} the accountant's ε = {eps:.3f} at δ = {delta:g}"
            + (": the engine leaks more than it accounts for." if bug else "."))
-    return {"privacy_bug": bug, "message": msg, "epsilon_lower": lower,"threat_model": "white-box: every noisy update seen; Dirac gradient canaries",
+    return {"privacy_bug": bug, "message": msg, "epsilon_lower": lower,
+            "threat_model": "white-box: every noisy update seen; Dirac gradient canaries",
             "accountant": accountant, "accountant_epsilon": eps, "delta": delta,
             "noise_multiplier": sigma, "sample_rate": q, "steps": steps, "m": m,
             "n_included": int(included.sum()), "num_records": n, "score": score,
