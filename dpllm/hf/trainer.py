@@ -1,0 +1,306 @@
+"""``DPTrainer``: a ``transformers.Trainer`` whose ``train()`` is a dpllm run.
+
+``train()`` checks the arguments (:func:`dpllm.hf.arguments.refuse_unsafe`), turns them into a dpllm
+:class:`~dpllm.config.RunConfig`, and runs dpllm's own loop (:class:`dpllm.train.Trainer`) on the model and
+datasets the Trainer was given: the privacy plan (q, steps, σ), Poisson logical batches split into physical
+batches of ``per_device_train_batch_size``, Opacus's clipping and noise, the accountant, and at the end a
+dpllm run directory in ``output_dir`` (config.yaml, splits.json, records.jsonl, metrics.jsonl, checkpoint/,
+privacy_report.json, privacy_ledger.jsonl) that ``dpllm report``, ``dpllm export`` and
+``python -m mia audit`` read. The Trainer's optimizer (``optim``, ``learning_rate``, ``weight_decay``...),
+scheduler and callbacks are used; callbacks see ``epsilon`` in every ``on_log``.
+
+After training ``trainer.model`` is the plain model again (Opacus's hooks removed), so
+``trainer.model.generate(...)`` works as on any transformers model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from transformers import Trainer
+from transformers.trainer_utils import TrainOutput
+
+from dpllm import data, rundir
+from dpllm.config import ConfigError, RunConfig
+from dpllm.distributed import barrier, check_parallelism, world_of, wrap_model
+from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
+from dpllm.hf.records import PadRecords, Rows, rows_of
+from dpllm.io import looks_local, write_json_atomic, write_text_atomic
+from dpllm.models import check_dp_layers, count_parameters, untie_output_embeddings
+from dpllm.train import Trainer as RunTrainer
+from dpllm.train import seed_everything
+
+log = logging.getLogger(__name__)
+
+RECORDS = "records.jsonl"
+
+
+class DPTrainer(Trainer):
+    """``transformers.Trainer`` with DP-SGD: pass ``privacy_args=PrivacyArguments(...)`` beside ``args``.
+
+    Example:
+        >>> trainer = DPTrainer(model=model, args=TrainingArguments("runs/x", max_grad_norm=0, max_steps=50),
+        ...                     privacy_args=PrivacyArguments(target_epsilon=8, logical_batch_size=64),
+        ...                     train_dataset=train, eval_dataset=heldout, processing_class=tokenizer)  # doctest: +SKIP
+        >>> trainer.train().metrics["epsilon"]  # doctest: +SKIP
+
+    Raises:
+        ConfigError (a ValueError): at construction, a Trainer option that would break DP or that DPTrainer
+            cannot honour, naming the option and the fix; at ``train()``, anything dpllm refuses before a run
+            (an unreachable ε, δ ≥ 1/N, an output_dir that is not a dpllm run...), before anything is written.
+    """
+
+    def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, *, privacy_args: Optional[PrivacyArguments] = None, **kwargs):
+        if args is None:
+            raise ConfigError("DPTrainer: pass args=TrainingArguments(output_dir=..., max_grad_norm=0, ...)")
+        self.privacy_args = privacy_args if privacy_args is not None else PrivacyArguments()
+        refuse_unsafe(args, self.privacy_args, data_collator=data_collator,
+                      compute_loss_func=kwargs.get("compute_loss_func"), train_dataset=train_dataset)
+        if kwargs.get("model_init") is not None:
+            raise ConfigError("DPTrainer: model_init is not supported; pass the model")
+        if processing_class is None or not hasattr(processing_class, "save_pretrained"):
+            raise ConfigError("DPTrainer: pass processing_class=tokenizer; it is saved beside the trained model")
+        if isinstance(eval_dataset, dict):
+            raise ConfigError("DPTrainer: pass one eval_dataset (the held-out records), not a dict of them")
+        super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
+        self.dp_run: Optional[HFRun] = None
+
+    def compute_loss(self, *a, **kw):
+        """The Trainer's loss, for ``evaluate()`` / ``predict()``; training never calls it (see ``train``)."""
+        return super().compute_loss(*a, **kw)
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
+        """Run DP training as a dpllm run in ``args.output_dir``; returns the Trainer's ``TrainOutput``.
+
+        ``metrics`` holds ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and the final held-out
+        loss; ``trainer.privacy_report`` is the :class:`~dpllm.privacy.report.PrivacyReport`.
+        """
+        if resume_from_checkpoint or trial is not None:
+            raise ConfigError("DPTrainer.train: resume_from_checkpoint and trial are not supported; start a new run")
+        if self.dp_run is not None:
+            raise ConfigError("DPTrainer.train was already called; a further stage is a new DPTrainer over the "
+                              "trained model (its ε composes through the run directory)")
+        if type(self).compute_loss is not DPTrainer.compute_loss:
+            raise ConfigError(f"{type(self).__name__} overrides compute_loss; DP training uses dpllm's per-record "
+                              "loss through Opacus's criterion (labels of -100 mask tokens out)")
+        self.dp_run = run = HFRun.from_trainer(self)
+        self.is_in_train = True
+        try:
+            summary = run.run()
+        finally:
+            self.is_in_train = False
+            self.model = self.model_wrapped = release(run.model) if run.model is not None else self.model
+        from dpllm.privacy.report import PrivacyReport
+
+        metrics = {"train_runtime": summary.get("wall_time_s"), "train_loss": run.train_loss,
+                   "eval_loss": summary.get("final_eval_loss")}
+        if summary:
+            self.privacy_report = PrivacyReport.read(run.out)
+            metrics.update(epsilon=summary["epsilon"], delta=summary["delta"],
+                           noise_multiplier=summary["noise_multiplier"], sample_rate=summary["sample_rate"])
+        self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
+        return TrainOutput(run.step, run.train_loss, metrics)
+
+
+def release(model):
+    """The bare model: Opacus's hooks and per-sample attributes removed, DDP/Opacus wrappers stripped."""
+    m = model
+    while True:
+        if hasattr(m, "detach") and hasattr(m, "clip_weights"):  # dpllm.privacy.bk.BookKeepingModule
+            m.detach()
+        elif hasattr(m, "cleanup") and hasattr(m, "_module"):  # Opacus GradSampleModule (hooks, ghost)
+            m.cleanup()
+        inner = getattr(m, "_module", None) or getattr(m, "module", None)
+        if inner is None:
+            return m
+        m = inner
+
+
+class HFRun(RunTrainer):
+    """dpllm's run stages over a model and datasets handed over by a Trainer, reporting to its callbacks."""
+
+    def __init__(self, cfg: RunConfig, hf: DPTrainer, *, train_rows: Rows, eval_rows: Rows):
+        super().__init__(cfg)
+        self.hf, self.train_rows, self.eval_rows = hf, train_rows, eval_rows
+        self.hf_model = hf.model
+        self.model = None
+        self.train_loss = 0.0
+        self._loss_sum = [0.0, 0]
+
+    @classmethod
+    def from_trainer(cls, hf: DPTrainer) -> "HFRun":
+        p, args = hf.privacy_args, hf.args
+        tok = hf.processing_class
+        train_rows = rows_of(hf.train_dataset, tok, text_column=p.record_text_column, name="train_dataset")
+        eval_rows = (rows_of(hf.eval_dataset, tok, text_column=p.record_text_column, name="eval_dataset")
+                     if hf.eval_dataset is not None else Rows([], []))
+        finetuning = "lora" if hasattr(hf.model, "peft_config") else "full"
+        cfg = run_config(args, p, model_name=_model_name(hf.model), finetuning=finetuning,
+                         records_path=str((Path(args.output_dir) / RECORDS).resolve()),
+                         max_length=max(train_rows.max_length, eval_rows.max_length), num_records=len(train_rows),
+                         has_eval=len(eval_rows) > 0)
+        return cls(cfg, hf, train_rows=train_rows, eval_rows=eval_rows)
+
+    # ---- stages that differ from a config-driven run ---------------------------------------------------
+
+    def setup_process(self) -> None:
+        seed_everything(self.t.seed)
+        self.mp = self.t.mixed_precision
+        self.accelerator = self.hf.accelerator  # the Trainer's: one accelerate state per process
+        self.world = world_of(self.accelerator)
+        self.device = self.accelerator.device
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if launched != self.world.size:
+            raise ConfigError(f"launched as {launched} processes but the Trainer's accelerator joined "
+                              f"{self.world.size}; on a machine without GPUs pass use_cpu=True (--use_cpu true) so "
+                              "accelerate forms a gloo process group")
+        check_parallelism(self.p, self.world.kind, world_size=self.world.size,
+                          logical_batch_size=self.t.logical_batch_size)
+        self.resume_from = None
+        if self.world.is_main:  # the data and model live in memory: no path in output_dir to protect
+            rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir)
+
+    def setup_data(self) -> None:
+        train, heldout = self.train_rows.texts, self.eval_rows.texts
+        self.records = list(dict.fromkeys(train + heldout))  # unique, in order: ids index records.jsonl
+        index = {t: i for i, t in enumerate(self.records)}
+        members = set(train)
+        self.splits = data.Splits(public=[], train=sorted({index[t] for t in train}),
+                                  heldout=sorted({index[t] for t in heldout if t not in members}))
+        self.canaries = []
+        self.train_texts = list(train)  # one per row: N counts rows, the privacy unit
+        self.eval_texts = list(heldout)
+        self.trained_hashes = {data.sha256(t) for t in train}
+        self.heldout_hashes = {data.sha256(self.records[i]) for i in self.splits.heldout}
+
+    def setup_plan(self) -> None:
+        super().setup_plan()
+        if not self.cfg.model.model_name_or_path or self.source.get("path") == IN_MEMORY:
+            self.source = {"kind": "in_memory", "name": type(self.hf_model).__name__}
+
+    def setup_model(self) -> None:
+        model, self.tokenizer = self.hf_model, self.hf.processing_class
+        self.adjustments = []
+        peft = hasattr(model, "peft_config")
+        self.lora_base = _base_copy(model) if peft and not _base_has_name(model) else None
+        if not peft and untie_output_embeddings(model):
+            self.adjustments.append("untied output embedding from input embedding (Opacus refuses tied parameters)")
+        self.adjustments.append("position_ids passed per row and contiguous (Opacus embedding norm sampler)")
+        if self.t.gradient_checkpointing:
+            from dpllm.privacy.bk import resolve_mode
+
+            if resolve_mode(self.p.grad_sample_mode, model) != "bk":
+                raise ConfigError("gradient_checkpointing=True under DP needs PrivacyArguments grad_sample_mode=bk "
+                                  f"(not {self.p.grad_sample_mode}): recomputed activations corrupt Opacus's "
+                                  "per-sample norms; switch the mode or turn checkpointing off")
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.to(self.device).train()
+        check_dp_layers(model)
+        self.n_params = count_parameters(model)
+        self.model = wrap_model(model, dp=True, world=self.world, accelerator=self.accelerator,
+                                mixed_precision=self.mp)
+        self.train_ds, self.eval_ds = self.train_rows, self.eval_rows
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        self.collate = PadRecords(pad if pad is not None else 0)
+        self.optimizer = self.hf.create_optimizer(model)
+        self.scheduler = self.hf.create_scheduler(num_training_steps=self.steps, optimizer=self.optimizer)
+
+    def setup_run_dir(self) -> None:
+        """As dpllm's, plus records.jsonl: the texts splits.json indexes (members and held-out)."""
+        if self.world.is_main:
+            self.lock = rundir.RunLock(self.out).acquire()
+            rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir)
+            rundir.clear(self.out)
+            rundir.mark(self.out)
+            write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
+            write_text_atomic(self.out / RECORDS, "".join(json.dumps({"text": t}) + "\n" for t in self.records))
+            splits = self.splits.to_json(self.records, self.cfg.data)
+            splits["trained_sha256"] = sorted(self.trained_hashes)
+            write_json_atomic(self.out / "splits.json", splits)
+        barrier(self.world)
+
+    # ---- the Trainer's callbacks ----------------------------------------------------------------------
+
+    def start(self) -> None:
+        hf = self.hf
+        hf.state.max_steps, hf.state.global_step = self.steps, 0
+        hf.state.num_train_epochs = self.steps * self.plan.sample_rate
+        hf.state.logging_steps, hf.state.eval_steps = self.t.log_every, self.t.eval_every
+        hf.state.train_batch_size = self.t.physical_batch_size
+        handler = hf.callback_handler
+        handler.model, handler.optimizer, handler.lr_scheduler = self.model, self.optimizer, self.scheduler
+        hf.optimizer, hf.lr_scheduler = self.optimizer, self.scheduler
+        hf.control = handler.on_train_begin(hf.args, hf.state, hf.control)
+        super().start()
+
+    def optimizer_step(self, ids: list[int]) -> None:
+        hf = self.hf
+        hf.control = hf.callback_handler.on_step_begin(hf.args, hf.state, hf.control)
+        super().optimizer_step(ids)
+
+    def record_loss(self, loss, n: int) -> None:
+        super().record_loss(loss, n)
+        if n:
+            self._loss_sum[0] += float(loss.detach()) * n
+            self._loss_sum[1] += n
+            self.train_loss = self._loss_sum[0] / self._loss_sum[1]
+
+    def after_step(self) -> None:
+        hf = self.hf
+        hf.state.global_step = self.step + 1
+        hf.state.epoch = (self.step + 1) * self.plan.sample_rate  # expected passes over the data
+        super().after_step()
+        hf.control = hf.callback_handler.on_step_end(hf.args, hf.state, hf.control)
+
+    def log_train(self) -> None:
+        super().log_train()
+        if self.world.is_main:
+            row = _last_line(self.metrics_path)
+            self.hf.log({"loss": row["loss"], "learning_rate": row["lr"], "epsilon": row["epsilon"]})
+
+    def evaluate(self, final: bool = False) -> dict:
+        if len(self.eval_ds) == 0:
+            return {"loss": None, "ppl": None, "tokens": 0}
+        ev = super().evaluate(final)
+        hf = self.hf
+        metrics = {"eval_loss": ev["loss"], "eval_perplexity": ev["ppl"]}
+        if self.world.is_main:
+            hf.log(dict(metrics))
+        hf.control = hf.callback_handler.on_evaluate(hf.args, hf.state, hf.control, metrics=metrics)
+        return ev
+
+
+IN_MEMORY = "(in-memory model)"
+
+
+def _model_name(model) -> str:
+    name = getattr(model, "name_or_path", "") or ""
+    return name if name else IN_MEMORY
+
+
+def _base_has_name(model) -> bool:
+    """A PEFT model whose base can be loaded again by name (Hub id or existing directory)."""
+    for cfg in getattr(model, "peft_config", {}).values():
+        name = getattr(cfg, "base_model_name_or_path", None)
+        if name and (Path(name).is_dir() or not looks_local(name)):
+            return True
+    return False
+
+
+def _base_copy(model):
+    """The base under a PEFT model, without adapters (saved as checkpoint/base_model/ for audits and export)."""
+    return copy.deepcopy(model).unload()
+
+
+def _last_line(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        fh.seek(0, 2)
+        fh.seek(max(0, fh.tell() - 65536))
+        return json.loads(fh.read().rstrip(b"\n").rsplit(b"\n", 1)[-1])
