@@ -222,3 +222,21 @@ def test_an_empty_share_is_a_counted_step_that_adds_nothing(mode, how):
         sums.append([p.grad.detach().clone() for p in pt.optimizer.params])
     assert all(torch.equal(a, b) for a, b in zip(*sums))
     assert pt.engine.accountant.history == [(0.0, 0.5, 2)]
+
+
+def test_bookkeeping_under_ddp_matches_one_process(tmp_path):
+    """grad_sample_mode=bk on 2 gloo processes (Opacus's distributed ghost optimizer all-reduces bk's clipped
+    sums): same history and ε as one process, weights equal up to summation order."""
+    same = ("--reproducible_noise", "true", "--grad_sample_mode", "bk", "--finetuning", "full")
+    two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=same)
+    one = _launch(tmp_path / "one", "--cpu", "--num_processes", "1", extra=same)
+    _finish(one)
+    _finish(two)
+    r1, r2 = (json.loads((tmp_path / n / "privacy_report.json").read_text()) for n in ("one", "two"))
+    assert r1["grad_sample_mode"] == r2["grad_sample_mode"] == "bk"
+    assert r1["history"] == r2["history"] and r1["epsilon"] == r2["epsilon"]
+    from safetensors.torch import load_file
+
+    p1, p2 = (load_file(str(tmp_path / n / "checkpoint" / "model.safetensors")) for n in ("one", "two"))
+    for name in p1:
+        assert torch.allclose(p1[name], p2[name], atol=1e-5), name
