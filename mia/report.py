@@ -68,10 +68,12 @@ def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 5))
-    floor = 1.0
+    floor = min([1.0] + [1.0 / max(len(m), 1) for m, _ in scores.values()]
+                + [1.0 / max(len(n), 1) for _, n in scores.values()])
+    if dp_bound is not None:  # reach down to where the bound bends (FPR = e^-ε), so it is visible
+        floor = max(min(floor, 0.5 * math.exp(-dp_bound[0])), 1e-6)
     for name, (m, n) in scores.items():
         fpr, tpr, _ = roc_curve(m, n)
-        floor = min(floor, 1.0 / len(n), 1.0 / len(m))
         # Log axes cannot show 0; draw zero rates at half the smallest resolvable rate.
         ax.plot(np.maximum(fpr, floor / 2), np.maximum(tpr, floor / 2), label=name)
     ax.plot([floor / 2, 1], [floor / 2, 1], "k--", lw=1, label="chance")
