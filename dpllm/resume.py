@@ -44,7 +44,7 @@ from dpllm import ledger
 from dpllm.checkpoint import CheckpointError, unwrap
 from dpllm.config import ConfigError, RunConfig
 from dpllm.distributed import World, barrier, full_state_dict, gather_objects, is_sharded, reshard
-from dpllm.io import atomic_directory, write_json_atomic, write_text_atomic
+from dpllm.io import atomic_directory, read_jsonl, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
 
@@ -344,11 +344,7 @@ def initial_eval(metrics_path: Path) -> Optional[dict]:
     """The step-0 eval line of a run being resumed (for the summary's initial_eval_loss)."""
     if not metrics_path.is_file():
         return None
-    for line in metrics_path.read_text().splitlines():
-        row = json.loads(line)
-        if row.get("step") == 0 and row.get("split") == "eval":
-            return row
-    return None
+    return next((row for row in read_jsonl(metrics_path) if row.get("step") == 0 and row.get("split") == "eval"), None)
 
 
 def truncate_metrics(metrics_path: Path, size: int) -> None:

@@ -1,9 +1,9 @@
-"""Clipping functions at equal ε: flat vs automatic vs PSAC vs PSASC (seed 004) on MLPs.
+"""Clipping functions at equal ε: flat vs automatic vs PSAC vs PSASC (the PSASC paper's method) on MLPs.
 
-For each data set and target ε, σ is calibrated once with :func:`dpllm.privacy.engine.plan_privacy`
+For each data set and target ε, σ is calibrated once with :func:`dpllm.privacy.plan.plan_privacy`
 (PRV accountant, δ = 1e-5); every clipping function then trains with that σ, because the registry in
 :mod:`dpllm.privacy.clipping` already scales the noise to each function's sensitivity S (noise σ·S), so
-equal σ means equal ε. Settings are seed 002's (width 64, 20 epochs, SGD lr 0.1, expected batch 64,
+equal σ means equal ε. Settings are the privacy-cliff paper's (width 64, 20 epochs, SGD lr 0.1, expected batch 64,
 C = 1); r = 0.1 for automatic / PSAC / PSASC and s = 0.5 for PSASC (so S = C/s = 2). A control arm,
 "psasc lr×s", trains PSASC at lr·s, which removes the 2× larger step that S = C/s brings at a fixed
 learning rate. Runs with the same
@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from dpllm.mlp.data import load_dataset
-from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, progress, quiet_warnings,
-                              recipe_parser, save_figure, t_interval, finish)
 from dpllm.mlp.train import MLPRun, plan_for, train_mlp
+from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, progress, quiet_warnings,
+                       recipe_parser, save_figure, t_interval)
 
 R, S = 0.1, 0.5  # r of automatic/psac/psasc; s of psasc (s < 1 weights small gradients up, noise C/s)
 # (label, registry name, s, learning-rate factor). "psasc lr×s" is a control: PSASC's clipped gradients
@@ -138,7 +138,7 @@ def verdict(row: dict) -> str:
 def summary(res: dict) -> str:
     s, st = res["settings"], res["stats"]
     lines = [
-        "# Clipping functions at equal ε on MLPs (seed 004's PSASC vs flat, automatic, PSAC)", "",
+        "# Clipping functions at equal ε on MLPs (the PSASC paper's function vs flat, automatic, PSAC)", "",
         f"Command: `{res['command']}`", "",
         f"Wall time: **{res['timing']['wall_s']} s** (training {res['timing']['train_s']} s); "
         f"{len(res['runs'])} runs.", "",
@@ -194,7 +194,8 @@ def findings(res: dict) -> list[str]:
         out.append("- **Conclusion: yes, in some cells,** even with the step size matched (the 'lr×s' control).")
     else:
         out.append("- **Conclusion: no** significant advantage for PSASC in these cells.")
-    out.append("- Context: seed 004 (a summary of Huang et al. 2024) reports +3-5 accuracy points for PSASC over "
+    out.append("- Context: the PSASC paper (Huang et al. 2024, read in a summary) reports +3-5 accuracy points "
+               "for PSASC over "
                "DP-SGD on image benchmarks, with momentum and a tuned s; here there is no momentum, no per-method "
                "tuning, and MLPs on small tasks, so this checks the mechanism, not the paper's numbers.")
     out.append("- Why the 'lr×s' control: for large gradients PSASC's weight tends to C/(s‖g‖), so each weighted "

@@ -26,13 +26,12 @@ import numpy as np
 import torch
 
 from dpllm.mlp.data import Split, load_dataset
-from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
-                              quiet_warnings, recipe_parser, save_figure, t_interval, finish,
-                              plots_line)
 from dpllm.mlp.train import MLPRun, plan_for, predict, train_mlp
 from mia.attacks import loss_attack
 from mia.lira import lira_online, logit_confidence_from_logits
 from mia.metrics import auc, evaluate, roc_curve, tpr_key
+from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, mean_std, plots_line,
+                       progress, quiet_warnings, recipe_parser, save_figure, t_interval)
 
 LEVELS = (("non-private", None), ("ε≈50", 50.0), ("ε≈8", 8.0), ("ε≈1", 1.0))
 FPRS = (0.001, 0.01, 0.1)

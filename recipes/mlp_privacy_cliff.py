@@ -1,10 +1,10 @@
-"""Is there a privacy cliff? Noise σ × clipping C sweep on an MLP (seed 002), with rigorous ε.
+"""Is there a privacy cliff? Noise σ × clipping C sweep on an MLP (the privacy-cliff paper's study), with rigorous ε.
 
 σ ∈ {0.01, 0.1, 0.5, 1, 2, 5, 10} × C ∈ {0.1, 1, 10} × 3 seeds, plus non-private baselines: width-64
 MLP, 20 epochs of SGD (lr 0.1, expected batch 64, Poisson sampling), δ = 1e-5, all through
 :func:`dpllm.privacy.engine.make_private`. Each σ gets its ε from Opacus's PRV and RDP accountants at
-the engine's sampling rate q = 1/⌈N/B⌉, and at the seed's q = B/N for comparison with the ε the seed
-printed. A "cliff" is any configuration whose mean accuracy falls below half the baseline's (the seed's
+the engine's sampling rate q = 1/⌈N/B⌉, and at the paper's q = B/N for comparison with the ε the paper
+printed. A "cliff" is any configuration whose mean accuracy falls below half the baseline's (the paper's
 criterion).
 
     python recipes/mlp_privacy_cliff.py --output_dir docs/results/mlp_privacy_cliff
@@ -22,19 +22,19 @@ import numpy as np
 import torch
 
 from dpllm.mlp.data import load_dataset
-from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
-                              quiet_warnings, recipe_parser, save_figure, finish, seed_findings)
 from dpllm.mlp.train import MLPRun, epsilons, plan_for, train_mlp
+from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, mean_std, paper_findings,
+                       progress, quiet_warnings, recipe_parser, save_figure)
 
 SIGMAS = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0)
 CLIPS = (0.1, 1.0, 10.0)
-SEEDS = (42, 123, 456)  # seed 002's seeds
+SEEDS = (42, 123, 456)  # the privacy-cliff paper's training seeds
 DELTA = 1e-5
-# ε that seed 002 printed from its simplified RDP bound (q = 64/400 = 0.16, 140 steps); the other σ
-# are not legible in the seed's text.
-SEED_002_EPSILON = {0.01: 22446.0, 1.0: 4.80, 10.0: 0.87}
-# Seed 002's accuracies quoted in its text (mean over 3 seeds).
-SEED_002_ACCURACY = {"baseline": 0.993, (10.0, 1.0): 0.947, (10.0, 10.0): 0.627, (0.01, 10.0): 0.993}
+# ε that the privacy-cliff paper printed from its simplified RDP bound (q = 64/400 = 0.16, 140 steps); the other σ
+# are not legible in its text.
+PAPER_EPSILON = {0.01: 22446.0, 1.0: 4.80, 10.0: 0.87}
+# The paper's accuracies quoted in its text (mean over 3 seeds).
+PAPER_ACCURACY = {"baseline": 0.993, (10.0, 1.0): 0.947, (10.0, 10.0): 0.627, (0.01, 10.0): 0.993}
 
 
 def grid(quick: bool) -> dict:
@@ -72,18 +72,18 @@ def main(argv: list[str] | None = None) -> dict:
     train_s = timer.seconds()
 
     r0 = next(r for r in runs if r["config"]["private"])
-    seed_q = base["batch_size"] / data.n_train  # the seed's q = B/N (it shuffled; it did not Poisson-sample)
+    paper_q = base["batch_size"] / data.n_train  # the paper's q = B/N (it shuffled; it did not Poisson-sample)
     privacy = []
     for sigma in g["sigmas"]:
         ours = epsilons(noise_multiplier=sigma, sample_rate=r0["sample_rate"], steps=r0["steps"], delta=DELTA,
                         cache=eps_cache)
-        theirs = epsilons(noise_multiplier=sigma, sample_rate=seed_q, steps=r0["steps"], delta=DELTA,
+        theirs = epsilons(noise_multiplier=sigma, sample_rate=paper_q, steps=r0["steps"], delta=DELTA,
                           cache=eps_cache)
         privacy.append({"noise_multiplier": sigma, "sample_rate": r0["sample_rate"], "steps": r0["steps"],
                         "delta": DELTA, **ours, "epsilon": headline_epsilon(ours),
-                        "at_seed_sample_rate": {"sample_rate": seed_q, **theirs},
-                        # The seed's ε are for its Gaussian task (N = 400); on other data there is nothing to compare.
-                        "seed_002_printed": SEED_002_EPSILON.get(sigma) if data.name == "gaussian" else None})
+                        "at_paper_sample_rate": {"sample_rate": paper_q, **theirs},
+                        # The paper's ε are for its Gaussian task (N = 400); on other data there is nothing to compare.
+                        "paper_printed": PAPER_EPSILON.get(sigma) if data.name == "gaussian" else None})
 
     baseline = float(np.mean([r["metrics"]["test_accuracy"] for r in runs if not r["config"]["private"]]))
     configs = []
@@ -104,8 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
                   "threshold": threshold, "detected": bool(cliff), "configs": cliff},
         "settings": {**base, "sigmas": list(g["sigmas"]), "clips": list(g["clips"]), "seeds": list(g["seeds"]),
                      "grad_sample_mode": "hooks", "clipping": "flat", "accountant": "prv"},
-        "dataset": data.info, "seed_002_reported": {"epsilon": {str(k): v for k, v in SEED_002_EPSILON.items()},
-                                                    "accuracy": {str(k): v for k, v in SEED_002_ACCURACY.items()}},
+        "dataset": data.info, "paper_reported": {"epsilon": {str(k): v for k, v in PAPER_EPSILON.items()},
+                                                    "accuracy": {str(k): v for k, v in PAPER_ACCURACY.items()}},
         "environment": environment(),
     }
     return finish(args.output_dir, results, plot=lambda out: plot(results, out), summary=summary, timer=timer,
@@ -120,17 +120,17 @@ def summary(res: dict) -> str:
     s, cliff, priv = res["settings"], res["cliff"], res["privacy"]
     r0 = next(r for r in res["runs"] if r["config"]["private"])
     lines = [
-        "# Privacy cliff on an MLP: σ × C sweep (seed 002 on dpllm's engine)", "",
+        "# Privacy cliff on an MLP: σ × C sweep (the privacy-cliff paper's study on dpllm's engine)", "",
         f"Command: `{res['command']}`", "",
         f"Wall time: **{res['timing']['wall_s']} s** (training {res['timing']['train_s']} s); {len(res['runs'])} runs "
         f"({len(s['sigmas']) * len(s['clips']) * len(s['seeds'])} DP + {len(s['seeds'])} non-private).", "",
         f"Data: `{r0['dataset']}`, {r0['n_train']} train / {res['dataset'].get('n_test')} test. Width {s['width']} "
         f"({r0['n_params']} parameters), SGD lr {s['lr']}, {s['epochs']} epochs = {r0['steps']} steps, expected "
         f"batch {s['batch_size']} by Poisson sampling at q = 1/⌈N/B⌉ = {r0['sample_rate']:.4f} (Opacus's "
-        f"definition; the seed's B/N would be {s['batch_size'] / r0['n_train']:.4f}), δ = {s['delta']:g}, flat "
+        f"definition; the paper's B/N would be {s['batch_size'] / r0['n_train']:.4f}), δ = {s['delta']:g}, flat "
         "clipping, seeds " + ", ".join(map(str, s["seeds"])) + ".", "",
         "## Accuracy (mean ± sd over seeds) by noise σ and clipping norm C", "",
-        f"Non-private baseline: **{cliff['baseline_accuracy']:.3f}** (seed 002: 0.993). "
+        f"Non-private baseline: **{cliff['baseline_accuracy']:.3f}** (the paper: 0.993). "
         f"Cliff threshold (half the baseline): {cliff['threshold']:.3f}.", "",
     ]
     rows = []
@@ -142,54 +142,55 @@ def summary(res: dict) -> str:
             row.append(f"{c['accuracy_mean']:.3f} ± {c['accuracy_sd']:.3f}")
         rows.append(row)
     lines += [markdown_table(["σ", "ε (PRV)"] + [f"C = {fmt(c)}" for c in s["clips"]], rows), ""]
-    lines += ["## ε of each σ: rigorous accountants beside the seed's printed bound", "",
+    lines += ["## ε of each σ: rigorous accountants beside the paper's printed bound", "",
               f"Ours: the runs above (q = {r0['sample_rate']:.4f}, {r0['steps']} steps, δ = {s['delta']:g}). "
-              f"At the seed's q: the same accountants at q = {s['batch_size'] / r0['n_train']:.2f}, "
+              f"At the paper's q: the same accountants at q = {s['batch_size'] / r0['n_train']:.2f}, "
               f"{r0['steps']} steps.", ""]
     rows = []
     for p in priv:
-        seedq, printed = p["at_seed_sample_rate"], p["seed_002_printed"]
-        ratio = f"{headline_epsilon(seedq) / printed:.2f}×" if printed else "—"
+        at_paper_q, printed = p["at_paper_sample_rate"], p["paper_printed"]
+        ratio = f"{headline_epsilon(at_paper_q) / printed:.2f}×" if printed else "—"
         rows.append([fmt(p["noise_multiplier"]), fmt(p["epsilon_prv"]), fmt(p["epsilon_rdp"]),
-                     fmt(seedq["epsilon_prv"]), fmt(seedq["epsilon_rdp"]), fmt(printed), ratio])
-    lines += [markdown_table(["σ", "ours PRV", "ours RDP", "seed q: PRV", "seed q: RDP", "seed 002 printed",
-                              "rigorous ÷ printed (seed q)"], rows), ""]
+                     fmt(at_paper_q["epsilon_prv"]), fmt(at_paper_q["epsilon_rdp"]), fmt(printed), ratio])
+    lines += [markdown_table(["σ", "ours PRV", "ours RDP", "paper's q: PRV", "paper's q: RDP", "paper printed",
+                              "rigorous ÷ printed (paper's q)"], rows), ""]
     if any(p["epsilon_prv"] is None for p in priv):
         lines += ["— in a PRV column: not computed, because the RDP ε is above 1,000 (Opacus's PRV accountant "
                   "then spends about a minute and returns ∞; dpllm itself would fall back to RDP). The last "
-                  "column divides PRV (or RDP where PRV is missing) by the seed's value.", ""]
+                  "column divides PRV (or RDP where PRV is missing) by the paper's value.", ""]
     lines += explain_epsilon(res) + [""]
-    lines += seed_findings("002", r0["dataset"], findings(res), res["plots"])
+    lines += paper_findings("the privacy-cliff paper", r0["dataset"], findings(res), res["plots"])
     return "\n".join(lines)
 
 
 def explain_epsilon(res: dict) -> list[str]:
-    """Why the seed's ε differ from Opacus's, with the ratios of this run."""
+    """Why the paper's ε differ from Opacus's, with the ratios of this run."""
     def rigorous(p):
-        return headline_epsilon(p["at_seed_sample_rate"])
+        return headline_epsilon(p["at_paper_sample_rate"])
 
-    under = [p for p in res["privacy"] if p["seed_002_printed"] and rigorous(p) > p["seed_002_printed"]]
-    over = [p for p in res["privacy"] if p["seed_002_printed"] and rigorous(p) <= p["seed_002_printed"]]
+    under = [p for p in res["privacy"] if p["paper_printed"] and rigorous(p) > p["paper_printed"]]
+    over = [p for p in res["privacy"] if p["paper_printed"] and rigorous(p) <= p["paper_printed"]]
     out = ["Why they differ:", ""]
     if under:
-        out.append("- **The seed's bound is below the rigorous ε** at σ = "
-                   + ", ".join(f"{fmt(p['noise_multiplier'])} ({rigorous(p) / p['seed_002_printed']:.1f}×)"
+        out.append("- **The paper's bound is below the rigorous ε** at σ = "
+                   + ", ".join(f"{fmt(p['noise_multiplier'])} ({rigorous(p) / p['paper_printed']:.1f}×)"
                                for p in under)
                    + ": for the same σ, q and steps, Opacus's accountants, which upper-bound the privacy loss of the "
-                   "Poisson-subsampled Gaussian mechanism, give a larger ε, so the seed's numbers are not guarantees. "
-                   "The seed calls its accounting 'simplified bounds'; a simplification that falls below the exact "
+                   "Poisson-subsampled Gaussian mechanism, give a larger ε, so the paper's numbers are not "
+                   "guarantees. "
+                   "The paper calls its accounting 'simplified bounds'; a simplification that falls below the exact "
                    "RDP curve under-reports ε. Opacus evaluates the RDP of the subsampled Gaussian numerically at "
                    "many orders (Mironov et al. 2019) and converts it to (ε, δ); PRV (Gopi et al. 2021) composes the "
                    "privacy-loss distribution numerically and is tighter than RDP while remaining an upper bound.")
     if over:
-        out.append("- Where the seed's value is above the rigorous one (σ = "
+        out.append("- Where the paper's value is above the rigorous one (σ = "
                    + ", ".join(fmt(p["noise_multiplier"]) for p in over) + ") its bound is loose there, not unsafe.")
-    out.append("- **Sampling.** The seed drew shuffled fixed-size batches, while subsampled-Gaussian accounting "
+    out.append("- **Sampling.** The paper drew shuffled fixed-size batches, while subsampled-Gaussian accounting "
                "assumes each record joins each batch independently with probability q (Poisson sampling); so "
                "its ε would not describe its own training even with an exact formula. Our engine Poisson-samples, "
                "as the accountants assume.")
     out.append("- **q.** The engine uses q = 1/⌈N/B⌉ (Opacus's definition: ⌈N/B⌉ steps make one expected "
-               "epoch), slightly below B/N, which lowers ε a little; the 'seed q' columns remove that difference.")
+               "epoch), slightly below B/N, which lowers ε a little; the 'paper's q' columns remove that difference.")
     return out
 
 
@@ -199,37 +200,37 @@ def findings(res: dict) -> list[str]:
     sig_max = max(s["sigmas"])
     eps_max = next(p for p in res["privacy"] if p["noise_multiplier"] == sig_max)
     for clip in (1.0, 10.0):
-        c, seed_val = _acc(res, sig_max, clip), SEED_002_ACCURACY[(10.0, clip)]
+        c, paper_val = _acc(res, sig_max, clip), PAPER_ACCURACY[(10.0, clip)]
         if c is None:
             continue
         gap = 100 * (cliff["baseline_accuracy"] - c["accuracy_mean"])
         out.append(f"- **C = {fmt(clip)} at σ = {fmt(sig_max)}** (ε = {fmt(eps_max['epsilon'])} PRV): accuracy "
                    f"{c['accuracy_mean']:.3f} ± {c['accuracy_sd']:.3f}, {gap:.1f} points below baseline. "
-                   f"Seed 002: {seed_val:.3f} at its printed ε = 0.87.")
+                   f"Paper: {paper_val:.3f} at its printed ε = 0.87.")
     small = [c for c in res["configs"] if c["max_grad_norm"] == min(s["clips"])]
     if small:
         lo, hi = min(c["accuracy_mean"] for c in small), max(c["accuracy_mean"] for c in small)
-        out.append(f"- **C = {fmt(min(s['clips']))}** across all σ: {lo:.3f}–{hi:.3f}. Seed 002: flat at ~0.80 "
+        out.append(f"- **C = {fmt(min(s['clips']))}** across all σ: {lo:.3f}–{hi:.3f}. Paper: flat at ~0.80 "
                    "(clipping, not noise, limits it).")
     if cliff["detected"]:
         names = ", ".join(f"σ = {fmt(c['noise_multiplier'])}, C = {fmt(c['max_grad_norm'])} ({c['accuracy_mean']:.3f})"
                           for c in cliff["configs"])
-        out.append(f"- **Cliff (mean < {cliff['threshold']:.3f}): detected** for {names}. Seed 002: not detected.")
+        out.append(f"- **Cliff (mean < {cliff['threshold']:.3f}): detected** for {names}. Paper: not detected.")
     else:
         worst = min(res["configs"], key=lambda c: c["accuracy_mean"])
         out.append(f"- **Cliff (mean < {cliff['threshold']:.3f}): not detected**; lowest mean is "
                    f"{worst['accuracy_mean']:.3f} (σ = {fmt(worst['noise_multiplier'])}, "
                    f"C = {fmt(worst['max_grad_norm'])}). "
-                   "Seed 002: not detected.")
-    one = next((p for p in res["privacy"] if p["noise_multiplier"] == 1.0 and p["seed_002_printed"]), None)
+                   "Paper: not detected.")
+    one = next((p for p in res["privacy"] if p["noise_multiplier"] == 1.0 and p["paper_printed"]), None)
     if one:
-        seedq = one["at_seed_sample_rate"]
-        out.append(f"- **ε at σ = 1.** Seed 002 printed 4.80; at the seed's q = {seedq['sample_rate']:.2f} "
+        at_paper_q = one["at_paper_sample_rate"]
+        out.append(f"- **ε at σ = 1.** The paper printed 4.80; at its q = {at_paper_q['sample_rate']:.2f} "
                    "Opacus gives "
-                   f"{fmt(seedq['epsilon_rdp'])} (RDP) / {fmt(seedq['epsilon_prv'])} (PRV); our runs (q = "
-                   f"{one['sample_rate']:.4f}) have {fmt(one['epsilon_rdp'])} / {fmt(one['epsilon_prv'])}: the seed "
-                   f"under-reports ε there by {seedq['epsilon_prv'] / 4.80:.1f}× (PRV) to "
-                   f"{seedq['epsilon_rdp'] / 4.80:.1f}× (RDP).")
+                   f"{fmt(at_paper_q['epsilon_rdp'])} (RDP) / {fmt(at_paper_q['epsilon_prv'])} (PRV); our runs (q = "
+                   f"{one['sample_rate']:.4f}) have {fmt(one['epsilon_rdp'])} / {fmt(one['epsilon_prv'])}: the paper "
+                   f"under-reports ε there by {at_paper_q['epsilon_prv'] / 4.80:.1f}× (PRV) to "
+                   f"{at_paper_q['epsilon_rdp'] / 4.80:.1f}× (RDP).")
     return out
 
 
@@ -261,11 +262,11 @@ def plot(res: dict, out: Path) -> list[str]:
     prv = [(p["noise_multiplier"], p["epsilon_prv"]) for p in res["privacy"] if p["epsilon_prv"] is not None]
     if prv:
         ax.plot(*zip(*prv), "s-", label=f"PRV, q = {q:.3f}")
-    ax.plot(sig, [p["at_seed_sample_rate"]["epsilon_rdp"] for p in res["privacy"]], "^--",
-            label=f"RDP, q = {res['privacy'][0]['at_seed_sample_rate']['sample_rate']:.2f} (seed's)")
-    printed = [(p["noise_multiplier"], p["seed_002_printed"]) for p in res["privacy"] if p["seed_002_printed"]]
+    ax.plot(sig, [p["at_paper_sample_rate"]["epsilon_rdp"] for p in res["privacy"]], "^--",
+            label=f"RDP, q = {res['privacy'][0]['at_paper_sample_rate']['sample_rate']:.2f} (paper's)")
+    printed = [(p["noise_multiplier"], p["paper_printed"]) for p in res["privacy"] if p["paper_printed"]]
     if printed:
-        ax.plot(*zip(*printed), "kx", ms=9, mew=2, label="seed 002 printed")
+        ax.plot(*zip(*printed), "kx", ms=9, mew=2, label="privacy-cliff paper printed")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("noise multiplier σ")

@@ -1,4 +1,4 @@
-"""Private scaling laws on 2-layer MLPs (seed 000) through dpllm's privacy engine, with formal ε.
+"""Private scaling laws on 2-layer MLPs (the scaling-law paper's study) through dpllm's privacy engine, with formal ε.
 
 Widths 16..256 (261..4,101 parameters) × {non-private, σ = 1, σ = 3} (C = 1) × 3 seeds, 100 epochs of
 SGD (lr 0.01, expected batch 64, Poisson sampling); then L(N) = a·N^(−α) + L∞ is fitted per privacy level
@@ -21,17 +21,17 @@ import numpy as np
 import torch
 
 from dpllm.mlp.data import load_dataset
-from dpllm.mlp.report import (Timer, command_line, environment, fmt, markdown_table, mean_std, progress,
-                              quiet_warnings, recipe_parser, save_figure, finish, seed_findings)
 from dpllm.mlp.train import MLPRun, plan_for, train_mlp
 from dpllm.scaling import ScalingError, fit_form
+from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, mean_std, paper_findings,
+                       progress, quiet_warnings, recipe_parser, save_figure)
 
 WIDTHS = (16, 32, 64, 128, 256)
 LEVELS = (("non-private", None), ("σ=1", 1.0), ("σ=3", 3.0))
-SEEDS = (42, 123, 789)  # seed 000's seeds
-BOOT_SEED = 2026  # seed 000's bootstrap seed
-# What seed 000 printed (its own DP-SGD, shuffled batches, no formal accounting).
-SEED_000 = {
+SEEDS = (42, 123, 789)  # the scaling-law paper's training seeds
+BOOT_SEED = 2026  # the scaling-law paper's bootstrap seed
+# What the scaling-law paper printed (its own DP-SGD, shuffled batches, no formal accounting).
+PAPER_FITS = {
     "non-private": {"alpha": 0.321, "r2": 0.974, "alpha_ci": [0.051, 5.0], "a": 0.10, "L_inf": 0.0},
     "σ=1": {"alpha": 0.432, "r2": 0.956, "alpha_ci": [0.066, 5.0], "a": 0.42, "L_inf": 0.0},
     "σ=3": {"alpha": 0.431, "r2": 0.974, "alpha_ci": [0.059, 5.0], "a": 0.42, "L_inf": 0.0},
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         "settings": {**{k: list(v) if isinstance(v, tuple) else v for k, v in g.items()}, "lr": 0.01,
                      "batch_size": 64, "max_grad_norm": 1.0, "delta": 1e-5, "boot_seed": BOOT_SEED,
                      "levels": [[lab, s] for lab, s in LEVELS], "grad_sample_mode": "hooks", "clipping": "flat"},
-        "dataset": data.info, "seed_000_reported": SEED_000, "environment": environment(),
+        "dataset": data.info, "paper_reported": PAPER_FITS, "environment": environment(),
     }
     return finish(args.output_dir, results, plot=lambda out: plot(runs, fits, out), summary=summary, timer=timer,
                   train_s=train_s, label=f"mlp_scaling: {len(runs)} runs")
@@ -98,7 +98,7 @@ def summary(res: dict) -> str:
     levels = [lab for lab, _ in g["levels"]]
     r0 = runs[0]
     lines = [
-        "# MLP scaling laws under DP (seed 000 on dpllm's engine)", "",
+        "# MLP scaling laws under DP (the scaling-law paper's study on dpllm's engine)", "",
         f"Command: `{res['command']}`", "",
         f"Wall time: **{res['timing']['wall_s']} s** (training {res['timing']['train_s']} s) on "
         f"{res['environment']['torch_threads']} torch thread(s); {len(runs)} runs.", "",
@@ -111,13 +111,14 @@ def summary(res: dict) -> str:
         markdown_table(["level", "σ", "C", "q", "steps", "δ", "ε (PRV)", "ε (RDP)"], [
             [p["level"], fmt(p["noise_multiplier"]), fmt(p["max_grad_norm"]), f"{p['sample_rate']:.4f}", p["steps"],
              f"{p['delta']:g}", fmt(p["epsilon_prv"]), fmt(p["epsilon_rdp"])] for p in res["privacy"]]), "",
-        "Seed 000 gave no formal ε (its limitations say so); these are the guarantees of the runs above.", "",
+        "The scaling-law paper gave no formal ε (its limitations say so); these are the guarantees of the runs "
+        "above.", "",
         "## Power-law fits L(N) = a·N^(−α) + L∞ (test cross-entropy)", "",
     ]
     alpha_np = fits.get("non-private", {}).get("params", {}).get("alpha")
     rows = []
     for lab in levels:
-        f, s = fits.get(lab), SEED_000.get(lab, {})
+        f, s = fits.get(lab), PAPER_FITS.get(lab, {})
         if f is None:
             rows.append([lab, "fit failed: " + res["fit_errors"].get(lab, "?")] + [""] * 7)
             continue
@@ -127,9 +128,9 @@ def summary(res: dict) -> str:
                      fmt(f["r2"], 4), fmt(ratio), f"{fmt(s.get('alpha'))} / {fmt(s.get('r2'))}",
                      f"[{fmt(s.get('alpha_ci', [None])[0])}, {fmt(s.get('alpha_ci', [None, None])[1])}]"])
     lines += [markdown_table(["level", "α", "95% CI α (bootstrap)", "a", "L∞", "R²", "α/α_NP",
-                              "seed 000 α / R²", "seed 000 CI α"], rows), ""]
+                              "paper α / R²", "paper CI α"], rows), ""]
     lines += ["Bootstrap: 1 point per width = mean over seeds; resamples draw seeds within each width "
-              f"({g['n_boot']} resamples, seed {g['boot_seed']}); α is bounded to [0, 5] as in the seed.", "",
+              f"({g['n_boot']} resamples, seed {g['boot_seed']}); α is bounded to [0, 5] as in the paper.", "",
               "## Test loss and accuracy by width (mean ± sd over seeds)", ""]
     rows = []
     for w in g["widths"]:
@@ -142,7 +143,7 @@ def summary(res: dict) -> str:
         rows.append(row)
     hdr = ["width", "N"] + [h for lab in levels for h in (f"loss {lab}", f"acc {lab}")]
     lines += [markdown_table(hdr, rows), ""]
-    lines += seed_findings("000", r0["dataset"], findings(res), res["plots"])
+    lines += paper_findings("the scaling-law paper", r0["dataset"], findings(res), res["plots"])
     return "\n".join(lines)
 
 
@@ -152,7 +153,7 @@ def findings(res: dict) -> list[str]:
     dp = {lab: f for lab, f in fits.items() if lab != "non-private"}
     r2s = ", ".join(f"{lab} {f['r2']:.3f}" for lab, f in dp.items())
     holds = bool(dp) and all(f["r2"] > 0.95 for f in dp.values())
-    out.append(f"- **Power law under DP (R² > 0.95).** Seed 000: holds (0.956, 0.974). Ours: R² {r2s} → "
+    out.append(f"- **Power law under DP (R² > 0.95).** Paper: holds (0.956, 0.974). Ours: R² {r2s} → "
                f"{'holds' if holds else 'does NOT hold for every DP level'}.")
     if "non-private" in fits and dp:
         a_np = fits["non-private"]["params"]["alpha"]
@@ -163,28 +164,28 @@ def findings(res: dict) -> list[str]:
                       if f.get("ci"))
         lower = all(f["params"]["alpha"] < a_np for f in dp.values())
         higher = all(f["params"]["alpha"] > a_np for f in dp.values())
-        direction = ("DP α above non-private, as in seed 000" if higher else
-                     "DP α BELOW non-private: the opposite direction to seed 000" if lower else "mixed directions")
-        verdict = ("overlap, so neither these data nor the seed's separate the exponents" if overlap
+        direction = ("DP α above non-private, as in the paper" if higher else
+                     "DP α BELOW non-private: the opposite direction to the paper" if lower else "mixed directions")
+        verdict = ("overlap, so neither these data nor the paper's separate the exponents" if overlap
                    else "do not all overlap")
-        out.append(f"- **Exponent.** Seed 000: DP α ≈ 0.43 above non-private 0.32, CIs [0.05, 5]. Ours: "
+        out.append(f"- **Exponent.** Paper: DP α ≈ 0.43 above non-private 0.32, CIs [0.05, 5]. Ours: "
                    f"non-private α = {a_np:.3f}; {cmp}; {direction}. The 95% CIs {verdict}.")
         a_cmp = ", ".join(f"{lab} {f['params']['a']:.3g}" for lab, f in fits.items())
         l_cmp = ", ".join(f"{lab} {fmt(f['params']['L_inf'])}" for lab, f in fits.items())
-        out.append(f"- **Level of the curves.** Seed 000: DP raises a (0.10 → 0.42), L∞ ≈ 0. Ours: a: {a_cmp}; "
+        out.append(f"- **Level of the curves.** Paper: DP raises a (0.10 → 0.42), L∞ ≈ 0. Ours: a: {a_cmp}; "
                    f"L∞: {l_cmp}. With three free parameters and five widths, a, α and L∞ trade off against each "
                    "other; compare the loss table, not single parameters.")
     perfect = sum(r["metrics"]["test_accuracy"] == 1.0 for r in runs)
     mean = lambda lab, m: float(np.mean([r["metrics"][m] for r in runs if r["level"] == lab]))  # noqa: E731
     accs = ", ".join(f"{lab} {mean(lab, 'test_accuracy'):.3f}" for lab in fits)
-    out.append(f"- **Accuracy.** Seed 000: all 45 runs at 100% test accuracy, so its differences were in loss "
+    out.append(f"- **Accuracy.** Paper: all 45 runs at 100% test accuracy, so its differences were in loss "
                f"(calibration) only. Ours: {perfect}/{len(runs)} runs at 100%; mean test accuracy {accs}.")
     if "non-private" in fits:
         acc_np, loss_np = mean("non-private", "test_accuracy"), mean("non-private", "test_loss")
         gaps = "; ".join(f"{lab}: {100 * (acc_np - mean(lab, 'test_accuracy')):.1f} accuracy points lower, "
                          f"loss ×{mean(lab, 'test_loss') / loss_np:.2f}" for lab in dp)
-        out.append(f"- **Cost of DP, averaged over widths.** {gaps}. Our Gaussian task is a little harder than seed "
-                   "000's (its generator is not published; see `dpllm.mlp.data`), so accuracy is below 100% here.")
+        out.append(f"- **Cost of DP, averaged over widths.** {gaps}. Our Gaussian task is a little harder than the "
+                   "paper's (its generator is not published; see `dpllm.mlp.data`), so accuracy is below 100% here.")
     if len(dp) >= 2:
         first, last = list(dp)[0], list(dp)[-1]
         pairs = [(a, b) for a in runs if a["level"] == first for b in runs if b["level"] == last
@@ -197,12 +198,12 @@ def findings(res: dict) -> list[str]:
                    f"standard-normal noise draws, so {first} and {last} differ only in the noise scale; their test "
                    f"losses differ by at most {diff:.3f}. Per step, the noise moves each weight by "
                    f"lr·σC/(qN) = {step_sd:.1e} (sd) at {last}, so the utility cost here is clipping's, not "
-                   "noise's, which fits seed 000's "
+                   "noise's, which fits the paper's "
                    f"'clipping-dominated' reading. The guarantees do differ: ε = {eps[first]} ({first}) vs "
                    f"{eps[last]} ({last}), PRV.")
     eps = "; ".join(f"{p['level']}: ε = {fmt(p['epsilon_prv'])} (PRV), {fmt(p['epsilon_rdp'])} (RDP)"
                     for p in res["privacy"])
-    out.append(f"- **Formal privacy** (absent from seed 000), δ = 1e-5, q = {res['privacy'][0]['sample_rate']:.4f}, "
+    out.append(f"- **Formal privacy** (absent from the paper), δ = 1e-5, q = {res['privacy'][0]['sample_rate']:.4f}, "
                f"{res['privacy'][0]['steps']} steps: {eps}.")
     return out
 

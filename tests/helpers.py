@@ -42,12 +42,45 @@ def batch_of(tok, texts=TEXTS, max_length: int = 48) -> dict:
 
 
 def load_recipe(name: str):
-    """Import ``recipes/<name>.py`` as a module (recipes are scripts, not a package)."""
+    """Import ``recipes/<name>.py`` as a module (recipes are scripts, not a package).
+
+    ``recipes/`` goes on ``sys.path`` as it does for ``python recipes/<name>.py``, so a recipe's imports of
+    its sibling helpers (``mlp_study``) resolve the same way in tests.
+    """
     import importlib.util
     import os
+    import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "recipes", f"{name}.py"))
+    recipes = os.path.join(root, "recipes")
+    if recipes not in sys.path:
+        sys.path.insert(0, recipes)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(recipes, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def assert_reproduces_committed(res: dict, name: str, *, metric_abs: float) -> None:
+    """A full (not --quick) study ``res`` gives the runs committed in ``docs/results/<name>/results.json``.
+
+    Same grid and settings, ε to 1e-6 (the accountants are deterministic) and every run's metrics to
+    ``metric_abs`` (same seeds, so the same batches and noise; only float summation order may differ).
+    """
+    import json
+    import os
+
+    import pytest
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "docs", "results", name, "results.json")) as fh:
+        committed = json.load(fh)
+    res = json.loads(json.dumps(res, default=str))  # as written to results.json: tuples become lists
+    assert not res["quick"] and res["settings"] == committed["settings"]
+    assert [r["config"] for r in res["runs"]] == [r["config"] for r in committed["runs"]]
+    for ours, theirs in zip(res["runs"], committed["runs"]):
+        for key in ("epsilon_prv", "epsilon_rdp", "noise_multiplier", "sample_rate", "steps"):
+            if key in theirs:
+                assert ours[key] == (None if theirs[key] is None else pytest.approx(theirs[key], rel=1e-6)), key
+        for key, value in theirs["metrics"].items():
+            assert ours["metrics"][key] == pytest.approx(value, abs=metric_abs), (ours["config"], key)

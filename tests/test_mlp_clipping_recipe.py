@@ -1,9 +1,9 @@
-"""recipes/mlp_clipping.py --quick in-process: every arm at the same σ and ε, intervals well formed."""
+"""recipes/mlp_clipping.py --quick in-process: every arm at one σ and ε, well-formed intervals; full grid: -m slow."""
 
 
 import pytest
 
-from tests.helpers import load_recipe
+from tests.helpers import assert_reproduces_committed, load_recipe
 
 
 
@@ -42,3 +42,10 @@ def test_intervals(quick):
             assert row[metric]["lo"] <= row[metric]["mean"] <= row[metric]["hi"]
         if row["method"] not in ("flat", "non-private"):
             assert row["accuracy_minus_flat"]["lo"] <= row["accuracy_minus_flat"]["hi"]
+
+
+@pytest.mark.slow
+def test_full_study_reproduces_the_committed_results(tmp_path):
+    """The full grid (no --quick, ~25 s) gives back every run of docs/results/mlp_clipping."""
+    res = load_recipe("mlp_clipping").main(["--output_dir", str(tmp_path), "--no_progress"])
+    assert_reproduces_committed(res, "mlp_clipping", metric_abs=1e-4)

@@ -1,10 +1,10 @@
-"""recipes/mlp_membership.py --quick in-process, and its shadow design."""
+"""recipes/mlp_membership.py --quick in-process, and its shadow design; the full study under -m slow."""
 
 
 import numpy as np
 import pytest
 
-from tests.helpers import load_recipe
+from tests.helpers import assert_reproduces_committed, load_recipe
 
 
 
@@ -55,3 +55,10 @@ def test_outputs_and_metrics(quick):
     assert np_["attacks"]["loss"]["auc"] > 0.55  # the non-private models overfit the 32-record halves
     assert dp["epsilon_rdp"] == pytest.approx(8.0, abs=0.05) and dp["epsilon_prv"] < dp["epsilon_rdp"]
     assert dp["dp_bound"]["tpr@fpr=0.01"] == pytest.approx(min(1.0, np.exp(dp["epsilon_prv"]) * 0.01 + 1e-5))
+
+
+@pytest.mark.slow
+def test_full_study_reproduces_the_committed_results(tmp_path):
+    """The full grid (no --quick, ~30 s) gives back every run of docs/results/mlp_membership."""
+    res = load_recipe("mlp_membership").main(["--output_dir", str(tmp_path), "--no_progress"])
+    assert_reproduces_committed(res, "mlp_membership", metric_abs=1e-4)

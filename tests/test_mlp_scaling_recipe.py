@@ -1,12 +1,13 @@
-"""recipes/mlp_scaling.py --quick, run in-process: files, structure, ε bookkeeping, fits."""
+"""recipes/mlp_scaling.py --quick in-process: files, structure, ε bookkeeping, fits; the full grid under -m slow."""
 
 import json
 
 import pytest
 
-from tests.helpers import load_recipe
+from tests.helpers import assert_reproduces_committed, load_recipe
 
 from dpllm.privacy.accounting import compute_epsilon
+from dpllm.scaling import fit_form
 
 
 
@@ -24,7 +25,7 @@ def test_writes_results_summary_and_plots(quick):
     assert json.loads((out / "results.json").read_text())["runs"] == res["runs"]
     summary = (out / "summary.md").read_text()
     assert "Command: `python recipes/mlp_scaling.py --output_dir" in summary.splitlines()[2]
-    assert "Wall time" in summary and "seed 000" in summary
+    assert "Wall time" in summary and "scaling-law paper" in summary
 
 
 def test_grid_and_recorded_epsilon(quick):
@@ -44,10 +45,26 @@ def test_grid_and_recorded_epsilon(quick):
     assert np_runs[0]["metrics"]["test_accuracy"] > 0.9
 
 
-def test_power_law_fit_per_level(quick):
+def test_power_law_fit_per_level_with_the_stated_bootstrap(quick):
+    """Each level's fit and interval are what fit_form gives on its runs with the recorded n_boot and seed."""
     _, res = quick
+    settings = res["settings"]
     assert set(res["fits"]) == {"non-private", "σ=1", "σ=3"}
-    for fit in res["fits"].values():
+    for label, fit in res["fits"].items():
         assert fit["form"] == "power_law" and 0 <= fit["params"]["alpha"] <= 5
-        assert fit["bootstrap"]["n_boot"] == 50 and fit["bootstrap"]["seed"] == 2026
-        assert len(fit["ci"]["alpha"]) == 2
+        assert fit["bootstrap"]["n_boot"] == settings["n_boot"] and fit["bootstrap"]["seed"] == settings["boot_seed"]
+        runs = [r for r in res["runs"] if r["level"] == label]
+        kwargs = dict(loss=[r["metrics"]["test_loss"] for r in runs], N=[r["n_params"] for r in runs],
+                      seed=settings["boot_seed"], label=label)
+        again = fit_form("power_law", n_boot=settings["n_boot"], **kwargs)
+        assert again.params["alpha"] == pytest.approx(fit["params"]["alpha"], rel=1e-9)
+        assert list(again.ci["alpha"]) == pytest.approx(fit["ci"]["alpha"], rel=1e-9)
+        # and the interval depends on the number of resamples, so the check above pins it
+        assert list(fit_form("power_law", n_boot=7, **kwargs).ci["alpha"]) != pytest.approx(fit["ci"]["alpha"])
+
+
+@pytest.mark.slow
+def test_full_study_reproduces_the_committed_results(tmp_path):
+    """The full grid (no --quick, ~30 s) gives back every run of docs/results/mlp_scaling."""
+    res = load_recipe("mlp_scaling").main(["--output_dir", str(tmp_path), "--no_progress"])
+    assert_reproduces_committed(res, "mlp_scaling", metric_abs=1e-4)

@@ -28,12 +28,12 @@ def test_noise_std_is_sigma_times_sensitivity(mode, clip, s):
         plan = PrivacyPlan(num_records=n, sample_rate=1.0, steps=1, noise_multiplier=noise, delta=1e-5,
                            accountant="rdp", expected_batch_size=n)
         opt = torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.1)
-        pt = make_private(model=m, optimizer=opt, dataset=dataset, collate_fn=make_collate(tok.pad_token_id),
-                          cfg=cfg, plan=plan, logical_batch_size=n)
-        pt.optimizer.zero_grad()
-        forward_loss(pt.model, batch_of(tok), pt.criterion).backward()
-        pt.optimizer.pre_step()
-        return torch.cat([p.grad.flatten() * n for p in pt.optimizer.params])
+        private = make_private(model=m, optimizer=opt, dataset=dataset, collate_fn=make_collate(tok.pad_token_id),
+                               cfg=cfg, plan=plan, logical_batch_size=n)
+        private.optimizer.zero_grad()
+        forward_loss(private.model, batch_of(tok), private.criterion).backward()
+        private.optimizer.pre_step()
+        return torch.cat([p.grad.flatten() * n for p in private.optimizer.params])
 
     noise = noisy_minus_clean(sigma) - noisy_minus_clean(0.0)
     expected = sigma * C / s
@@ -43,8 +43,8 @@ def test_noise_std_is_sigma_times_sensitivity(mode, clip, s):
     assert abs(noise.mean().item()) < 5 * expected / math.sqrt(noise.numel())
 
 
-def test_known_accountant_values_seed_002_setting():
-    # σ = 1, q = 0.16, 140 steps, δ = 1e-5 (seed 002): the seed's simplified bound printed 4.80
+def test_known_accountant_values_privacy_cliff_paper_setting():
+    # σ = 1, q = 0.16, 140 steps, δ = 1e-5 (the privacy-cliff paper): its simplified bound printed 4.80
     assert compute_epsilon(noise_multiplier=1.0, sample_rate=0.16, steps=140, delta=1e-5, accountant="rdp") == \
         pytest.approx(15.09, abs=0.01)
     assert compute_epsilon(noise_multiplier=1.0, sample_rate=0.16, steps=140, delta=1e-5, accountant="prv") == \

@@ -40,7 +40,7 @@ def test_registry_lists_three_forms_and_rejects_unknown():
 
 
 def test_power_law_recovers_parameters_with_repeated_seeds():
-    # The seed-000 design: 5 MLP sizes × 3 seeds, 1% multiplicative noise.
+    # The scaling-law paper's design: 5 MLP sizes × 3 training seeds, 1% multiplicative noise.
     truth = {"a": 5.0, "alpha": 0.4, "L_inf": 0.05}
     n = np.repeat([261.0, 581.0, 1221.0, 2501.0, 4101.0], 3)
     loss = _noisy("power_law", truth, {"N": n}, 0.01, seed=3)

@@ -1,7 +1,8 @@
 """Small classification data sets for the MLP smoke studies, as full tensors (no DataLoader needed).
 
-* ``gaussian``: the seeds' synthetic task: 500 points, 10 features, 5 balanced classes, one isotropic
-  Gaussian cluster per class with spread 1.5 (seed 002), split 80/20.
+* ``gaussian``: the synthetic task of the scaling-law and privacy-cliff papers: 500 points, 10 features,
+  5 balanced classes, one isotropic Gaussian cluster per class with spread 1.5 (the privacy-cliff paper),
+  split 80/20.
 * ``digits``: scikit-learn's 8×8 handwritten digits (1,797 images, 64 features, 10 classes), which ship
   with scikit-learn, so no download is needed.
 
@@ -24,7 +25,7 @@ import numpy as np
 import torch
 
 DATASETS = ("gaussian", "digits")
-DATA_SEED = 42  # both seeds generate their data with seed 42
+DATA_SEED = 42  # both papers generate their data with seed 42
 
 
 @dataclass
@@ -70,9 +71,9 @@ def gaussian_clusters(*, n_samples: int = 500, n_features: int = 10, n_classes: 
                       center_scale: float = 3.0, test_fraction: float = 0.2, seed: int = DATA_SEED) -> Split:
     """Balanced Gaussian clusters: centres ~ N(0, center_scale²·I), points ~ N(centre, spread²·I).
 
-    The seeds describe the task (500 × 10, 5 classes, spread 1.5, "well separated") but not how they drew
-    the centres; ``center_scale=3`` is our choice, under which a linear classifier reaches ~99% as the
-    seeds' baselines do.
+    The scaling-law and privacy-cliff papers describe the task (500 × 10, 5 classes, spread 1.5, "well
+    separated") but not how they drew the centres; ``center_scale=3`` is our choice, under which a linear
+    classifier reaches ~99% as the papers' baselines do.
 
     Args:
         n_samples, n_features, n_classes: shape of the task.

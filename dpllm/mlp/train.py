@@ -96,11 +96,12 @@ class TrainedMLP:
 
 
 def make_mlp(n_features: int, width: int, n_classes: int) -> nn.Sequential:
-    """Linear → ReLU → Linear, the seeds' two-layer MLP."""
+    """Linear → ReLU → Linear, the two-layer MLP of the scaling-law and privacy-cliff papers."""
     return nn.Sequential(nn.Linear(n_features, width), nn.ReLU(), nn.Linear(width, n_classes))
 
 
-def count_parameters(model: nn.Module) -> int:
+def num_parameters(model: nn.Module) -> int:
+    """All parameters of ``model`` (every MLP parameter trains; :func:`dpllm.models.count_parameters` splits)."""
     return sum(p.numel() for p in model.parameters())
 
 
@@ -143,15 +144,15 @@ def plan_for(run: MLPRun, *, n_train: int, cache: Optional[dict] = None) -> Priv
     Raises:
         dpllm.privacy.accounting.PrivacyPlanError: δ ≥ 1/N or an unreachable target ε.
     """
-    nb = batches_per_epoch(n_train, run.batch_size)
-    steps = run.epochs * nb
+    n_batches = batches_per_epoch(n_train, run.batch_size)
+    steps = run.epochs * n_batches
     accountant = run.accountant
     if run.noise_multiplier is not None and accountant == "prv":
-        rdp = accounting.compute_epsilon(noise_multiplier=run.noise_multiplier, sample_rate=1.0 / nb, steps=steps,
-                                         delta=run.delta, accountant="rdp")  # ~10 ms, PRV up to a minute
+        rdp = accounting.compute_epsilon(noise_multiplier=run.noise_multiplier, sample_rate=1.0 / n_batches,
+                                         steps=steps, delta=run.delta, accountant="rdp")  # ~10 ms, PRV up to a minute
         if rdp > PRV_SKIP_ABOVE:
             accountant = "rdp"
-    key = (run.noise_multiplier, run.target_epsilon, run.delta, accountant, n_train, nb, steps)
+    key = (run.noise_multiplier, run.target_epsilon, run.delta, accountant, n_train, n_batches, steps)
     plans = {} if cache is None else cache.setdefault("plans", {})
     if key not in plans:
         plans[key] = plan_privacy(num_records=n_train, logical_batch_size=run.batch_size, steps=steps,
@@ -197,37 +198,37 @@ def train_mlp(run: MLPRun, data: Split, *, plan: Optional[PrivacyPlan] = None,
     """
     start = time.perf_counter()
     x, y = data.x_train, data.y_train
-    n, nb = data.n_train, batches_per_epoch(data.n_train, run.batch_size)
-    steps = run.epochs * nb
+    n, n_batches = data.n_train, batches_per_epoch(data.n_train, run.batch_size)
+    steps = run.epochs * n_batches
     torch.manual_seed(run.seed)  # initialisation
     # Separate streams for batches and noise: runs with the same seed see the same batches whatever σ,
     # C or the clipping function, so comparisons between them are paired.
     sampling = torch.Generator().manual_seed(stream_seed(run.seed, "mlp:sampling"))
     noise = torch.Generator().manual_seed(stream_seed(run.seed, "mlp:noise"))
     model = make_mlp(data.n_features, run.width, data.n_classes)
-    n_params = count_parameters(model)
+    n_params = num_parameters(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=run.lr)
     criterion = nn.CrossEntropyLoss()
-    pt = None
+    private = None
     if run.private:
         if plan is None or plan.num_records != n or plan.steps != steps:
             raise ValueError(f"private run needs plan_for(run, n_train={n}) (steps={steps}); got {plan}")
-        pt = make_private(model=model, optimizer=optimizer, dataset=TensorDataset(x, y), collate_fn=None,
+        private = make_private(model=model, optimizer=optimizer, dataset=TensorDataset(x, y), collate_fn=None,
                           cfg=run.privacy_config(plan.accountant), plan=plan, logical_batch_size=run.batch_size,
                           noise_generator=noise, sampling_generator=sampling)
-        wrapped, optimizer = pt.model, pt.optimizer
-        criterion = pt.criterion or criterion  # ghost mode hands back its own criterion
-        sampler = pt.data_loader.batch_sampler
+        wrapped, optimizer = private.model, private.optimizer
+        criterion = private.criterion or criterion  # ghost mode hands back its own criterion
+        sampler = private.data_loader.batch_sampler
     else:
         wrapped = model
-        sampler = PoissonBatchSampler(num_samples=n, sample_rate=1.0 / nb, generator=sampling)
+        sampler = PoissonBatchSampler(num_samples=n, sample_rate=1.0 / n_batches, generator=sampling)
     wrapped.train()
     batches = iter(sampler)  # endless: one Poisson draw per step
     for _ in range(steps):
         idx = next(batches)
         optimizer.zero_grad(set_to_none=True)
         if not idx:  # an empty Poisson batch (probability (1-q)^N, ~1e-25 here)
-            if pt is not None:
+            if private is not None:
                 add_empty_share(optimizer)  # still a DP step: noise is added and the accountant counts it
                 optimizer.step()
             continue
@@ -237,12 +238,12 @@ def train_mlp(run: MLPRun, data: Split, *, plan: Optional[PrivacyPlan] = None,
 
     record: dict[str, Any] = {
         "config": asdict(run), "dataset": data.name, "n_train": n, "n_params": n_params,
-        "steps": steps, "sample_rate": 1.0 / nb, "expected_batch_size": n / nb,
+        "steps": steps, "sample_rate": 1.0 / n_batches, "expected_batch_size": n / n_batches,
         "noise_multiplier": 0.0, "max_grad_norm": None, "sensitivity": None, "delta": None,
         "accountant_planned": None, "epsilon_prv": None, "epsilon_rdp": None, "prv_note": None,
     }
-    if pt is not None:
-        history = pt.history()
+    if private is not None:
+        history = private.history()
         want = [(plan.noise_multiplier, plan.sample_rate, steps)]
         if len(history) != 1 or history[0][2] != steps or any(
                 not math.isclose(a, b, rel_tol=1e-12) for a, b in zip(history[0][:2], want[0][:2])):

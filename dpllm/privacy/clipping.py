@@ -9,11 +9,17 @@ clipping only the per-sample coefficient changes, so every function works in bot
 | flat       | min(1, C / n)               | C             | Abadi et al. 2016               |
 | automatic  | C / (n + r)                 | C             | Bu et al. 2022 (normalised)     |
 | psac       | C / (n + r / (n + r))       | C             | Xia et al. 2023                 |
-| psasc      | C / (s·n + r / (n + r))     | C / s         | Huang et al. 2024 (seed 004)    |
+| psasc      | C / (s·n + r / (n + r))     | C / s         | Huang et al. 2024 (PSASC paper) |
 
 For psasc, ‖w(n)·g‖ = C·n / (s·n + r/(n+r)) < C/s, so the noise is σ·C/s: a smaller s weights small
-gradients up *and* raises the noise by the same factor. Momentum (the seed's optional variant) is
+gradients up *and* raises the noise by the same factor. Momentum (the PSASC paper's optional variant) is
 post-processing of the noisy gradient: use ``optimizer: sgd`` with ``momentum``.
+
+Opacus applies a function through subclasses of its own classes, which :func:`opacus_classes` picks for
+:func:`dpllm.privacy.engine.make_private`: under ghost clipping the grad-sample module's
+``get_clipping_coef`` returns w(‖g‖) (:class:`ClippingFunctionGhostModule`, ``...FSDP``); under hooks the
+optimizer's ``clip_and_accumulate`` sums w(‖gᵢ‖)·gᵢ (:class:`ClippingFunctionDPOptimizer`,
+``...DistributedDPOptimizer``). Flat clipping keeps Opacus's classes unchanged.
 
 Example:
     >>> import torch
@@ -26,11 +32,15 @@ Example:
 
 from __future__ import annotations
 
-import types
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from opacus.grad_sample import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
+from opacus.grad_sample.utils import get_gsm_class
+from opacus.optimizers import DistributedDPOptimizer, DPOptimizer, get_optimizer_class
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+from torch import nn
 
 from dpllm.config import PrivacyConfig
 
@@ -93,34 +103,87 @@ def per_sample_norms(grad_samples: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack(norms, dim=1).norm(2, dim=1)
 
 
-def install(fn: ClippingFunction, cfg: PrivacyConfig, *, model, optimizer) -> None:
-    """Make an Opacus-wrapped model/optimizer use ``fn`` (flat is Opacus's own and needs nothing).
+class ClippingFunctionGhostMixin:
+    """Ghost clipping with a clipping function: the per-sample coefficient is w(‖gᵢ‖), not Opacus's flat one.
 
-    Ghost clipping: the module's ``get_clipping_coef`` returns w(‖g‖). Hooks: the optimizer's
-    ``clip_and_accumulate`` weights materialised per-sample gradients by w(‖g‖). In both, the optimizer's
-    ``max_grad_norm`` (the noise scale) was already set to the function's sensitivity by the caller.
+    Opacus computes ‖gᵢ‖ without materialising gᵢ and scales the second backward pass by
+    ``get_clipping_coef()``; that coefficient is all a clipping function changes.
     """
-    if fn.name == "flat":
-        return
-    if hasattr(model, "get_clipping_coef"):
-        def get_clipping_coef(self):
-            return fn.weights(self.get_norm_sample(), cfg)
 
-        model.get_clipping_coef = types.MethodType(get_clipping_coef, model)
-        return
+    def __init__(self, m: nn.Module, *, clip_weights: Callable[[torch.Tensor], torch.Tensor], **kwargs):
+        super().__init__(m, **kwargs)
+        self.clip_weights = clip_weights
 
-    from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+    def get_clipping_coef(self) -> torch.Tensor:
+        return self.clip_weights(self.get_norm_sample())
 
-    def clip_and_accumulate(self):
-        if len(self.grad_samples[0]) == 0:
+
+class ClippingFunctionGhostModule(ClippingFunctionGhostMixin, GradSampleModuleFastGradientClipping):
+    """Opacus's ``GradSampleModuleFastGradientClipping`` weighting each record by ``clip_weights(‖gᵢ‖)``."""
+
+
+class ClippingFunctionGhostModuleFSDP(ClippingFunctionGhostMixin, GradSampleModuleFastGradientClippingFSDP):
+    """Opacus's ``GradSampleModuleFastGradientClippingFSDP`` weighting each record by ``clip_weights(‖gᵢ‖)``."""
+
+
+class ClippingFunctionOptimizerMixin:
+    """Hooks mode with a clipping function: materialised per-sample gradients are summed as Σ w(‖gᵢ‖)·gᵢ.
+
+    The same loop as Opacus's ``DPOptimizer.clip_and_accumulate`` with the flat factor replaced by
+    ``clip_weights``; it uses the processed-flag helpers Opacus's own subclasses use (``AdaClipDPOptimizer``).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *,
+                 clip_weights: Callable[[torch.Tensor], torch.Tensor], **kwargs):
+        super().__init__(optimizer, **kwargs)
+        self.clip_weights = clip_weights
+
+    def clip_and_accumulate(self) -> None:
+        if len(self.grad_samples[0]) == 0:  # an empty share: zero records, zero sum
             weights = torch.zeros((0,), device=self.grad_samples[0].device)
         else:
-            weights = fn.weights(per_sample_norms(self.grad_samples), cfg)
+            weights = self.clip_weights(per_sample_norms(self.grad_samples))
         for p in self.params:
             _check_processed_flag(p.grad_sample)
-            gs = self._get_flat_grad_sample(p).to(p.dtype)
-            grad = torch.einsum("i,i...", weights.to(gs.device, p.dtype), gs)
+            grad_sample = self._get_flat_grad_sample(p).to(p.dtype)
+            grad = torch.einsum("i,i...", weights.to(grad_sample.device, p.dtype), grad_sample)
             p.summed_grad = grad if p.summed_grad is None else p.summed_grad + grad
             _mark_as_processed(p.grad_sample)
 
-    optimizer.clip_and_accumulate = types.MethodType(clip_and_accumulate, optimizer)
+
+class ClippingFunctionDPOptimizer(ClippingFunctionOptimizerMixin, DPOptimizer):
+    """Opacus's ``DPOptimizer`` summing per-sample gradients weighted by ``clip_weights(‖gᵢ‖)``."""
+
+
+class ClippingFunctionDistributedDPOptimizer(ClippingFunctionOptimizerMixin, DistributedDPOptimizer):
+    """Opacus's ``DistributedDPOptimizer`` (DDP) summing gradients weighted by ``clip_weights(‖gᵢ‖)``."""
+
+
+_SUBCLASSES = {
+    GradSampleModuleFastGradientClipping: ClippingFunctionGhostModule,
+    GradSampleModuleFastGradientClippingFSDP: ClippingFunctionGhostModuleFSDP,
+    DPOptimizer: ClippingFunctionDPOptimizer,
+    DistributedDPOptimizer: ClippingFunctionDistributedDPOptimizer,
+}
+
+
+def opacus_classes(fn: ClippingFunction, cfg: PrivacyConfig, *, grad_sample_mode: str, distributed: bool):
+    """Opacus's module and optimizer classes for ``grad_sample_mode``, subclassed to apply ``fn``.
+
+    Flat clipping is Opacus's own, so its classes come back unchanged. Otherwise the class that clips is
+    replaced by its subclass above: the module under ghost clipping (the coefficient of the second backward
+    pass), the optimizer under hooks (the weighted sum of materialised per-sample gradients). In both the
+    optimizer's ``max_grad_norm``, the noise scale, is the function's sensitivity, passed by the caller.
+
+    Returns:
+        ``(module_class, module_kwargs, optimizer_class, optimizer_kwargs)``: the extra keyword arguments
+        (``clip_weights``) each constructor takes besides Opacus's own.
+    """
+    module_cls = get_gsm_class(grad_sample_mode)
+    optimizer_cls = get_optimizer_class(clipping="flat", distributed=distributed, grad_sample_mode=grad_sample_mode)
+    if fn.name == "flat":
+        return module_cls, {}, optimizer_cls, {}
+    extra = {"clip_weights": lambda norms: fn.weights(norms, cfg)}
+    if "ghost" in grad_sample_mode:
+        return _SUBCLASSES[module_cls], extra, optimizer_cls, {}
+    return module_cls, {}, _SUBCLASSES[optimizer_cls], extra

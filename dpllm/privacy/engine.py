@@ -109,8 +109,8 @@ def make_private(
     engine = PrivacyEngine(accountant=plan.accountant, secure_mode=cfg.secure_mode)
     # Our own Poisson sampler over the whole dataset, never skipping a process's empty share (Opacus's
     # distributed sampler does, desynchronising step counts), with a generator whose state a resumable
-    # checkpoint saves. It is handed to Opacus as an already-sampling loader (poisson_sampling=False), and
-    # the accountant hook is attached with the plan's q below, so q has exactly one source.
+    # checkpoint saves. Opacus never sees the loader (it would derive q from its length): the accountant
+    # hook is attached with the plan's q below, so q has exactly one source.
     sampler = PoissonBatchSampler(num_samples=len(dataset), sample_rate=plan.sample_rate, rank=rank,
                                   world_size=world_size,
                                   generator=engine.secure_rng if cfg.secure_mode else sampling_generator)
@@ -127,29 +127,56 @@ def make_private(
             secure_mode=cfg.secure_mode)
         criterion = None
     else:
-        out = engine.make_private(
-            module=model,
-            optimizer=optimizer,
-            criterion=criterion,
-            data_loader=loader,
-            noise_multiplier=plan.noise_multiplier,
-            max_grad_norm=fn.sensitivity(cfg),
-            poisson_sampling=False,
-            grad_sample_mode=mode,
-            noise_generator=noise_generator,
-        )
-        if "ghost" in mode:
-            model, optimizer, criterion, loader = out
-        else:
-            (model, optimizer, loader), criterion = out, None
+        model, optimizer, criterion = _wrap_opacus(
+            engine=engine, model=model, optimizer=optimizer, criterion=criterion, fn=fn, cfg=cfg, mode=mode,
+            noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size / world_size,
+            noise_generator=noise_generator)
     optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=plan.sample_rate))
     # What Opacus's Poisson mode would also do: a second backward before a step is an error, not a sum.
     getattr(model, "forbid_grad_accumulation", lambda: None)()
-    optimizer.expected_batch_size = plan.expected_batch_size / world_size
-    if mode != "bk":  # bk applies fn itself
-        clipping.install(fn, cfg, model=model, optimizer=optimizer)
     return PrivateTraining(model=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
                            engine=engine, plan=plan, sampler=sampler, grad_sample_mode=mode)
+
+
+def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, criterion, fn, cfg: PrivacyConfig,
+                 mode: str, noise_multiplier: float, expected_batch_size: float,
+                 noise_generator: Optional[torch.Generator]):
+    """Opacus's grad-sample module, DP optimizer and (ghost) criterion, built from its public classes.
+
+    This is what ``PrivacyEngine.make_private`` does for an already-sampling loader, except that the classes
+    come from :func:`dpllm.privacy.clipping.opacus_classes`, so a clipping function other than flat is
+    Opacus's class subclassed, not a patched instance; ``make_private`` itself takes no custom classes.
+    The loader needs no wrapping: our sampler already draws from the secure generator under secure mode.
+
+    Returns:
+        ``(model, optimizer, criterion)``; criterion is None outside ghost clipping.
+    """
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from opacus.utils.fast_gradient_clipping_utils import DPLossFastGradientClipping
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dpllm.privacy import clipping
+
+    if noise_generator is not None and cfg.secure_mode:
+        raise ValueError("Passing seed is prohibited in secure mode")  # Opacus's own check and words
+    model_parameters = set(model.parameters())
+    if any(p not in model_parameters for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("Module parameters are different than optimizer Parameters")
+    engine.validate(module=model, optimizer=None, data_loader=None)
+    module_cls, module_kwargs, optimizer_cls, optimizer_kwargs = clipping.opacus_classes(
+        fn, cfg, grad_sample_mode=mode, distributed=isinstance(model, (DPDDP, DDP, FSDPModule)))
+    ghost = "ghost" in mode
+    sensitivity = fn.sensitivity(cfg)
+    # Ghost modules take max_grad_norm for Opacus's flat coefficient; hooks modules clip in the optimizer.
+    model = module_cls(model, batch_first=True, loss_reduction="mean", **module_kwargs,
+                       **({"max_grad_norm": sensitivity} if ghost else {}))
+    optimizer = optimizer_cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=sensitivity,
+                              expected_batch_size=expected_batch_size, loss_reduction="mean",
+                              generator=engine.secure_rng if cfg.secure_mode else noise_generator,
+                              secure_mode=cfg.secure_mode, **optimizer_kwargs)
+    criterion = DPLossFastGradientClipping(model, optimizer, criterion, "mean") if ghost else None
+    return model, optimizer, criterion
 
 
 def add_empty_share(optimizer) -> None:

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from dpllm.io import JsonlError, read_jsonl
 from dpllm.scaling.forms import ScalingError
 
 RUN_FIELDS = (
@@ -58,24 +59,16 @@ def load_runs(path: str | os.PathLike) -> list[dict]:
     """Read every row of a runs JSONL file (blank lines are skipped).
 
     Raises:
-        ScalingError: if the file is missing or has no rows, or a line is not a JSON object (the
-            message names the line number).
+        ScalingError: if the file is missing or has no rows, or a line is not UTF-8 JSON or not an object
+            (the message names the line number).
     """
     path = Path(path)
     if not path.is_file():
         raise ScalingError(f"runs file {path} does not exist; point --runs at the sweep's runs.jsonl")
-    rows = []
-    with path.open() as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ScalingError(f"{path}:{lineno}: not valid JSON ({err.msg}); fix or delete that line") from err
-            if not isinstance(row, dict):
-                raise ScalingError(f"{path}:{lineno}: expected a JSON object per line, got {type(row).__name__}")
-            rows.append(row)
+    try:
+        rows = read_jsonl(path)
+    except JsonlError as err:  # names the file and line
+        raise ScalingError(f"{err}; fix or delete that line") from err
     if not rows:
         raise ScalingError(f"runs file {path} is empty; run the sweep (or append_run) first")
     return rows

@@ -1,4 +1,7 @@
-"""Shared plumbing of the MLP recipes: command line, statistics, tables, result files, versions.
+"""Shared plumbing of the MLP recipes (``recipes/mlp_*.py``): command line, statistics, tables, result files.
+
+A study helper, not library code: the recipes import it as ``mlp_study`` (a script's own directory is on
+``sys.path``; tests load recipes with ``tests.helpers.load_recipe``, which puts ``recipes/`` there too).
 
 Example:
     >>> m, lo, hi = t_interval([0.90, 0.92, 0.94])
@@ -123,11 +126,15 @@ def plots_line(plots: list[str]) -> list[str]:
     return ["", f"Plots: {', '.join(f'![{p}]({p})' for p in plots)}", ""]
 
 
-def seed_findings(seed: str, dataset: str, findings: list[str], plots: list[str]) -> list[str]:
-    """'Findings beside seed NNN' section: our findings, flagged as context when the data set differs."""
-    caveat = ([f"Seed {seed} trained on Gaussian clusters; on `{dataset}` its numbers are context, not a "
-               "reproduction target.", ""] if dataset != "gaussian" else [])
-    return [f"## Findings beside seed {seed}", ""] + caveat + findings + plots_line(plots)
+def paper_findings(paper: str, dataset: str, findings: list[str], plots: list[str]) -> list[str]:
+    """'Findings beside <paper>' section: our findings, flagged as context when the data set differs.
+
+    Args:
+        paper: how the summary names the reference study, e.g. ``"the privacy-cliff paper"``.
+    """
+    caveat = ([f"{paper[0].upper()}{paper[1:]} trained on Gaussian clusters; on `{dataset}` its numbers are "
+               "context, not a reproduction target.", ""] if dataset != "gaussian" else [])
+    return [f"## Findings beside {paper}", ""] + caveat + findings + plots_line(plots)
 
 
 def finish(out_dir: str | Path, results: dict, *, plot, summary, timer, train_s: float, label: str) -> dict:
