@@ -78,6 +78,13 @@ class DataConfig:
     canary_design: str = _f("random", "Canary design (dpllm.canaries): 'random' (secret-sharer text); 'rare', "
                                       "'rare_long' or 'short' (secrets of characters the data never uses; easier "
                                       "to audit).")
+    privacy_unit: str = _f("record", "'record' (one record is protected) or 'user' (all records of one person are "
+                                     "protected: data.user_column groups records; docs/user_level.md).")
+    user_column: str = _f("user", "Column naming each record's user (privacy_unit=user; JSONL/JSON/CSV/Hub). The "
+                                  "built-in corpora have their own grouping (pydoc: topic chunks; pystdlib: file).")
+    max_records_per_user: Optional[int] = _f(None, "k: keep at most this many records of each user (chosen at random "
+                                                   "with secret randomness); None keeps all (ELS then pays group "
+                                                   "privacy for the largest user).")
 
 
 @dataclass
@@ -126,6 +133,9 @@ class PrivacyConfig:
     clipping_s: float = _f(1.0, "s of psasc (sensitivity C/s).")
     secure_mode: bool = _f(False, "Noise from Opacus's cryptographically secure generator (needs torchcsprng; "
                                   "slower noise draws). Without it noise is still secretly seeded from OS entropy.")
+    user_sampling: str = _f("uls", "With data.privacy_unit=user: 'uls' (Poisson-sample users; each sampled user adds "
+                                   "one clipped gradient, the mean over its records; hooks mode) or 'els' (sample "
+                                   "records of the k-capped data; user-level ε by group privacy).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
                                          "ONLY): anyone with the config can regenerate them, so the run is marked "
                                          "noise_secret=false and is not releasable.")
@@ -272,6 +282,19 @@ def validate(cfg: RunConfig) -> None:
     _choice("canary_design", d.canary_design, tuple(DESIGNS))
     _choice("accountant", p.accountant, ("prv", "rdp", "gdp"))
     _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
+    _choice("privacy_unit", d.privacy_unit, ("record", "user"))
+    _choice("user_sampling", p.user_sampling, ("uls", "els"))
+    if d.max_records_per_user is not None and d.max_records_per_user < 1:
+        raise ConfigError(f"max_records_per_user={d.max_records_per_user} must be ≥ 1 (or unset: keep all records)")
+    if d.privacy_unit == "user" and p.enabled and p.user_sampling == "uls":
+        if p.grad_sample_mode != "hooks":
+            raise ConfigError(
+                f"user_sampling=uls needs grad_sample_mode: hooks, not {p.grad_sample_mode}: a user's gradient is the "
+                "mean of its records' per-sample gradients before clipping, which ghost and bk clipping do not "
+                "materialise; set grad_sample_mode: hooks, or use user_sampling: els")
+    if d.privacy_unit == "user" and p.enabled and p.user_sampling == "els" and p.target_epsilon is None:
+        raise ConfigError("user_sampling=els needs target_epsilon: it fixes the record-level δ of the group-privacy "
+                          "conversion (docs/user_level.md); set target_epsilon (noise_multiplier may stay set)")
     if d.max_length < 2:
         raise ConfigError(f"max_length={d.max_length}: need at least 2 tokens for next-token loss")
     if not (0 <= d.public_fraction < 1) or not (0 < d.heldout_fraction < 1):

@@ -4,6 +4,10 @@ The privacy unit is one record: a paragraph of the built-in corpus, a row of a d
 of a text file. Records are never packed together; a long record is truncated to ``max_length``
 tokens and padding is masked out of the loss. ``splits.json`` records which records were trained on
 (members) and which were held out (non-members), so that ``mia`` can audit the run later.
+
+With ``privacy_unit: user`` every record also has a user (:func:`load_records_and_users`): a column of the
+file (``user_column``), or the built-in corpus's grouping (:data:`PYDOC_USER_PARAGRAPHS`); splits are then
+drawn over users, so a held-out user has no trained record (docs/user_level.md).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch.utils.data import Dataset
@@ -40,6 +44,37 @@ def _pydoc_records() -> list[str]:
     return out
 
 
+# pydoc's "users": each documentation topic cut into runs of at most this many consecutive paragraphs, so
+# the 78 topics (1 to 246 paragraphs) become a few hundred users of 1 to 16 records each: a synthetic but
+# documented grouping with the heavy tail real users have (docs/user_level.md).
+PYDOC_USER_PARAGRAPHS = 16
+
+
+def _pydoc_user_records() -> tuple[list[str], list[str]]:
+    from pydoc_data.topics import topics
+
+    texts, users = [], []
+    for key in sorted(topics):
+        paras = [" ".join(p.split()) for p in re.split(r"\n\s*\n", topics[key])]
+        paras = [p for p in paras if p.strip()]
+        for j, para in enumerate(paras):
+            texts.append(para)
+            users.append(f"{key}#{j // PYDOC_USER_PARAGRAPHS}")
+    return texts, users
+
+
+def _pystdlib_user_records() -> tuple[list[str], list[str]]:
+    # one "user" per source file
+    from dpllm.scaling.corpora import chunk_lines, stdlib_files
+
+    texts, users = [], []
+    for path in stdlib_files()["private"]:
+        chunks = list(chunk_lines(path.read_text(encoding="utf-8", errors="replace"), max_chars=240))
+        texts += chunks
+        users += [path.name if path.parent.name in ("", "lib") else f"{path.parent.name}/{path.name}"] * len(chunks)
+    return texts, users
+
+
 def _pystdlib_records() -> list[str]:
     # CPython's standard-library source outside its test suite (the stdlib ships with every Python): code,
     # a different kind of text from pydoc's prose, so a model pretrained on pydoc visibly learns from it.
@@ -52,12 +87,16 @@ def _pystdlib_records() -> list[str]:
 
 
 BUILTIN = {"pydoc": _pydoc_records, "pystdlib": _pystdlib_records}
+BUILTIN_USERS = {"pydoc": _pydoc_user_records, "pystdlib": _pystdlib_user_records}
 
 
-def _file_records(path: Path, cfg: DataConfig) -> list[str]:
+def _file_records(path: Path, cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        return [" ".join(p.split()) for p in re.split(r"\n\s*\n", path.read_text(errors="replace"))]
+        if cfg.privacy_unit == "user":
+            raise DataError(f"dataset={path}: a .txt file names no users; privacy_unit=user needs a .jsonl/.json/.csv "
+                            f"file with a {cfg.user_column!r} column")
+        return [" ".join(p.split()) for p in re.split(r"\n\s*\n", path.read_text(errors="replace"))], None
     if suffix == ".jsonl":
         from dpllm.io import JsonlError, read_jsonl
 
@@ -71,7 +110,14 @@ def _file_records(path: Path, cfg: DataConfig) -> list[str]:
         if missing is not None:
             raise DataError(f"dataset {path} has no text column {cfg.text_column!r} in record {missing} (its keys: "
                             f"{sorted(rows[missing - 1])}): set text_column to one of them")
-        return [str(r[cfg.text_column]) if r[cfg.text_column] is not None else "" for r in rows]
+        texts = [str(r[cfg.text_column]) if r[cfg.text_column] is not None else "" for r in rows]
+        if cfg.privacy_unit != "user":
+            return texts, None
+        missing = next((i for i, r in enumerate(rows, 1) if r.get(cfg.user_column) is None), None)
+        if missing is not None:
+            raise DataError(f"dataset {path} has no user column {cfg.user_column!r} in record {missing} (its keys: "
+                            f"{sorted(rows[missing - 1])}): set user_column, or use privacy_unit=record")
+        return texts, [str(r[cfg.user_column]) for r in rows]
     if suffix in (".json", ".csv"):
         import datasets
 
@@ -82,7 +128,7 @@ def _file_records(path: Path, cfg: DataConfig) -> list[str]:
         except Exception as err:  # datasets wraps parse errors in long chains: keep the last, useful line
             raise DataError(f"dataset={path} could not be parsed as {suffix[1:]}: "
                             f"{str(err).strip().splitlines()[-1][:300]}") from None
-        return _column(ds, cfg.text_column, str(path))
+        return _column(ds, cfg.text_column, str(path)), _users(ds, cfg, str(path))
     raise DataError(f"dataset={path}: unsupported file type {suffix!r}; use .jsonl, .json, .csv or .txt")
 
 
@@ -95,10 +141,22 @@ def _column(ds, column: str, source: str) -> list[str]:
     return [str(x) if x is not None else "" for x in ds[column]]
 
 
+def _users(ds, cfg: DataConfig, source: str) -> Optional[list[str]]:
+    if cfg.privacy_unit != "user":
+        return None
+    if cfg.user_column not in ds.column_names:
+        raise DataError(f"dataset {source} has no user column {cfg.user_column!r}; its columns are {ds.column_names}: "
+                        "set user_column, or use privacy_unit=record")
+    users = ds[cfg.user_column]
+    if any(u is None for u in users):
+        raise DataError(f"dataset {source}: column {cfg.user_column!r} has empty values; every record needs a user")
+    return [str(u) for u in users]
+
+
 FILE_TYPES = (".jsonl", ".json", ".csv", ".txt")
 
 
-def _hub_records(cfg: DataConfig) -> list[str]:
+def _hub_records(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
     """A Hub dataset, for names that cannot be local paths; a local-looking name that is missing is an error."""
     from dpllm.io import looks_local
 
@@ -115,7 +173,7 @@ def _hub_records(cfg: DataConfig) -> list[str]:
         raise DataError(f"dataset={name} is not a local file and could not be loaded from the Hub "
                         f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); "
                         "check the name, or pass a local .jsonl/.json/.csv/.txt file") from None
-    return _column(ds, cfg.text_column, name)
+    return _column(ds, cfg.text_column, name), _users(ds, cfg, name)
 
 
 def load_records(cfg: DataConfig) -> list[str]:
@@ -126,30 +184,46 @@ def load_records(cfg: DataConfig) -> list[str]:
     Raises:
         DataError: the file or column is missing, a line cannot be parsed, or no record survives filtering.
     """
+    return load_records_and_users(cfg)[0]
+
+
+def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
+    """:func:`load_records` and, with ``privacy_unit: user``, the user of each record (else None).
+
+    The record list is the same as :func:`load_records`'s whatever the unit; a duplicate text keeps the
+    user of its first occurrence.
+
+    Raises:
+        DataError: as :func:`load_records`, or a missing user column.
+    """
+    by_user = cfg.privacy_unit == "user"
     if cfg.dataset in BUILTIN:
-        raw = BUILTIN[cfg.dataset]()
+        raw, raw_users = BUILTIN_USERS[cfg.dataset]() if by_user else (BUILTIN[cfg.dataset](), None)
     elif Path(cfg.dataset).is_file():
-        raw = _file_records(Path(cfg.dataset), cfg)
+        raw, raw_users = _file_records(Path(cfg.dataset), cfg)
     elif Path(cfg.dataset).is_dir():
         raise DataError(f"dataset={cfg.dataset} is a directory; give a .jsonl/.json/.csv/.txt file")
     else:
-        raw = _hub_records(cfg)
+        raw, raw_users = _hub_records(cfg)
     seen: set[str] = set()
     records: list[str] = []
-    for text in raw:
+    users: list[str] = []
+    for i, text in enumerate(raw):
         text = text.strip()
         # exact duplicates would be both member and non-member: keep the first only
         if len(text) >= cfg.min_chars and text not in seen:
             seen.add(text)
             records.append(text)
+            if raw_users is not None:
+                users.append(raw_users[i])
     if cfg.max_records is not None:
-        records = records[: cfg.max_records]
+        records, users = records[: cfg.max_records], users[: cfg.max_records]
     if not records:
         raise DataError(
             f"dataset={cfg.dataset}: no records left ({len(raw)} read, min_chars={cfg.min_chars}); "
             "check the file and text_column, or lower min_chars"
         )
-    return records
+    return records, (users if by_user else None)
 
 
 def sha256(text: str) -> str:
@@ -161,10 +235,12 @@ class Splits:
     public: list[int]
     train: list[int]
     heldout: list[int]
+    users: Optional[dict] = None  # privacy_unit=user: {"train": [...], "heldout": [...], "public": [...]} user names
 
     def to_json(self, records: Sequence[str], cfg: DataConfig) -> dict:
         used = self.public + self.train + self.heldout
-        return {
+        extra = {"privacy_unit": cfg.privacy_unit, "users": self.users} if self.users is not None else {}
+        return {**extra,
             "dataset": cfg.dataset,
             "text_column": cfg.text_column,
             "max_length": cfg.max_length,
@@ -177,8 +253,14 @@ class Splits:
         }
 
 
-def make_splits(num_records: int, cfg: DataConfig) -> Splits:
-    """Deterministic public / train / held-out split of record ids (seeded by ``split_seed``)."""
+def make_splits(num_records: int, cfg: DataConfig, users: Optional[Sequence[str]] = None) -> Splits:
+    """Deterministic public / train / held-out split of record ids (seeded by ``split_seed``).
+
+    With ``users`` (the user of each record) the split is drawn over users: every record of a user lands in
+    the same split, so held-out records never belong to a trained user.
+    """
+    if users is not None:
+        return _user_splits(num_records, cfg, users)
     ids = list(range(num_records))
     random.Random(cfg.split_seed).shuffle(ids)
     n_public = int(round(cfg.public_fraction * num_records))
@@ -190,6 +272,27 @@ def make_splits(num_records: int, cfg: DataConfig) -> Splits:
             f"{cfg.public_fraction} and heldout_fraction={cfg.heldout_fraction}; use more data"
         )
     return Splits(public=sorted(public), heldout=sorted(private[:n_heldout]), train=sorted(private[n_heldout:]))
+
+
+def _user_splits(num_records: int, cfg: DataConfig, users: Sequence[str]) -> Splits:
+    names = sorted(set(users))
+    random.Random(cfg.split_seed).shuffle(names)
+    n_public = int(round(cfg.public_fraction * len(names)))
+    public, private = names[:n_public], names[n_public:]
+    n_heldout = max(1, int(round(cfg.heldout_fraction * len(private))))
+    if len(private) - n_heldout < 1:
+        raise DataError(
+            f"{len(names)} users leave no private training user after public_fraction={cfg.public_fraction} and "
+            f"heldout_fraction={cfg.heldout_fraction}; use more data")
+    role = {u: "public" for u in public}
+    role.update({u: "heldout" for u in private[:n_heldout]})
+    role.update({u: "train" for u in private[n_heldout:]})
+    ids: dict[str, list[int]] = {"public": [], "train": [], "heldout": []}
+    for i in range(num_records):
+        ids[role[users[i]]].append(i)
+    return Splits(public=ids["public"], train=ids["train"], heldout=ids["heldout"],
+                  users={"train": sorted(private[n_heldout:]), "heldout": sorted(private[:n_heldout]),
+                         "public": sorted(public)})
 
 
 def make_canaries(cfg: DataConfig) -> list[dict]:

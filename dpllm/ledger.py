@@ -119,6 +119,8 @@ def append(run_dir: str | Path, *, kind: str, step: int, privacy: dict, checkpoi
     entry: dict[str, Any] = {"index": len(entries) + 1, "kind": kind, "step": int(step)}
     for key in ("epsilon", "delta", "noise_multiplier", "sample_rate", "accountant", "history"):
         entry[key] = privacy.get(key)
+    if privacy.get("user_level"):  # privacy_unit=user: U, k, how ε became user-level (dpllm.privacy.user_level)
+        entry["user_level"] = privacy["user_level"]
     entry["checkpoint"] = checkpoint
     entry["checkpoint_sha256"] = dir_sha256(run_dir / checkpoint) if checkpoint else None
     entry.update(extra)
@@ -209,10 +211,20 @@ def _check_epsilons(entries: list[dict]) -> int:
         if not isinstance(history, list):
             raise LedgerError(f"line {i}: ε={eps} without the (σ, q, steps) history it was computed from")
         key = (json.dumps(history), e.get("delta"), e.get("accountant"))
+        group = (e.get("user_level") or {}).get("group_size", 1)
+        if group > 1:  # ELS: the user-level ε is the record-level ε at record_delta, grouped over k records
+            key += (group, e["user_level"].get("record_delta"))
         if key not in cache:
             try:
-                cache[key] = compute_epsilon_history(history=[tuple(h) for h in history], delta=e["delta"],
-                                                     accountant=e["accountant"])
+                if group > 1:
+                    from dpllm.privacy.user_level import els_user_epsilon
+
+                    cache[key] = els_user_epsilon(history=[tuple(h) for h in history], group_size=group,
+                                                  record_delta=e["user_level"]["record_delta"],
+                                                  accountant=e["accountant"])[0]
+                else:
+                    cache[key] = compute_epsilon_history(history=[tuple(h) for h in history], delta=e["delta"],
+                                                         accountant=e["accountant"])
             except (ValueError, TypeError, KeyError) as err:
                 raise LedgerError(f"line {i}: its history, δ or accountant cannot be accounted ({err})") from None
         if not math.isclose(cache[key], eps, rel_tol=1e-6, abs_tol=1e-9):

@@ -41,9 +41,10 @@ from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
 from dpllm.logs import known_warnings_silenced
 from dpllm.models import (check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
                           prepare_model, source_of)
-from dpllm.privacy import clipping
+from dpllm.privacy import clipping, user_level
 from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import make_private, sequence_loss
+from dpllm.privacy.accounting import PrivacyPlanError, check_delta
 from dpllm.privacy.plan import PrivacyPlan, plan_privacy, steps_for
 from dpllm.privacy.randomness import privacy_generators
 from dpllm.privacy.report import PrivacyReport
@@ -184,17 +185,74 @@ class Trainer:
 
     def setup_data(self) -> None:
         d = self.cfg.data
-        self.records = data.load_records(d)
-        self.splits = data.make_splits(len(self.records), d)
+        self.records, self.users = data.load_records_and_users(d)
+        self.splits = data.make_splits(len(self.records), d, self.users)
         if d.train_on == "public" and not self.splits.public:
             raise data.DataError("train_on=public but public_fraction=0 leaves no public records; raise public_fraction")
         train_ids = self.splits.public if d.train_on == "public" else self.splits.train
         self.canaries = data.make_canaries(d) if d.train_on == "private" else []
+        self.user_unit = self.users is not None and d.train_on == "private"
+        if self.user_unit:
+            train_ids = self.bound_contributions(train_ids)
         self.train_texts = data.select(self.records, train_ids) + [c["text"] for c in self.canaries if c["included"]]
         heldout = data.select(self.records, self.splits.heldout)
         self.heldout_hashes = {data.sha256(x) for x in heldout}
         self.eval_texts = heldout if self.t.eval_max_records is None else heldout[: self.t.eval_max_records]
         self.trained_hashes = {data.sha256(x) for x in self.train_texts}
+
+    def bound_contributions(self, train_ids: list[int]) -> list[int]:
+        """privacy_unit=user: keep at most k records per user (secret random choice); return the kept ids.
+
+        A resumed run trains on the records its splits.json lists: the choice was secret and is not redrawn.
+        """
+        d, p = self.cfg.data, self.p
+        if self.resume_from is not None and (self.out / "splits.json").is_file():
+            import json
+
+            kept = json.loads((self.out / "splits.json").read_text())["train"]
+            if not set(kept) <= set(train_ids):
+                raise data.DataError(f"{self.out}/splits.json lists records outside this run's training users")
+            cap = user_level.cap_users(kept, self.users, None, None)
+            dropped = sorted(set(train_ids) - set(kept))
+            cap.update(users_trimmed=len({self.users[i] for i in dropped}), records_dropped=len(dropped),
+                       largest_user=max(len(r) for r in user_level.group_by_user(train_ids, self.users).values()))
+        else:
+            gen = user_level.cap_generator(reproducible=p.reproducible_noise, seed=self.t.seed,
+                                           stage=resume.config_key(self.cfg), world=self.world)
+            cap = user_level.cap_users(train_ids, self.users, d.max_records_per_user, gen)
+        # splits.json lists the kept records as the trained ones; dropped records are neither member nor held out
+        self.splits.users["dropped_records"] = sorted(set(train_ids) - set(cap["kept"]))
+        self.splits.train = cap["kept"]
+        self.user_cap = cap
+        names = sorted(cap["by_user"]) + [f"canary#{i}" for i, c in enumerate(self.canaries) if c["included"]]
+        index = {u: j for j, u in enumerate(names)}
+        self.record_user = [index[self.users[i]] for i in cap["kept"]]
+        self.record_user += [index[f"canary#{i}"] for i, c in enumerate(self.canaries) if c["included"]]
+        self.user_records = [[] for _ in names]  # dataset positions of each user's records
+        for pos, u in enumerate(self.record_user):
+            self.user_records[u].append(pos)
+        uls = self.dp and p.user_sampling == "uls"
+        largest = max(len(r) for r in self.user_records)
+        if uls and largest > self.t.physical_batch_size:
+            raise ConfigError(
+                f"user_sampling=uls keeps a user's records in one physical batch, but a user keeps {largest} records > "
+                f"physical_batch_size={self.t.physical_batch_size}; set max_records_per_user ≤ "
+                f"{self.t.physical_batch_size} or raise physical_batch_size")
+        log.info("users: %d training users, %d records kept (k=%s, %s users trimmed, %s records dropped)",
+                 len(names), len(self.record_user), d.max_records_per_user, cap["users_trimmed"],
+                 cap["records_dropped"])
+        return cap["kept"]
+
+    @property
+    def uls(self) -> bool:
+        return self.dp and self.user_unit and self.p.user_sampling == "uls"
+
+    @property
+    def group_size(self) -> int:
+        """k of the group-privacy conversion: 1 unless ELS (then the most records any user keeps)."""
+        if self.dp and self.user_unit and self.p.user_sampling == "els":
+            return max(len(r) for r in self.user_records)
+        return 1
 
     def setup_plan(self) -> None:
         """Earlier stages, steps and σ: all decided from the data alone, before any model is loaded."""
@@ -202,12 +260,24 @@ class Trainer:
         self.source = source_of(self.cfg.model)
         self.lineage: Lineage = lineage(self.source, private=self.trained_hashes, heldout=self.heldout_hashes,
                                         dp=self.dp)
-        n = len(self.train_texts)
-        self.steps = steps_for(num_records=n, batch=t.logical_batch_size, epochs=t.epochs,
+        if self.dp and self.user_unit and self.lineage.history:
+            raise PrivacyPlanError("privacy_unit=user cannot yet compose with earlier private stages on the same "
+                                   "records (their ε is record-level); start from a model that never saw them")
+        n, batch = len(self.train_texts), t.logical_batch_size
+        target, delta = p.target_epsilon, p.target_delta
+        if self.dp and self.user_unit:
+            check_delta(delta, len(self.user_records))  # δ < 1/U: the unit is the user
+        if self.uls:
+            # ULS samples users: B_u users per step so that a step holds B records in expectation.
+            n, batch = len(self.user_records), max(1, round(batch * len(self.user_records) / n))
+            self.users_per_batch = batch
+        elif self.group_size > 1:
+            target, delta = user_level.record_targets(target_epsilon=target, delta=delta, group_size=self.group_size)
+        self.steps = steps_for(num_records=n, batch=batch, epochs=t.epochs,
                                steps=None if t.epochs is not None else t.max_steps)
         if self.dp:
-            self.plan = plan_privacy(num_records=n, logical_batch_size=t.logical_batch_size, steps=self.steps,
-                                     target_epsilon=p.target_epsilon, delta=p.target_delta, accountant=p.accountant,
+            self.plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=self.steps,
+                                     target_epsilon=target, delta=delta, accountant=p.accountant,
                                      noise_multiplier=p.noise_multiplier, prior_history=self.lineage.history)
         for note in self.lineage.notes:
             log.info("stages: %s", note)
@@ -280,7 +350,8 @@ class Trainer:
                 model=self.model, optimizer=self.optimizer, dataset=self.train_ds, collate_fn=self.collate,
                 cfg=self.p, plan=self.plan, logical_batch_size=self.t.logical_batch_size,
                 noise_generator=self.generators["noise"], sampling_generator=self.generators["sampling"],
-                rank=self.world.rank, world_size=self.world.size)
+                rank=self.world.rank, world_size=self.world.size,
+                **({"user_records": self.user_records} if self.uls else {}))
             self.model, self.optimizer = self.private.model, self.private.optimizer
             self.criterion = self.private.criterion
             self.batches = self.private.sampler
@@ -360,6 +431,8 @@ class Trainer:
     def micro_batches(self, ids: list[int]) -> list[list[int]]:
         """Physical batches of this process's share; under FSDP as many as the busiest process has."""
         size = self.t.physical_batch_size
+        if self.uls:  # a user's records stay together: its mean gradient is clipped once
+            return user_level.whole_user_batches(ids, self.batches.user_of, size)
         parts = [ids[i: i + size] for i in range(0, len(ids), size)] or [[]]
         if self.dp and is_sharded(unwrap(self.model)):  # FSDP's collectives need equal pass counts
             parts += [[]] * (int(all_max(len(parts), self.world)) - len(parts))
@@ -380,6 +453,8 @@ class Trainer:
             batch = {k: v.to(self.device) for k, v in (self.collate(items) if items else _EMPTY).items()}
             if self.dp:
                 self.optimizer.signal_skip_step(do_skip=not last)
+            if self.uls:  # the masked stand-in row of an empty share is a user of its own, with zero gradient
+                self.optimizer.set_users([self.record_user[j] for j in part] or [-1])
             sync = nullcontext() if last or self.dp else self.accelerator.no_sync(self.model)
             with sync:
                 loss = forward_loss(self.model, batch, self.criterion, self.autocast)
@@ -429,7 +504,7 @@ class Trainer:
                "elapsed_s": round(time.time() - self.started, 2)}
         if self.world.is_main:
             if self.dp:
-                row["epsilon"] = self.private.epsilon()
+                row["epsilon"] = self.unit_privacy()[0]
             append_jsonl(self.metrics_path, row)
             if self.bar is not None:
                 shown = {"loss": f"{row['loss']:.3f}", **({"eps": f"{row['epsilon']:.2f}"} if self.dp else {})}
@@ -447,13 +522,46 @@ class Trainer:
 
     # ---- privacy state, checkpoints, report -------------------------------------------------------------
 
+    def unit_privacy(self) -> tuple[float, float]:
+        """(ε, δ) so far for the privacy unit: a record, or a user (ULS directly; ELS by group privacy)."""
+        if self.group_size > 1:
+            eps, _ = user_level.els_user_epsilon(history=self.private.history(), record_delta=self.plan.delta,
+                                                 group_size=self.group_size, accountant=self.plan.accountant)
+            return eps, self.p.target_delta  # the conversion's δ is ≤ target_delta while ε_r ≤ target/k
+        return self.private.epsilon(), self.plan.delta
+
+    def user_level_info(self) -> Optional[dict]:
+        """The user-level part of the report and the ledger lines (None for record-level runs)."""
+        if not (self.dp and self.user_unit):
+            return None
+        cap, k = self.user_cap, self.group_size
+        info = {"unit": "user", "sampling": self.p.user_sampling, "num_users": len(self.user_records),
+                "users_per_batch": self.users_per_batch if self.uls else None,
+                "max_records_per_user": self.cfg.data.max_records_per_user, "group_size": k,
+                "largest_user_records": cap["largest_user"], "users_trimmed": cap["users_trimmed"],
+                "users_dropped": cap["users_dropped"], "records_dropped": cap["records_dropped"],
+                "user_column": None if self.cfg.data.dataset in data.BUILTIN else self.cfg.data.user_column,
+                "group_privacy": user_level.GROUP_PRIVACY if k > 1 else user_level.ULS_UNIT
+                if self.uls else "k = 1: the user-level guarantee is the record-level one"}
+        if k > 1:
+            eps_r = self.private.epsilon()
+            info.update(record_epsilon=eps_r, record_delta=self.plan.delta,
+                        converted_delta=user_level.group_epsilon(record_epsilon=eps_r, record_delta=self.plan.delta,
+                                                                 group_size=k)[1])
+        return info
+
     def privacy_now(self) -> dict:
         """ε so far (earlier stages on the same records included) and the parameters behind it."""
         if not self.dp:
             return {}
-        return {"epsilon": self.private.epsilon(), "delta": self.plan.delta,
-                "noise_multiplier": self.plan.noise_multiplier, "sample_rate": self.plan.sample_rate,
-                "accountant": self.plan.accountant, "history": [list(h) for h in self.private.history()]}
+        eps, delta = self.unit_privacy()
+        out = {"epsilon": eps, "delta": delta, "noise_multiplier": self.plan.noise_multiplier,
+               "sample_rate": self.plan.sample_rate, "accountant": self.plan.accountant,
+               "history": [list(h) for h in self.private.history()]}
+        info = self.user_level_info()
+        if info is not None:
+            out["user_level"] = info
+        return out
 
     def save_resumable(self) -> None:
         tokens = int(all_sum([self.tokens_seen], self.world)[0])
@@ -497,8 +605,10 @@ class Trainer:
         if not self.dp:
             return PrivacyReport(**common)
         history = self.private.history()
+        eps, delta = self.unit_privacy()
         return PrivacyReport(
-            **common, epsilon=self.private.epsilon(), delta=self.plan.delta, accountant=self.plan.accountant,
+            **common, epsilon=eps, delta=delta, accountant=self.plan.accountant,
+            privacy_unit="user" if self.user_unit else "record", user_level=self.user_level_info(),
             target_epsilon=p.target_epsilon, noise_multiplier=self.plan.noise_multiplier,
             sample_rate=self.plan.sample_rate, expected_batch_size=self.plan.expected_batch_size,
             max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),

@@ -85,6 +85,7 @@ def make_private(
     sampling_generator: Optional[torch.Generator] = None,
     rank: int = 0,
     world_size: int = 1,
+    user_records: Optional[list[list[int]]] = None,
 ) -> PrivateTraining:
     """Wrap with Opacus: Poisson sampling, per-sample clipping (ghost or hooks), Gaussian noise.
 
@@ -96,6 +97,8 @@ def make_private(
         sampling_generator: source of the Poisson draws, in the same state on every process (None:
             torch's global generator; under ``secure_mode`` Opacus's secure generator).
         rank, world_size: this process's share of each global batch.
+        user_records: user-level sampling (:mod:`dpllm.privacy.user_level`): each user's dataset indices;
+            users are Poisson-sampled at the plan's q and each user's mean gradient is clipped once (hooks).
 
     Returns:
         A :class:`PrivateTraining` whose ``sampler`` (and ``data_loader`` over it) never ends: one
@@ -114,6 +117,11 @@ def make_private(
     sampler = PoissonBatchSampler(num_samples=len(dataset), sample_rate=plan.sample_rate, rank=rank,
                                   world_size=world_size,
                                   generator=engine.secure_rng if cfg.secure_mode else sampling_generator)
+    if user_records is not None:  # ULS: the same draw over users (dpllm.privacy.user_level)
+        from dpllm.privacy.user_level import UserPoissonBatchSampler
+
+        sampler = UserPoissonBatchSampler(user_records=user_records, sample_rate=plan.sample_rate, rank=rank,
+                                          world_size=world_size, generator=sampler.generator)
     # DataLoader's own generator only seeds worker processes; a private one keeps it off the global RNG.
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=torch.Generator())
     criterion = nn.CrossEntropyLoss(ignore_index=-100)
@@ -130,7 +138,7 @@ def make_private(
         model, optimizer, criterion = _wrap_opacus(
             engine=engine, model=model, optimizer=optimizer, criterion=criterion, fn=fn, cfg=cfg, mode=mode,
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size / world_size,
-            noise_generator=noise_generator)
+            noise_generator=noise_generator, per_user=user_records is not None)
     optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=plan.sample_rate))
     # What Opacus's Poisson mode would also do: a second backward before a step is an error, not a sum.
     getattr(model, "forbid_grad_accumulation", lambda: None)()
@@ -140,7 +148,7 @@ def make_private(
 
 def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, criterion, fn, cfg: PrivacyConfig,
                  mode: str, noise_multiplier: float, expected_batch_size: float,
-                 noise_generator: Optional[torch.Generator]):
+                 noise_generator: Optional[torch.Generator], per_user: bool = False):
     """Opacus's grad-sample module, DP optimizer and (ghost) criterion, built from its public classes.
 
     This is what ``PrivacyEngine.make_private`` does for an already-sampling loader, except that the classes
@@ -166,6 +174,10 @@ def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, 
     engine.validate(module=model, optimizer=None, data_loader=None)
     module_cls, module_kwargs, optimizer_cls, optimizer_kwargs = clipping.opacus_classes(
         fn, cfg, grad_sample_mode=mode, distributed=isinstance(model, (DPDDP, DDP, FSDPModule)))
+    if per_user:  # ULS: Opacus's optimizer subclassed to clip one mean gradient per user (user_level)
+        from dpllm.privacy.user_level import optimizer_class
+
+        optimizer_cls, optimizer_kwargs = optimizer_class(optimizer_cls), {"clip_weights": lambda n: fn.weights(n, cfg)}
     ghost = "ghost" in mode
     sensitivity = fn.sensitivity(cfg)
     # Ghost modules take max_grad_norm for Opacus's flat coefficient; hooks modules clip in the optimizer.

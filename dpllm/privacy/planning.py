@@ -7,6 +7,15 @@ computed at that rounded σ, so copying the printed σ into a config never overs
     dpllm plan --num-records 1000000 --batch 1024 --epochs 1 --target-epsilon 8 --delta 1e-7
     dpllm plan --num-records 50000 --batch 512 --steps 2000 --noise-multiplier 0.8 --delta 1e-6 --json
 
+User-level DP (docs/user_level.md): ``--unit user --num-users U --records-per-user k`` and a sampling scheme.
+ULS samples users (``--users-per-batch`` B_u, default round(B·U/N), the trainer's rule; N defaults to U·k);
+ELS samples records of the k-capped data and converts to users by group privacy. δ must be < 1/U.
+
+    dpllm plan --unit user --sampling uls --num-users 2000 --records-per-user 8 --batch 256 --epochs 2 \
+        --target-epsilon 8 --delta 1e-4
+    dpllm plan --unit user --sampling els --num-users 2000 --records-per-user 8 --num-records 12000 \
+        --batch 256 --epochs 2 --target-epsilon 8 --delta 1e-4
+
 NSR = σ·C / (B·ḡ): the per-coordinate standard deviation of the Gaussian noise in the averaged clipped
 gradient (σ·C/B) over the mean per-example gradient norm ḡ (``--grad-norm``; ḡ ≤ C after clipping).
 The noise *vector* over d coordinates has norm ≈ √d times that, so compare NSRs between plans rather
@@ -127,10 +136,80 @@ def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: fl
     return plan
 
 
+def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, batch: int, delta: float,
+                    num_records: int | None = None, users_per_batch: int | None = None,
+                    target_epsilon: float | None = None, noise_multiplier: float | None = None,
+                    epochs: float | None = None, steps: int | None = None, accountant: str = "prv",
+                    max_grad_norm: float = 1.0, grad_norm: float = 1.0,
+                    epsilons: Sequence[float] = DEFAULT_EPSILONS) -> dict:
+    """A user-level privacy plan (what ``dpllm plan --unit user`` prints), computed as training computes it.
+
+    ULS: :func:`plan_table` over U users at B_u users per step; its ε is the user-level ε. ELS: σ from the
+    record-level targets (ε/k, δ/(k·e^{(k−1)ε/k})) and every ε converted back by group privacy
+    (:mod:`dpllm.privacy.user_level`); each row then has ``epsilon`` (user level) and ``record_epsilon``.
+
+    Args:
+        sampling: ``uls`` or ``els``.
+        num_users: U, training users (δ must be < 1/U).
+        records_per_user: k, the cap (for ELS: the most records any user keeps).
+        num_records: records after the cap (default U·k).
+        users_per_batch: ULS users per step (default round(batch·U/N)).
+        Other arguments as for :func:`plan_table` (``batch`` counts records).
+
+    Raises:
+        PrivacyPlanError: δ ≥ 1/U, bad sizes, ELS without a target ε, or an unreachable ε.
+    """
+    from dpllm.privacy import user_level
+
+    if sampling not in ("uls", "els"):
+        raise PrivacyPlanError(f"sampling={sampling!r}: choose uls or els")
+    for name, v in (("num_users", num_users), ("records_per_user", records_per_user)):
+        if not (isinstance(v, int) and v >= 1):
+            raise PrivacyPlanError(f"{name}={v} must be a positive integer")
+    check_finite_positive("delta", delta)
+    check_delta(delta, num_users)
+    n = num_records if num_records is not None else num_users * records_per_user
+    common = dict(epochs=epochs, steps=steps, accountant=accountant, max_grad_norm=max_grad_norm,
+                  grad_norm=grad_norm)
+    info = {"unit": "user", "sampling": sampling, "num_users": num_users, "records_per_user": records_per_user,
+            "num_records": n, "user_delta": delta}
+    if sampling == "uls":
+        b_u = users_per_batch if users_per_batch is not None else max(1, round(batch * num_users / n))
+        plan = plan_table(num_records=num_users, batch=b_u, delta=delta, target_epsilon=target_epsilon,
+                          noise_multiplier=noise_multiplier, epsilons=epsilons, **common)
+        return {**plan, **info, "users_per_batch": b_u, "group_privacy": user_level.ULS_UNIT}
+    if target_epsilon is None:
+        raise PrivacyPlanError("--sampling els needs --target-epsilon: it fixes the record-level δ of the group "
+                               "conversion (the trainer does the same)")
+    k = records_per_user
+    eps_r, delta_r = user_level.record_targets(target_epsilon=target_epsilon, delta=delta, group_size=k)
+    plan = plan_table(num_records=n, batch=batch, delta=delta_r, target_epsilon=eps_r,
+                      noise_multiplier=noise_multiplier, epsilons=[e / k for e in epsilons], **common)
+
+    def to_user(row: dict | None, target: float | None) -> dict | None:
+        if row is None:
+            return None
+        eps_u, _ = user_level.group_epsilon(record_epsilon=row["epsilon"], record_delta=delta_r, group_size=k)
+        return {**row, "target_epsilon": target, "record_epsilon": row["epsilon"], "epsilon": eps_u}
+
+    plan["target"] = to_user(plan["target"], target_epsilon)
+    plan["given_noise"] = to_user(plan["given_noise"], None)
+    plan["table"] = [to_user(r, r["target_epsilon"] * k) for r in plan["table"]]
+    return {**plan, **info, "delta": delta, "record_delta": delta_r, "group_privacy": user_level.GROUP_PRIVACY}
+
+
 def format_plan(plan: dict) -> str:
-    """The human view of :func:`plan_table`'s result."""
-    lines = [
-        f"records N={plan['num_records']:,}  batch B={plan['batch']:,}  sample rate q=1/⌈N/B⌉={plan['sample_rate']:.6g}",
+    """The human view of :func:`plan_table`'s (or :func:`user_plan_table`'s) result."""
+    lines = [] if plan.get("unit") != "user" else [
+        f"unit: USER  U={plan['num_users']:,} users, k={plan['records_per_user']} records per user, "
+        f"N={plan['num_records']:,} records, sampling={plan['sampling']}, user-level δ={plan['user_delta']:g}"
+        + (f", {plan['users_per_batch']} users per step (the rows below count users)" if plan["sampling"] == "uls"
+           else f", record-level δ={plan['record_delta']:.3g}; ε below is user-level")]
+    uls = plan.get("sampling") == "uls"
+    lines += [
+        (f"users U={plan['num_users']:,}  users per step B_u={plan['batch']:,}  sample rate q=1/⌈U/B_u⌉="
+         if uls else f"records N={plan['num_records']:,}  batch B={plan['batch']:,}  sample rate q=1/⌈N/B⌉=")
+        + f"{plan['sample_rate']:.6g}",
         f"steps={plan['steps']:,}" + (f" (ceil({plan['epochs']:g} epochs × ⌈N/B⌉))" if plan["epochs"] else "")
         + f"  delta={plan['delta']:g}  accountant={plan['accountant']}",
         f"clip C={plan['max_grad_norm']:g}  assumed mean grad norm ḡ={plan['grad_norm']:g}  NSR = σ·C/(B·ḡ)",
@@ -152,7 +231,14 @@ def format_plan(plan: dict) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpllm plan", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    p.add_argument("--num-records", type=int, required=True, help="private records N (the privacy unit)")
+    p.add_argument("--unit", choices=("record", "user"), default="record", help="privacy unit (default record)")
+    p.add_argument("--num-records", type=int, help="private records N (--unit record: required; user: after the cap, "
+                                                    "default U·k)")
+    p.add_argument("--num-users", type=int, help="--unit user: training users U (δ < 1/U)")
+    p.add_argument("--records-per-user", type=int, help="--unit user: k, records kept per user (the cap)")
+    p.add_argument("--sampling", choices=("uls", "els"), default="uls", help="--unit user: uls (sample users) or "
+                                                                             "els (sample records, group privacy)")
+    p.add_argument("--users-per-batch", type=int, help="--unit user, uls: users per step (default round(B·U/N))")
     p.add_argument("--batch", type=int, required=True, help="logical batch size B (q = 1/ceil(N/B))")
     length = p.add_mutually_exclusive_group(required=True)
     length.add_argument("--epochs", type=float, help="epochs; steps = ceil(epochs·ceil(N/B))")
@@ -184,11 +270,19 @@ def cli_main(argv: list[str]) -> int:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             print(f"dpllm plan: calibrating with the {args.accountant} accountant...", file=sys.stderr, flush=True)
-            plan = plan_table(
-                num_records=args.num_records, batch=args.batch, delta=args.delta,
-                target_epsilon=args.target_epsilon, epochs=args.epochs, steps=args.steps,
-                accountant=args.accountant, noise_multiplier=args.noise_multiplier,
-                max_grad_norm=args.max_grad_norm, grad_norm=args.grad_norm, epsilons=epsilons)
+            common = dict(batch=args.batch, delta=args.delta, target_epsilon=args.target_epsilon, epochs=args.epochs,
+                          steps=args.steps, accountant=args.accountant, noise_multiplier=args.noise_multiplier,
+                          max_grad_norm=args.max_grad_norm, grad_norm=args.grad_norm, epsilons=epsilons)
+            if args.unit == "user":
+                if args.num_users is None or args.records_per_user is None:
+                    raise PrivacyPlanError("--unit user needs --num-users U and --records-per-user k")
+                plan = user_plan_table(sampling=args.sampling, num_users=args.num_users,
+                                       records_per_user=args.records_per_user, num_records=args.num_records,
+                                       users_per_batch=args.users_per_batch, **common)
+            else:
+                if args.num_records is None:
+                    raise PrivacyPlanError("--num-records is required (or --unit user with --num-users)")
+                plan = plan_table(num_records=args.num_records, **common)
     except PrivacyPlanError as err:
         print(f"dpllm plan: error: {err}", file=sys.stderr)
         return 2

@@ -37,7 +37,7 @@ class PrivacyReport:
     steps: int
     logical_batch_size: int
     physical_batch_size: int
-    privacy_unit: str = "record"
+    privacy_unit: str = "record"  # "user": epsilon/delta protect all records of one user (see user_level)
     epsilon: Optional[float] = None
     delta: Optional[float] = None
     accountant: Optional[str] = None
@@ -60,6 +60,10 @@ class PrivacyReport:
     versions: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
     note: Optional[str] = None
+    # privacy_unit=user: {"unit", "sampling" (uls|els), "num_users", "max_records_per_user", "group_size" (k of the
+    # group-privacy conversion; 1 for ULS), "users_trimmed", "users_dropped", "records_dropped", "group_privacy"
+    # (which conversion), and for ELS "record_epsilon", "record_delta"}: dpllm.privacy.user_level
+    user_level: Optional[dict] = None
 
     @property
     def releasable(self) -> bool:
@@ -68,8 +72,9 @@ class PrivacyReport:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        if out["note"] is None:
-            del out["note"]
+        for key in ("note", "user_level"):
+            if out[key] is None:
+                del out[key]
         return out
 
     def write(self, path: str | Path) -> Path:
@@ -122,6 +127,14 @@ class PrivacyReport:
         if not self.enabled:
             return "privacy: disabled (no DP guarantee for this run)"
         secret = "" if self.noise_secret is not False else "; NOT RELEASABLE: reproducible (seeded) noise"
+        u = self.user_level
+        if u:
+            how = (f"group privacy over k = {u['group_size']} records from record-level ε = "
+                   f"{u['record_epsilon']:.3f} at δ = {u['record_delta']:.3g}" if u.get("group_size", 1) > 1
+                   else "user-level sampling" if u.get("sampling") == "uls" else "k = 1")
+            secret = (f"; USER-LEVEL: U = {u['num_users']:,} users, k = {u['max_records_per_user']}, "
+                      f"{u['sampling']} ({how}); {u['users_trimmed']} users trimmed, {u['records_dropped']} records "
+                      f"dropped" + secret)
         return (f"(ε = {self.epsilon:.3f}, δ = {self.delta:g}) via {self.accountant} accountant; "
                 f"σ = {self.noise_multiplier:.4g}, q = {self.sample_rate:.4g}, steps = {self.steps}, "
                 f"C = {self.max_grad_norm:g}, clipping = {self.clipping}, N = {self.num_records:,} records "
@@ -129,9 +142,12 @@ class PrivacyReport:
 
     def as_ledger_privacy(self) -> dict[str, Any]:
         """The fields a ledger line records."""
-        return {"epsilon": self.epsilon, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
-                "sample_rate": self.sample_rate, "accountant": self.accountant,
-                "history": [list(h) for h in self.history]}
+        out = {"epsilon": self.epsilon, "delta": self.delta, "noise_multiplier": self.noise_multiplier,
+               "sample_rate": self.sample_rate, "accountant": self.accountant,
+               "history": [list(h) for h in self.history]}
+        if self.user_level:
+            out["user_level"] = self.user_level
+        return out
 
 
 NOT_RELEASABLE = ("this run used reproducible (seeded) noise (privacy.reproducible_noise: true): anyone with its "

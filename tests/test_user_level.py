@@ -1,0 +1,282 @@
+"""User-level DP (issue #13): user sampling, one clipped gradient per user, the cap, group privacy, plan = report."""
+
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy import stats
+from scipy.optimize import brentq
+
+from dpllm.config import ConfigError, DataConfig, parse_config
+from dpllm.privacy import user_level
+from dpllm.privacy.accounting import PrivacyPlanError, compute_epsilon_history
+from tests.helpers import TEXTS, batch_of, tiny_model
+
+
+# ---- ULS sampling ------------------------------------------------------------------------------------------
+
+def test_uls_inclusion_is_bernoulli_q_per_user_and_takes_all_their_records():
+    sizes = [1, 3, 2, 5, 1, 4] * 6  # 36 users of different sizes
+    users, start = [], 0
+    for s in sizes:
+        users.append(list(range(start, start + s)))
+        start += s
+    q, draws = 0.25, 4000
+    sampler = user_level.UserPoissonBatchSampler(user_records=users, sample_rate=q,
+                                                 generator=torch.Generator().manual_seed(3))
+    masks = np.zeros((draws, len(users)), dtype=bool)
+    for t, batch in enumerate(itertools.islice(iter(sampler), draws)):
+        chosen = {sampler.user_of[i] for i in batch}
+        # a sampled user brings every one of its records, contiguous, and nothing else comes
+        assert sorted(batch) == sorted(i for u in chosen for i in users[u])
+        masks[t, sorted(chosen)] = True
+    counts = masks.sum(axis=0)  # Binomial(draws, q) per user, whatever the user's size
+    chi2 = (((counts - draws * q) ** 2) / (draws * q * (1 - q))).sum()
+    assert stats.chi2.sf(chi2, df=len(users)) > 1e-4
+    per_step = masks.sum(axis=1)  # Binomial(U, q) users per step: variance U·q·(1−q), not 0
+    assert 0.85 < per_step.var() / (len(users) * q * (1 - q)) < 1.15
+    corr = np.corrcoef(masks.T.astype(float))
+    assert np.abs(corr[np.triu_indices(len(users), 1)]).max() < 0.1
+    # a large user is not sampled more often than a small one
+    big, small = [u for u, s in enumerate(sizes) if s == 5], [u for u, s in enumerate(sizes) if s == 1]
+    assert abs(counts[big].mean() - counts[small].mean()) < 4 * math.sqrt(draws * q * (1 - q) / len(big))
+
+
+def test_uls_processes_share_users_not_records():
+    users = [[0, 1, 2], [3], [4, 5], [6, 7, 8, 9], [10]]
+
+    def first(rank, world):
+        s = user_level.UserPoissonBatchSampler(user_records=users, sample_rate=0.6, rank=rank, world_size=world,
+                                               generator=torch.Generator().manual_seed(5))
+        return next(iter(s)), s.user_of
+
+    whole, user_of = first(0, 1)
+    parts = [first(r, 2)[0] for r in (0, 1)]
+    assert sorted(parts[0] + parts[1]) == sorted(whole)
+    assert not {user_of[i] for i in parts[0]} & {user_of[i] for i in parts[1]}
+
+
+def test_whole_user_batches_never_split_a_user():
+    user_of = {i: i // 3 for i in range(12)}  # 4 users of 3 records
+    parts = user_level.whole_user_batches(list(range(12)), user_of, 5)
+    assert [len(p) for p in parts] == [3, 3, 3, 3]
+    assert all(len({user_of[i] for i in p}) == 1 for p in parts)
+    assert user_level.whole_user_batches([], user_of, 5) == [[]]
+    with pytest.raises(ValueError):
+        user_level.whole_user_batches(list(range(12)), user_of, 2)
+
+
+# ---- one clipped gradient per user (hooks) -----------------------------------------------------------------
+
+def _explicit_record_grads(model, tok):
+    """Each record's gradient of its own mean token loss, one backward pass per record."""
+    from dpllm.privacy.engine import sequence_loss
+    from dpllm.models import position_ids_for
+
+    grads = []
+    for text in TEXTS:
+        model.zero_grad()
+        b = batch_of(tok, [text])
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                    position_ids=position_ids_for(b["input_ids"]))
+        sequence_loss(out.logits, b["labels"]).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]).clone())
+    model.zero_grad()
+    return torch.stack(grads)
+
+
+def _uls_sum(model, tok, rows: list[int], users: list[int], C: float):
+    """The clipped sum (noise 0) that the ULS optimizer accumulates for the records ``rows``."""
+    from dpllm.config import PrivacyConfig
+    from dpllm.data import TokenizedRecords, make_collate
+    from dpllm.privacy.engine import make_private
+    from dpllm.privacy.plan import PrivacyPlan
+    from dpllm.train import forward_loss
+
+    ds = TokenizedRecords(TEXTS, tok, 48)
+    plan = PrivacyPlan(num_records=3, sample_rate=0.5, steps=1, noise_multiplier=0.0, delta=1e-5, accountant="rdp",
+                       expected_batch_size=1)
+    user_records = [[i for i, u in enumerate(users) if u == v] for v in sorted(set(users))]
+    private = make_private(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=ds,
+                           collate_fn=make_collate(tok.pad_token_id), plan=plan, logical_batch_size=2,
+                           cfg=PrivacyConfig(grad_sample_mode="hooks", max_grad_norm=C),
+                           user_records=user_records)
+    assert isinstance(private.optimizer, user_level.UserLevelDPOptimizer)
+    opt = private.optimizer
+    opt.zero_grad()
+    opt.signal_skip_step(do_skip=True)  # accumulate only: summed_grad is the clipped sum
+    opt.set_users([users[i] for i in rows])
+    forward_loss(private.model, batch_of(tok, [TEXTS[i] for i in rows])).backward()
+    opt.step()
+    out = torch.cat([p.summed_grad.reshape(-1) for p in opt.params])
+    private.model._close()
+    return out
+
+
+def test_uls_clipped_sum_is_the_explicit_per_user_computation():
+    model, tok = tiny_model()
+    g = _explicit_record_grads(model, tok)
+    users = [0, 0, 1, 2, 2, 2]  # user 0: records 0,1; user 1: record 2; user 2: records 3,4,5
+    means = torch.stack([g[[i for i, u in enumerate(users) if u == v]].mean(0) for v in range(3)])
+    norms = means.norm(dim=1)
+    C = float(norms.median())  # some users clipped, some not
+    want = sum(min(1.0, C / (float(n) + 1e-6)) * m for m, n in zip(means, norms))
+    got = _uls_sum(model, tok, list(range(6)), users, C)
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+    # a record-level clip of the same rows is a different sum (the test can fail)
+    record_level = sum(min(1.0, C / (float(n) + 1e-6)) * r for r, n in zip(g, g.norm(dim=1)))
+    assert not torch.allclose(got, record_level, rtol=1e-3, atol=1e-5)
+
+
+def test_a_users_contribution_to_one_step_is_at_most_C():
+    model, tok = tiny_model(seed=1)
+    users = [0, 0, 1, 2, 2, 2]
+    C = 1e-3  # far below every gradient norm: every user is clipped
+    for v in range(3):
+        rows = [i for i, u in enumerate(users) if u == v]
+        alone = _uls_sum(model, tok, rows, users, C)
+        assert alone.norm() <= C * (1 + 1e-4)
+        assert alone.norm() > 0.99 * C  # clipped to C exactly, not to C per record nor C/k
+
+
+# ---- contribution bounding (ELS cap) -----------------------------------------------------------------------
+
+def test_cap_keeps_at_most_k_records_per_user_at_random():
+    users = [f"u{i % 7}" if i < 70 else "big" for i in range(100)]  # 7 users of 10, one of 30
+    ids = list(range(100))
+    a = user_level.cap_users(ids, users, 4, torch.Generator().manual_seed(1))
+    b = user_level.cap_users(ids, users, 4, torch.Generator().manual_seed(2))
+    for cap in (a, b):
+        assert all(len(r) <= 4 for r in cap["by_user"].values())
+        assert set(cap["kept"]) <= set(ids) and len(cap["kept"]) == 8 * 4
+        assert cap["users_trimmed"] == 8 and cap["records_dropped"] == 100 - 32 and cap["largest_user"] == 30
+        assert all(users[i] == u for u, r in cap["by_user"].items() for i in r)
+    assert a["kept"] != b["kept"]  # the choice is random, not the first k
+    whole = user_level.cap_users(ids, users, None, torch.Generator())
+    assert whole["kept"] == ids and whole["users_trimmed"] == 0
+
+
+# ---- group privacy (ELS) -----------------------------------------------------------------------------------
+
+def _gaussian_epsilon(mu: float, delta: float) -> float:
+    """Exact ε of a Gaussian mechanism with sensitivity/σ = mu at δ (Balle & Wang 2018, Thm. 8)."""
+    norm = stats.norm
+
+    def d(eps):
+        return norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2) - delta
+    return 0.0 if d(0.0) <= 0 else brentq(d, 0.0, 500.0)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_group_conversion_never_below_the_exact_full_batch_gaussian(accountant, k):
+    # q = 1: every step is a Gaussian mechanism; a user of k records has sensitivity k·C, so T steps at noise
+    # σ·C are one Gaussian with μ = k·√T/σ, whose (ε, δ) is known exactly.
+    sigma, steps, delta = 4.0, 4, 1e-5
+    history = [(sigma, 1.0, steps)]
+    exact = _gaussian_epsilon(k * math.sqrt(steps) / sigma, delta)
+    eps = user_level.user_epsilon_at_delta(history=history, delta=delta, group_size=k, accountant=accountant)
+    assert eps >= exact * (1 - 1e-6)
+    eps_r, delta_r = user_level.record_targets(target_epsilon=eps, delta=delta, group_size=k)
+    converted = user_level.els_user_epsilon(history=history, record_delta=delta_r, group_size=k, accountant=accountant)
+    assert converted[0] >= exact * (1 - 1e-6) and converted[1] <= delta * (1 + 1e-9)
+    if k == 1:  # a user of one record is a record
+        assert eps == pytest.approx(compute_epsilon_history(history=history, delta=delta, accountant=accountant))
+    else:  # and the bound is not vacuous: within a small factor of the truth here
+        assert eps < 3 * exact
+
+
+def test_record_targets_convert_back_to_the_user_target():
+    for k in (1, 3, 8):
+        eps_r, delta_r = user_level.record_targets(target_epsilon=6.0, delta=1e-4, group_size=k)
+        eps, delta = user_level.group_epsilon(record_epsilon=eps_r, record_delta=delta_r, group_size=k)
+        assert eps == pytest.approx(6.0) and delta == pytest.approx(1e-4)
+
+
+# ---- config, splits, plan = report -------------------------------------------------------------------------
+
+def test_uls_refuses_ghost_and_bk_with_the_fix():
+    with pytest.raises(ConfigError, match="grad_sample_mode: hooks"):
+        parse_config(["--privacy_unit", "user", "--user_sampling", "uls", "--grad_sample_mode", "ghost"])
+    parse_config(["--privacy_unit", "user", "--user_sampling", "els", "--grad_sample_mode", "ghost"])
+
+
+def test_pydoc_users_split_by_user(tmp_path):
+    from dpllm.data import load_records, load_records_and_users, make_splits
+
+    cfg = DataConfig(privacy_unit="user")
+    records, users = load_records_and_users(cfg)
+    assert records == load_records(DataConfig())  # same records whatever the unit
+    assert 100 < len(set(users)) < len(records)
+    s = make_splits(len(records), cfg, users)
+    train_users = {users[i] for i in s.train}
+    assert not train_users & {users[i] for i in s.heldout}
+    assert sorted(train_users) == s.users["train"]
+    # JSONL with a user column; a missing user is an error naming the column
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"text": f"record number {i} of the support tickets", "author": f"a{i % 3}"})
+                            + "\n" for i in range(9)))
+    recs, us = load_records_and_users(DataConfig(dataset=str(path), privacy_unit="user", user_column="author"))
+    assert us == [f"a{i % 3}" for i in range(9)]
+    from dpllm.data import DataError
+
+    with pytest.raises(DataError, match="user column 'who'"):
+        load_records_and_users(DataConfig(dataset=str(path), privacy_unit="user", user_column="who"))
+
+
+def _run(tmp_path, sampling, **extra):
+    from dpllm.train import train
+
+    args = ["--model_name_or_path", "tiny-llama", "--finetuning", "full", "--tiny_hidden_size", "32",
+            "--tiny_num_layers", "1", "--max_records", "300", "--max_length", "32", "--privacy_unit", "user",
+            "--max_records_per_user", "4", "--user_sampling", sampling, "--grad_sample_mode", "hooks",
+            "--max_steps", "3", "--logical_batch_size", "16", "--physical_batch_size", "8", "--eval_every", "0",
+            "--eval_max_records", "8", "--target_delta", "1e-3", "--output_dir", str(tmp_path / sampling),
+            "--progress", "false", "--reproducible_noise", "true"]
+    for k, v in extra.items():
+        args += [f"--{k}", str(v)]
+    train(parse_config(args))
+    return tmp_path / sampling
+
+
+@pytest.mark.parametrize("sampling", ["uls", "els"])
+def test_plan_matches_the_training_report_and_splits_list_users(tmp_path, sampling):
+    from dpllm import ledger
+    from dpllm.privacy.planning import user_plan_table
+    from dpllm.privacy.report import PrivacyReport
+
+    run = _run(tmp_path, sampling)
+    report = PrivacyReport.read(run)
+    u = report.user_level
+    assert report.privacy_unit == "user" and u["sampling"] == sampling and u["max_records_per_user"] == 4
+    assert report.epsilon <= 8.0 and report.delta == 1e-3 < 1 / u["num_users"]
+    assert u["users_trimmed"] > 0 and u["records_dropped"] > 0
+    plan = user_plan_table(sampling=sampling, num_users=u["num_users"], records_per_user=u["group_size"] if
+                           sampling == "els" else 4, num_records=report.num_records,
+                           users_per_batch=u.get("users_per_batch"), batch=16, steps=3, delta=1e-3,
+                           target_epsilon=8.0, noise_multiplier=report.noise_multiplier, epsilons=[])
+    assert plan["given_noise"]["epsilon"] == pytest.approx(report.epsilon, rel=1e-6)
+    assert plan["sample_rate"] == pytest.approx(report.sample_rate)
+    if sampling == "els":
+        assert u["group_size"] == 4 and u["record_epsilon"] < report.epsilon / 3.9
+        assert "group privacy" in u["group_privacy"]
+    assert ledger.verify(run).ok
+    last = ledger.read(run)[-1]
+    assert last["epsilon"] == report.epsilon and last["user_level"]["num_users"] == u["num_users"]
+    splits = json.loads((run / "splits.json").read_text())
+    from dpllm.data import load_records_and_users
+
+    _, users = load_records_and_users(DataConfig(privacy_unit="user", max_records=300, min_chars=32))
+    trained = [users[i] for i in splits["train"]]
+    assert set(trained) == set(splits["users"]["train"])
+    assert max(trained.count(x) for x in set(trained)) <= 4  # the cap holds in what was trained on
+    assert not set(splits["users"]["train"]) & {users[i] for i in splits["heldout"]}
+    assert not set(splits["train"]) & set(splits["users"]["dropped_records"])
+
+
+def test_delta_must_be_below_one_over_users(tmp_path):
+    with pytest.raises(PrivacyPlanError, match="1/N"):
+        _run(tmp_path, "els", target_delta=0.05)  # 29 users: δ ≥ 1/U
