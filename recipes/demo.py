@@ -42,6 +42,19 @@ def audit_auc(run_dir: Path, *, max_records: int, n_bootstrap: int) -> float:
     return report["attacks"]["loss"]["auc"]
 
 
+def generations(run_dirs: dict[str, Path], prompts: tuple[str, ...] = ("def ", "class ", "import ")) -> dict:
+    """A greedy continuation of each prompt by each model (``model.generate`` on the reloaded checkpoint)."""
+    out: dict[str, list[str]] = {}
+    for name, run_dir in run_dirs.items():
+        model, tok = load_model(run_dir, merge=True)
+        out[name] = []
+        for prompt in prompts:
+            ids = tok(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+            new = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
+            out[name].append(prompt + tok.decode(new[0, ids.shape[1]:], skip_special_tokens=True))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output_dir", default="runs/demo")
@@ -85,6 +98,13 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"{'+ fine-tuning with DP':<34}{result['dp']['heldout_ppl']:>11.2f}{report.epsilon:>14.2f}"
           f"{aucs['dp']:>17.3f}")
     print(f"{'+ fine-tuning without DP':<34}{result['no_dp']['heldout_ppl']:>11.2f}{'∞':>14}{aucs['no_dp']:>17.3f}")
+    samples = generations({"public pretraining only": out / "pretrain", "DP fine-tuned (ε = 8)": out / "dp"})
+    result["generations"] = samples
+    print("\n== greedy generations")
+    for name, texts in samples.items():
+        print(f"-- {name}")
+        for text in texts:
+            print("   " + repr(text))
     print(f"\nprivacy: {report.summary()}")
     print(f"checkpoint: {result['checkpoint']}\nreport:     {result['privacy_report']}")
     print(f"release:    dpllm export {runs['dp']['run_dir']} --out {out / 'release'}")

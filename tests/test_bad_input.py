@@ -227,3 +227,19 @@ def test_our_lora_checkpoint_is_auditable_by_path(tmp_path):
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stderr[-2000:]
     assert "loss" in json.loads((tmp_path / "audit" / "mia_report.json").read_text())["attacks"]
+
+
+def test_a_full_disk_while_writing_the_checkpoint_is_one_clear_error(tmp_path, capsys, monkeypatch):
+    import errno
+
+    from transformers import PreTrainedModel
+
+    def full(self, *a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full)
+    out = tmp_path / "run"
+    assert recipe.cli([*FAST, "--output_dir", str(out), "--finetuning", "full"]) == 2
+    err = capsys.readouterr().err
+    assert "could not write the checkpoint" in err and "No space left" in err and "Free disk space" in err
+    assert not (out / "checkpoint").exists() and not list(out.glob(".checkpoint*"))  # nothing half-written
