@@ -135,7 +135,9 @@ class PrivacyConfig:
                                   "slower noise draws). Without it noise is still secretly seeded from OS entropy.")
     user_sampling: str = _f("uls", "With data.privacy_unit=user: 'uls' (Poisson-sample users; each sampled user adds "
                                    "one clipped gradient, the mean over its records; hooks mode) or 'els' (sample "
-                                   "records of the k-capped data; user-level ε by group privacy).")
+                                   "records of the k-capped data; σ calibrated so the user-level ε by group privacy meets "
+                                   "target_epsilon) or 'record' (record-level DP at target_epsilon, splits by user; the "
+                                   "report adds the user-level ε group privacy gives, often unbounded).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
                                          "ONLY): anyone with the config can regenerate them, so the run is marked "
                                          "noise_secret=false and is not releasable.")
@@ -283,7 +285,7 @@ def validate(cfg: RunConfig) -> None:
     _choice("accountant", p.accountant, ("prv", "rdp", "gdp"))
     _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
     _choice("privacy_unit", d.privacy_unit, ("record", "user"))
-    _choice("user_sampling", p.user_sampling, ("uls", "els"))
+    _choice("user_sampling", p.user_sampling, ("uls", "els", "record"))
     if d.max_records_per_user is not None and d.max_records_per_user < 1:
         raise ConfigError(f"max_records_per_user={d.max_records_per_user} must be ≥ 1 (or unset: keep all records)")
     if d.privacy_unit == "user" and p.enabled and p.user_sampling == "uls":

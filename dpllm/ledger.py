@@ -211,7 +211,8 @@ def _check_epsilons(entries: list[dict]) -> int:
         if not isinstance(history, list):
             raise LedgerError(f"line {i}: ε={eps} without the (σ, q, steps) history it was computed from")
         key = (json.dumps(history), e.get("delta"), e.get("accountant"))
-        group = (e.get("user_level") or {}).get("group_size", 1)
+        user = e.get("user_level") or {}
+        group = user.get("group_size", 1) if "record_delta" in user else 1
         if group > 1:  # ELS: the user-level ε is the record-level ε at record_delta, grouped over k records
             key += (group, e["user_level"].get("record_delta"))
         if key not in cache:

@@ -248,9 +248,13 @@ class Trainer:
         return self.dp and self.user_unit and self.p.user_sampling == "uls"
 
     @property
+    def els(self) -> bool:
+        return self.dp and self.user_unit and self.p.user_sampling == "els"
+
+    @property
     def group_size(self) -> int:
-        """k of the group-privacy conversion: 1 unless ELS (then the most records any user keeps)."""
-        if self.dp and self.user_unit and self.p.user_sampling == "els":
+        """k of the group-privacy conversion: the most records any user keeps (1 under ULS or per record)."""
+        if self.dp and self.user_unit and self.p.user_sampling in ("els", "record"):
             return max(len(r) for r in self.user_records)
         return 1
 
@@ -271,7 +275,7 @@ class Trainer:
             # ULS samples users: B_u users per step so that a step holds B records in expectation.
             n, batch = len(self.user_records), max(1, round(batch * len(self.user_records) / n))
             self.users_per_batch = batch
-        elif self.group_size > 1:
+        elif self.els and self.group_size > 1:
             target, delta = user_level.record_targets(target_epsilon=target, delta=delta, group_size=self.group_size)
         self.steps = steps_for(num_records=n, batch=batch, epochs=t.epochs,
                                steps=None if t.epochs is not None else t.max_steps)
@@ -524,7 +528,7 @@ class Trainer:
 
     def unit_privacy(self) -> tuple[float, float]:
         """(ε, δ) so far for the privacy unit: a record, or a user (ULS directly; ELS by group privacy)."""
-        if self.group_size > 1:
+        if self.els and self.group_size > 1:
             eps, _ = user_level.els_user_epsilon(history=self.private.history(), record_delta=self.plan.delta,
                                                  group_size=self.group_size, accountant=self.plan.accountant)
             return eps, self.p.target_delta  # the conversion's δ is ≤ target_delta while ε_r ≤ target/k
@@ -543,7 +547,14 @@ class Trainer:
                 "user_column": None if self.cfg.data.dataset in data.BUILTIN else self.cfg.data.user_column,
                 "group_privacy": user_level.GROUP_PRIVACY if k > 1 else user_level.ULS_UNIT
                 if self.uls else "k = 1: the user-level guarantee is the record-level one"}
-        if k > 1:
+        if self.p.user_sampling == "record":  # the guarantee is per record; the user level only by group privacy
+            eps_u = user_level.user_epsilon_at_delta(history=self.private.history(), delta=self.p.target_delta,
+                                                     group_size=k, accountant=self.plan.accountant)
+            info.update(user_epsilon=eps_u if math.isfinite(eps_u) else None, user_delta=self.p.target_delta,
+                        group_privacy=user_level.GROUP_PRIVACY + (
+                            "" if math.isfinite(eps_u) else "; NO user-level guarantee: the conversion's record-level "
+                            "δ underflows (user_epsilon = null means unbounded)"))
+        elif k > 1:
             eps_r = self.private.epsilon()
             info.update(record_epsilon=eps_r, record_delta=self.plan.delta,
                         converted_delta=user_level.group_epsilon(record_epsilon=eps_r, record_delta=self.plan.delta,
@@ -608,7 +619,8 @@ class Trainer:
         eps, delta = self.unit_privacy()
         return PrivacyReport(
             **common, epsilon=eps, delta=delta, accountant=self.plan.accountant,
-            privacy_unit="user" if self.user_unit else "record", user_level=self.user_level_info(),
+            privacy_unit="user" if self.user_unit and self.p.user_sampling != "record" else "record",
+            user_level=self.user_level_info(),
             target_epsilon=p.target_epsilon, noise_multiplier=self.plan.noise_multiplier,
             sample_rate=self.plan.sample_rate, expected_batch_size=self.plan.expected_batch_size,
             max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),

@@ -3,6 +3,7 @@
 Audit a training run (members = train split, non-members = heldout split)::
 
     python -m mia audit --checkpoint runs/x --out runs/x/audit
+    python -m mia audit --unit user --checkpoint runs/x     # users of a privacy_unit=user run (mia.users)
 
 Audit any checkpoint against explicit member / non-member files::
 
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="audit at most this many members and this many non-members (random, seeded)")
     a.add_argument("--n-bootstrap", type=int, default=1000, help="bootstrap replicates for CIs")
     a.add_argument("--out", default=None, help="output directory (default: RUN_DIR/audit)")
+    a.add_argument("--unit", choices=("record", "user"), default="record",
+                   help="user: members and non-members are users of a privacy_unit=user run, each scored by the "
+                        "mean of its records' scores (mia.users; default RUN_DIR/audit_users)")
     _common(a)
 
     c = sub.add_parser("canaries", help="ε lower bound from a run's canaries vs the accountant's ε")
@@ -126,6 +130,11 @@ def _reference(args):
 
 def cmd_audit(args) -> int:
     from mia import attacks, audit, report
+
+    if args.unit == "user":
+        from mia.users import cmd_audit_users
+
+        return cmd_audit_users(args)
 
     names = attacks.parse_attacks(args.attacks)  # fail fast, before loading any model
     if any(attacks.ATTACKS[n].needs_reference for n in names) and not args.reference:

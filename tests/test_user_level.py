@@ -275,8 +275,38 @@ def test_plan_matches_the_training_report_and_splits_list_users(tmp_path, sampli
     assert max(trained.count(x) for x in set(trained)) <= 4  # the cap holds in what was trained on
     assert not set(splits["users"]["train"]) & {users[i] for i in splits["heldout"]}
     assert not set(splits["train"]) & set(splits["users"]["dropped_records"])
+    if sampling == "els":  # the user-level audit: members and non-members are users
+        from mia.__main__ import main as mia_main
+
+        assert mia_main(["audit", "--unit", "user", "--checkpoint", str(run), "--attacks", "loss",
+                         "--n-bootstrap", "20", "--no-progress"]) == 0
+        rep = json.loads((run / "audit_users" / "mia_report.json").read_text())
+        assert rep["unit"] == "user" and rep["n_members"] == u["num_users"]
+        assert rep["n_nonmembers"] == len(splits["users"]["heldout"])
+        assert rep["dp_bound"]["privacy_unit"] == "user"
 
 
 def test_delta_must_be_below_one_over_users(tmp_path):
     with pytest.raises(PrivacyPlanError, match="1/N"):
         _run(tmp_path, "els", target_delta=0.05)  # 29 users: δ ≥ 1/U
+
+
+def test_record_mode_reports_per_record_and_states_the_group_privacy_user_epsilon(tmp_path):
+    from dpllm import ledger
+    from dpllm.privacy.report import PrivacyReport
+
+    run = _run(tmp_path, "record", max_records_per_user=2)
+    report = PrivacyReport.read(run)
+    u = report.user_level
+    assert report.privacy_unit == "record" and report.epsilon <= 8.0 and u["group_size"] == 2
+    # the user-level ε group privacy gives: more than twice the record-level ε at the same δ
+    assert u["user_epsilon"] > 2 * report.epsilon
+    assert u["user_epsilon"] == pytest.approx(user_level.user_epsilon_at_delta(
+        history=report.history, delta=report.delta, group_size=2, accountant=report.accountant))
+    assert "UNBOUNDED" not in report.summary() and "user-level ε is" in report.summary()
+    assert ledger.verify(run).ok
+
+
+def test_group_privacy_of_a_large_group_is_unbounded_not_a_number():
+    eps = user_level.user_epsilon_at_delta(history=[(0.5, 0.05, 300)], delta=1e-5, group_size=16, accountant="rdp")
+    assert eps == math.inf

@@ -130,8 +130,11 @@ class PrivacyReport:
         u = self.user_level
         if u:
             how = (f"group privacy over k = {u['group_size']} records from record-level ε = "
-                   f"{u['record_epsilon']:.3f} at δ = {u['record_delta']:.3g}" if u.get("group_size", 1) > 1
-                   else "user-level sampling" if u.get("sampling") == "uls" else "k = 1")
+                   f"{u['record_epsilon']:.3f} at δ = {u['record_delta']:.3g}" if "record_delta" in u
+                   else "user-level sampling" if u.get("sampling") == "uls" else
+                   f"record-level DP; by group privacy over k = {u['group_size']} the user-level ε is "
+                   + ("UNBOUNDED" if u.get("user_epsilon") is None else f"{u['user_epsilon']:.3f}")
+                   if u.get("sampling") == "record" else "k = 1")
             secret = (f"; USER-LEVEL: U = {u['num_users']:,} users, k = {u['max_records_per_user']}, "
                       f"{u['sampling']} ({how}); {u['users_trimmed']} users trimmed, {u['records_dropped']} records "
                       f"dropped" + secret)
