@@ -259,12 +259,17 @@ def read_canaries(run_dir: str | Path, *, with_prefixes: bool = False):
 
 
 def read_privacy_report(run_dir: str | Path) -> dict:
-    """``privacy_report.json`` of a run (top level, else the checkpoint's copy)."""
-    for path in (Path(run_dir) / "privacy_report.json", Path(run_dir) / "checkpoint" / "privacy_report.json"):
-        if path.is_file():
-            return json.loads(path.read_text())
-    raise ValueError(f"no privacy_report.json in {run_dir} or its checkpoint/; the canary audit "
-                     f"compares against the accountant's ε and needs it")
+    """``privacy_report.json`` of a run (top level, else the checkpoint's copy), read by dpllm's one report type.
+
+    Raises:
+        ValueError: no report, or a damaged one (the message names the file).
+    """
+    from dpllm.privacy.report import PrivacyReport, ReportError
+
+    try:
+        return PrivacyReport.read(run_dir).to_dict()
+    except ReportError as err:
+        raise ValueError(f"{err}; the canary audit compares against the accountant's ε and needs it") from err
 
 
 def prefix_token_counts(tokenizer, texts: list[str], prefixes: list[str]) -> np.ndarray:

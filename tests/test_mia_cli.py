@@ -87,8 +87,8 @@ def test_audit_cli_end_to_end(overfit):
 
 
 def _write_privacy(run, epsilon):
-    (run / "privacy_report.json").write_text(json.dumps({"epsilon": epsilon, "delta": 1e-5,
-                                                         "enabled": True}))
+    (run / "privacy_report.json").write_text(json.dumps({"epsilon": epsilon, "delta": 1e-5, "enabled": True,
+                                                         "num_records": 100, "steps": 10}))
 
 
 @pytest.fixture
