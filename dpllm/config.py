@@ -82,6 +82,8 @@ class DataConfig:
                                      "protected: data.user_column groups records; docs/user_level.md).")
     user_column: str = _f("user", "Column naming each record's user (privacy_unit=user; JSONL/JSON/CSV/Hub). The "
                                   "built-in corpora have their own grouping (pydoc: topic chunks; pystdlib: file).")
+    canary_records_per_user: int = _f(1, "privacy_unit=user: each canary is a user who writes its canary text in "
+                                         "this many records (all in or all out by one coin); ≤ max_records_per_user.")
     max_records_per_user: Optional[int] = _f(None, "k: keep at most this many records of each user (chosen at random "
                                                    "with secret randomness); None keeps all (ELS then pays group "
                                                    "privacy for the largest user).")
@@ -288,6 +290,12 @@ def validate(cfg: RunConfig) -> None:
     _choice("user_sampling", p.user_sampling, ("uls", "els", "record"))
     if d.max_records_per_user is not None and d.max_records_per_user < 1:
         raise ConfigError(f"max_records_per_user={d.max_records_per_user} must be ≥ 1 (or unset: keep all records)")
+    if d.canary_records_per_user < 1 or (d.canary_records_per_user > 1 and d.privacy_unit != "user"):
+        raise ConfigError(f"canary_records_per_user={d.canary_records_per_user} must be 1, or > 1 with "
+                          "privacy_unit=user (a canary user)")
+    if d.max_records_per_user is not None and d.canary_records_per_user > d.max_records_per_user:
+        raise ConfigError(f"canary_records_per_user={d.canary_records_per_user} > max_records_per_user="
+                          f"{d.max_records_per_user}: a canary user would break the contribution bound; lower it")
     if d.privacy_unit == "user" and p.enabled and p.user_sampling == "uls":
         if p.grad_sample_mode != "hooks":
             raise ConfigError(

@@ -135,6 +135,7 @@ class Trainer:
         self.lock: Optional[rundir.RunLock] = None
         self.plan: Optional[PrivacyPlan] = None
         self.private = None  # dpllm.privacy.engine.PrivateTraining under DP
+        self.user_unit = False  # privacy_unit=user (set by setup_data; subclasses with their own data keep records)
         self.criterion = None
         self.step = self.start_step = self.tokens_seen = 0
         self.window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
@@ -194,7 +195,10 @@ class Trainer:
         self.user_unit = self.users is not None and d.train_on == "private"
         if self.user_unit:
             train_ids = self.bound_contributions(train_ids)
-        self.train_texts = data.select(self.records, train_ids) + [c["text"] for c in self.canaries if c["included"]]
+        # a canary user (privacy_unit=user) writes its canary in canary_records_per_user records
+        m = d.canary_records_per_user if self.user_unit else 1
+        self.train_texts = data.select(self.records, train_ids) + [c["text"] for c in self.canaries if c["included"]
+                                                                   for _ in range(m)]
         heldout = data.select(self.records, self.splits.heldout)
         self.heldout_hashes = {data.sha256(x) for x in heldout}
         self.eval_texts = heldout if self.t.eval_max_records is None else heldout[: self.t.eval_max_records]
@@ -227,7 +231,8 @@ class Trainer:
         names = sorted(cap["by_user"]) + [f"canary#{i}" for i, c in enumerate(self.canaries) if c["included"]]
         index = {u: j for j, u in enumerate(names)}
         self.record_user = [index[self.users[i]] for i in cap["kept"]]
-        self.record_user += [index[f"canary#{i}"] for i, c in enumerate(self.canaries) if c["included"]]
+        self.record_user += [index[f"canary#{i}"] for i, c in enumerate(self.canaries) if c["included"]
+                             for _ in range(d.canary_records_per_user)]
         self.user_records = [[] for _ in names]  # dataset positions of each user's records
         for pos, u in enumerate(self.record_user):
             self.user_records[u].append(pos)
@@ -340,7 +345,9 @@ class Trainer:
                 write_json_atomic(self.out / "splits.json", splits)
                 if self.canaries:
                     write_json_atomic(self.out / "canaries.json",
-                                      {"seed": self.cfg.data.canary_seed, "canaries": self.canaries})
+                                      {"seed": self.cfg.data.canary_seed, "canaries": self.canaries,
+                                       **({"unit": "user", "records_per_user": self.cfg.data.canary_records_per_user}
+                                          if self.user_unit else {})})
             else:
                 resume.clean_partial_writes(self.out)
         barrier(self.world)

@@ -310,3 +310,21 @@ def test_record_mode_reports_per_record_and_states_the_group_privacy_user_epsilo
 def test_group_privacy_of_a_large_group_is_unbounded_not_a_number():
     eps = user_level.user_epsilon_at_delta(history=[(0.5, 0.05, 300)], delta=1e-5, group_size=16, accountant="rdp")
     assert eps == math.inf
+
+
+def test_canary_users_write_their_canary_in_several_records(tmp_path):
+    from dpllm.privacy.report import PrivacyReport
+    from mia.audit import read_canaries
+
+    run = _run(tmp_path, "uls", num_canaries=6, canary_records_per_user=3, canary_design="rare")
+    canaries = json.loads((run / "canaries.json").read_text())
+    assert canaries["unit"] == "user" and canaries["records_per_user"] == 3
+    included = sum(c["included"] for c in canaries["canaries"])
+    splits = json.loads((run / "splits.json").read_text())
+    report = PrivacyReport.read(run)
+    assert report.num_records == len(splits["train"]) + 3 * included  # 3 records per included canary user
+    assert report.user_level["num_users"] == len(splits["users"]["train"]) + included
+    texts, coins = read_canaries(run)[:2]
+    assert len(texts) == 6 and list(coins) == [c["included"] for c in canaries["canaries"]]
+    with pytest.raises(ConfigError, match="canary_records_per_user"):
+        parse_config(["--privacy_unit", "user", "--max_records_per_user", "2", "--canary_records_per_user", "3"])
