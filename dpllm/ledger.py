@@ -220,12 +220,17 @@ def _check_epsilons(entries: list[dict]) -> int:
                 if group > 1:
                     from dpllm.privacy.user_level import els_user_epsilon
 
-                    cache[key] = els_user_epsilon(history=[tuple(h) for h in history], group_size=group,
-                                                  record_delta=e["user_level"]["record_delta"],
-                                                  accountant=e["accountant"])[0]
+                    cache[key], converted = els_user_epsilon(history=[tuple(h) for h in history], group_size=group,
+                                                             record_delta=e["user_level"]["record_delta"],
+                                                             accountant=e["accountant"])
+                    if converted > e["delta"] * (1 + 1e-9):
+                        raise LedgerError(f"line {i}: group privacy over k={group} gives δ={converted:.3g} > the "
+                                          f"line's δ={e['delta']:g}")
                 else:
                     cache[key] = compute_epsilon_history(history=[tuple(h) for h in history], delta=e["delta"],
                                                          accountant=e["accountant"])
+            except LedgerError:
+                raise
             except (ValueError, TypeError, KeyError) as err:
                 raise LedgerError(f"line {i}: its history, δ or accountant cannot be accounted ({err})") from None
         if not math.isclose(cache[key], eps, rel_tol=1e-6, abs_tol=1e-9):

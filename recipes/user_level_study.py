@@ -18,7 +18,7 @@ For each: held-out perplexity (held-out users) and a user-level loss MIA (member
 mean loss over the user's records; :mod:`mia.users`). The benchmark times ULS against record-level DP
 (hooks and ghost) at the same logical batch of records on a wider model.
 
-    python recipes/user_level_study.py --out docs/results/user_level            # ~5 min on 2 CPU cores
+    python recipes/user_level_study.py --out docs/results/user_level            # ~15 min on 2 CPU cores
     python recipes/user_level_study.py --out runs/user_level_quick --quick
 
 Writes ``results.json`` and ``summary.md``.
@@ -41,14 +41,14 @@ EPSILON, DELTA, K = 8.0, 1e-4, 4
 
 
 def base_args(out: Path, name: str, *, steps: int, batch: int, hidden: int = 64, layers: int = 2,
-              physical: int = 16) -> list[str]:
+              physical: int = 16, seed: int = 0) -> list[str]:
     return ["--model_name_or_path", "tiny-llama", "--finetuning", "full", "--tiny_hidden_size", str(hidden),
             "--tiny_num_layers", str(layers), "--tiny_num_heads", "4", "--tiny_intermediate_size", str(4 * hidden),
             "--max_length", "64", "--privacy_unit", "user", "--max_steps", str(steps),
             "--logical_batch_size", str(batch), "--physical_batch_size", str(physical), "--learning_rate", "3e-3",
             "--eval_every", "0", "--eval_max_records", "100000", "--log_every", "1000", "--target_delta", str(DELTA),
             "--output_dir", str(out / name), "--overwrite_output_dir", "true", "--progress", "false",
-            "--seed", "0", "--reproducible_noise", "true"]
+            "--seed", str(seed), "--reproducible_noise", "true"]
 
 
 def run(args_list: list[str]) -> dict:
@@ -71,7 +71,7 @@ def audit(run_dir: Path) -> dict:
             "member_users": rep["n_members"], "nonmember_users": rep["n_nonmembers"]}
 
 
-def study(out: Path, *, steps: int, batch: int) -> list[dict]:
+def study(out: Path, *, steps: int, batch: int, seeds=(0,)) -> list[dict]:
     arms = {
         "record": ["--user_sampling", "record", "--grad_sample_mode", "hooks", "--target_epsilon", str(EPSILON)],
         "els": ["--user_sampling", "els", "--grad_sample_mode", "hooks", "--max_records_per_user", str(K),
@@ -81,13 +81,14 @@ def study(out: Path, *, steps: int, batch: int) -> list[dict]:
         "none": ["--enabled", "false", "--max_records_per_user", str(K)],
     }
     rows = []
-    for name, extra in arms.items():
+    for seed, (name, extra) in ((s, a) for s in seeds for a in arms.items()):
         t0 = time.time()
-        summary = run(base_args(out, name, steps=steps, batch=batch) + extra)
-        report = json.loads((out / name / "privacy_report.json").read_text())
+        run_name = f"{name}_s{seed}"
+        summary = run(base_args(out, run_name, steps=steps, batch=batch, seed=seed) + extra)
+        report = json.loads((out / run_name / "privacy_report.json").read_text())
         u = report.get("user_level") or {}
         record_run = u.get("sampling") == "record"
-        row = {"arm": name, "command_args": extra, "privacy_unit": report.get("privacy_unit"),
+        row = {"arm": name, "seed": seed, "command_args": extra, "privacy_unit": report.get("privacy_unit"),
                "user_epsilon": u.get("user_epsilon") if record_run else report.get("epsilon"),
                "user_delta": report.get("delta"),
                "record_epsilon": report.get("epsilon") if record_run else u.get("record_epsilon"),
@@ -97,9 +98,9 @@ def study(out: Path, *, steps: int, batch: int) -> list[dict]:
                "records_dropped": u.get("records_dropped"), "steps": report["steps"],
                "tokens_seen": summary["tokens_seen"], "heldout_ppl": summary["final_eval_ppl"],
                "heldout_loss": summary["final_eval_loss"], "wall_s": round(time.time() - t0, 1)}
-        row["mia_users"] = audit(out / name)
+        row["mia_users"] = audit(out / run_name)
         rows.append(row)
-        print(json.dumps({k: row[k] for k in ("arm", "user_epsilon", "heldout_ppl", "wall_s")}), flush=True)
+        print(json.dumps({k: row[k] for k in ("arm", "seed", "user_epsilon", "heldout_ppl", "wall_s")}), flush=True)
     return rows
 
 
@@ -131,18 +132,31 @@ def summarize(res: dict) -> str:
              f"{res['settings']['steps']} steps, logical batch {res['settings']['batch']} records, "
              f"user-level budget (ε = {EPSILON:g}, δ = {DELTA:g}), k = {K}. Held-out perplexity on held-out users; "
              "user-level loss MIA (mean loss over a user's records; AUC with 95% bootstrap CI).", "",
-             "| arm | user-level ε (δ = 1e-4) | record-level ε | k | σ | q | users | records | held-out ppl | "
-             "user MIA AUC [CI] |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| arm | user-level ε (δ = 1e-4) | record-level ε | k | σ | q | users | records | held-out ppl "
+             "(mean ± sd over seeds) | user MIA AUC (mean over seeds) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    import statistics
+
+    def spread(xs):
+        return f"{statistics.mean(xs):.2f} ± {statistics.stdev(xs):.2f}" if len(xs) > 1 else f"{xs[0]:.2f}"
+
     for r in res["runs"]:
-        m = r["mia_users"]
+        if r["seed"] != res["runs"][0]["seed"]:
+            continue
+        same = [x for x in res["runs"] if x["arm"] == r["arm"]]
         eps = ("∞ (no DP)" if r["arm"] == "none" else "unbounded" if r["user_epsilon"] is None
                else f"{r['user_epsilon']:.3g}")
         rec = "" if r["record_epsilon"] is None else f"{r['record_epsilon']:.3g}"
         lines.append(f"| {r['arm']} | {eps} | {rec} | {r['group_size'] or ''} | "
                      f"{'' if r['noise_multiplier'] is None else format(r['noise_multiplier'], '.3g')} | "
                      f"{'' if r['sample_rate'] is None else format(r['sample_rate'], '.3g')} | {r['num_users'] or ''} | "
-                     f"{r['num_records']} | {r['heldout_ppl']:.2f} | {m['auc']:.3f} [{m['auc_ci'][0]:.2f}, "
-                     f"{m['auc_ci'][1]:.2f}] |")
+                     f"{r['num_records']} | {spread([x['heldout_ppl'] for x in same])} | "
+                     f"{spread([x['mia_users']['auc'] for x in same])} |")
+    lines += ["", "Per seed (held-out ppl; user MIA AUC [95% bootstrap CI]):", "",
+              "| arm | seed | held-out ppl | user MIA AUC [CI] | TPR@10% FPR |", "|---|---|---|---|---|"]
+    for r in res["runs"]:
+        m = r["mia_users"]
+        lines.append(f"| {r['arm']} | {r['seed']} | {r['heldout_ppl']:.2f} | {m['auc']:.3f} [{m['auc_ci'][0]:.2f}, "
+                     f"{m['auc_ci'][1]:.2f}] | {m['tpr@10%fpr']:.3f} |")
     bench: dict = {}
     for b in res["benchmark"]:
         bench.setdefault(b["arm"], []).append(b)
@@ -158,7 +172,8 @@ def summarize(res: dict) -> str:
         lines.append(f"| {name} | {best['s_per_step']:.3f} | {best['tokens_per_step']:.0f} | "
                      f"{best['ms_per_1k_tokens']:.1f} | {best['s_per_step'] / base['s_per_step']:.2f} | "
                      f"{best['ms_per_1k_tokens'] / base['ms_per_1k_tokens']:.2f} |")
-    lines += ["", "## Reading", "", res.get("reading", "")]
+    reading = Path(__file__).with_name("user_level_reading.md")
+    lines += ["", "## Reading", "", reading.read_text() if reading.is_file() else "(write the reading here)"]
     return "\n".join(lines) + "\n"
 
 
@@ -166,6 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/user_level")
     ap.add_argument("--quick", action="store_true", help="few steps: a smoke test of the recipe")
+    ap.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (model init and the seeded noise; the user split is fixed)")
     args = ap.parse_args(argv)
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
@@ -176,7 +192,9 @@ def main(argv: list[str] | None = None) -> dict:
            "quick": args.quick,
            "settings": {"steps": steps, "batch": batch, "epsilon": EPSILON, "delta": DELTA, "k": K,
                         "model": "2 layers × 64 wide", "dataset": "pydoc (privacy_unit: user)"}}
-    res["runs"] = study(runs_dir, steps=steps, batch=batch)
+    seeds = (0,) if args.quick else tuple(int(x) for x in args.seeds.split(","))
+    res["settings"]["seeds"] = list(seeds)
+    res["runs"] = study(runs_dir, steps=steps, batch=batch, seeds=seeds)
     res["benchmark"] = benchmark(runs_dir, steps=3 if args.quick else 20, batch=64)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(res, indent=2, default=str))
