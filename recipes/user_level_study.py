@@ -172,9 +172,16 @@ def summarize(res: dict) -> str:
         lines.append(f"| {name} | {best['s_per_step']:.3f} | {best['tokens_per_step']:.0f} | "
                      f"{best['ms_per_1k_tokens']:.1f} | {best['s_per_step'] / base['s_per_step']:.2f} | "
                      f"{best['ms_per_1k_tokens'] / base['ms_per_1k_tokens']:.2f} |")
-    reading = Path(__file__).with_name("user_level_reading.md")
-    lines += ["", "## Reading", "", reading.read_text() if reading.is_file() else "(write the reading here)"]
+    reading = Path(res["out"]) / "reading.md"  # written by a person after looking at the numbers
+    lines += ["", "## Reading", "", reading.read_text() if reading.is_file() else "(no reading.md yet)"]
     return "\n".join(lines) + "\n"
+
+
+def resummarize(out: Path) -> None:
+    """Rewrite summary.md from results.json (e.g. after adding reading.md)."""
+    res = json.loads((out / "results.json").read_text())
+    res["out"] = str(out)
+    (out / "summary.md").write_text(summarize(res))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -182,14 +189,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default="runs/user_level")
     ap.add_argument("--quick", action="store_true", help="few steps: a smoke test of the recipe")
     ap.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (model init and the seeded noise; the user split is fixed)")
+    ap.add_argument("--summary-only", action="store_true", help="rewrite summary.md from results.json and reading.md")
     args = ap.parse_args(argv)
+    if args.summary_only:
+        resummarize(Path(args.out))
+        return {}
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     out = Path(args.out)
     runs_dir = out / "runs" if not args.quick else out
     steps, batch = (5, 32) if args.quick else (300, 32)
     res = {"command": "python recipes/user_level_study.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-           "quick": args.quick,
+           "quick": args.quick, "out": str(out),
            "settings": {"steps": steps, "batch": batch, "epsilon": EPSILON, "delta": DELTA, "k": K,
                         "model": "2 layers × 64 wide", "dataset": "pydoc (privacy_unit: user)"}}
     seeds = (0,) if args.quick else tuple(int(x) for x in args.seeds.split(","))

@@ -328,3 +328,19 @@ def test_canary_users_write_their_canary_in_several_records(tmp_path):
     assert len(texts) == 6 and list(coins) == [c["included"] for c in canaries["canaries"]]
     with pytest.raises(ConfigError, match="canary_records_per_user"):
         parse_config(["--privacy_unit", "user", "--max_records_per_user", "2", "--canary_records_per_user", "3"])
+
+
+def test_plan_cli_states_the_unit_and_refuses_delta_over_one_over_users(capsys):
+    from dpllm.privacy.planning import cli_main
+
+    common = ["--unit", "user", "--num-users", "500", "--records-per-user", "4", "--batch", "64", "--epochs", "1",
+              "--target-epsilon", "8", "--epsilons", "", "--accountant", "rdp"]
+    assert cli_main(common + ["--sampling", "els", "--delta", "1e-4", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["unit"] == "user" and plan["num_users"] == 500 and plan["records_per_user"] == 4
+    assert plan["target"]["epsilon"] <= 8.0 and plan["target"]["record_epsilon"] <= 2.0
+    assert "group privacy" in plan["group_privacy"]
+    assert cli_main(common + ["--sampling", "uls", "--delta", "1e-4"]) == 0
+    assert "unit: USER" in capsys.readouterr().out
+    assert cli_main(common + ["--sampling", "uls", "--delta", "0.005"]) == 2  # δ ≥ 1/U = 0.002
+    assert "1/N" in capsys.readouterr().err
