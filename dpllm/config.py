@@ -137,9 +137,9 @@ class PrivacyConfig:
                                   "slower noise draws). Without it noise is still secretly seeded from OS entropy.")
     user_sampling: str = _f("uls", "With data.privacy_unit=user: 'uls' (Poisson-sample users; each sampled user adds "
                                    "one clipped gradient, the mean over its records; hooks mode) or 'els' (sample "
-                                   "records of the k-capped data; σ calibrated so the user-level ε by group privacy meets "
-                                   "target_epsilon) or 'record' (record-level DP at target_epsilon, splits by user; the "
-                                   "report adds the user-level ε group privacy gives, often unbounded).")
+                                   "records of the k-capped data; σ calibrated so the user-level ε by group privacy "
+                                   "meets target_epsilon) or 'record' (record-level DP at target_epsilon, splits by "
+                                   "user; the report adds the user-level ε group privacy gives, often unbounded).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
                                          "ONLY): anyone with the config can regenerate them, so the run is marked "
                                          "noise_secret=false and is not releasable.")

@@ -50,7 +50,8 @@ def load_run_users(run_dir: str | Path, *, seed: int = 0) -> tuple[dict[str, lis
         out: dict[str, list[str]] = {}
         for i in ids:
             if i >= len(records) or sha256(records[i]) != splits["sha256"][str(i)]:
-                raise ValueError(f"record {i} of {cfg.dataset} changed since the run; the audit needs the original data")
+                raise ValueError(f"record {i} of {cfg.dataset} changed since the run; the audit needs the original "
+                                 "data")
             out.setdefault(users[i], []).append(records[i])
         return out
 

@@ -148,7 +148,8 @@ def summarize(res: dict) -> str:
         rec = "" if r["record_epsilon"] is None else f"{r['record_epsilon']:.3g}"
         lines.append(f"| {r['arm']} | {eps} | {rec} | {r['group_size'] or ''} | "
                      f"{'' if r['noise_multiplier'] is None else format(r['noise_multiplier'], '.3g')} | "
-                     f"{'' if r['sample_rate'] is None else format(r['sample_rate'], '.3g')} | {r['num_users'] or ''} | "
+                     f"{'' if r['sample_rate'] is None else format(r['sample_rate'], '.3g')} | "
+                     f"{r['num_users'] or ''} | "
                      f"{r['num_records']} | {spread([x['heldout_ppl'] for x in same])} | "
                      f"{spread([x['mia_users']['auc'] for x in same])} |")
     lines += ["", "Per seed (held-out ppl; user MIA AUC [95% bootstrap CI]):", "",
@@ -188,7 +189,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/user_level")
     ap.add_argument("--quick", action="store_true", help="few steps: a smoke test of the recipe")
-    ap.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (model init and the seeded noise; the user split is fixed)")
+    ap.add_argument("--seeds", default="0,1,2",
+                    help="comma-separated training seeds (model init and the seeded noise; the user split is fixed)")
     ap.add_argument("--summary-only", action="store_true", help="rewrite summary.md from results.json and reading.md")
     args = ap.parse_args(argv)
     if args.summary_only:

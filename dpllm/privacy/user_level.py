@@ -38,8 +38,8 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from dpllm.privacy.accounting import PrivacyPlanError, compute_epsilon_history
 from dpllm.sampling import PoissonBatchSampler
 
-GROUP_PRIVACY = ("(ε,δ) group privacy: record-level (ε_r, δ_r) gives (k·ε_r, k·e^{(k−1)·ε_r}·δ_r) for a user of at "
-                 "most k records (Dwork & Roth 2014; Vadhan 2017, Lemma 2.2)")
+GROUP_PRIVACY = ("(ε,δ) group privacy: record-level (ε_r, δ_r) gives (k·ε_r, k·e^{(k−1)·ε_r}·δ_r) for a user of "
+                 "at most k records (Dwork & Roth 2014; Vadhan 2017, Lemma 2.2)")
 ULS_UNIT = "user-level sampling: the accountant's unit is the user (one clipped mean gradient per sampled user)"
 
 
@@ -83,10 +83,10 @@ def user_epsilon_at_delta(*, history, delta: float, group_size: int, accountant:
                           tolerance: float = 1e-3) -> float:
     """Smallest user-level ε (at user-level ``delta``) group privacy proves for a record-level run.
 
-    Solves for the least ε_r with ε_acc(δ_r(ε_r)) ≤ ε_r, where δ_r(ε_r) = δ / (k·e^{(k−1)ε_r}) and ε_acc is
-    the accountant's record-level ε: the map is increasing, so iterating it from 0 climbs to the least
+    Solves for the least ε_r with ε_acc(δ_r(ε_r)) ≤ ε_r, where δ_r(ε_r) = δ / (k·e^{(k−1)ε_r}) and ε_acc
+    is the accountant's record-level ε: the map is increasing, so iterating it from 0 climbs to the least
     fixed point; the returned k·ε_r is checked to satisfy the condition. Used to report record-level runs
-    honestly at the user level, and by ``dpllm plan --unit user`` for a given σ. Returns ``inf`` when δ_r
+    honestly at the user level (``user_sampling: record``). Returns ``inf`` when δ_r
     would underflow (no meaningful guarantee).
     """
     k = int(group_size)

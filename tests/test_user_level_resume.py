@@ -1,0 +1,50 @@
+"""ULS crash safety: a user-level run killed with SIGKILL and resumed is the uninterrupted run.
+
+The resumed run must train on the same kept records (the cap's choice is read back from splits.json, never
+redrawn) and draw the same user batches (the user sampler's generator is restored).
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dpllm import ledger
+from tests.test_resume import ROOT, RUN, run
+
+ULS = ["--privacy_unit", "user", "--user_sampling", "uls", "--grad_sample_mode", "hooks", "--max_records_per_user",
+       "3", "--target_delta", "1e-3"]
+
+
+@pytest.mark.slow
+def test_uls_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"),
+                             "--output_dir", str(killed), *RUN, *ULS], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.time() + 300
+    while not (killed / "checkpoints" / "step-000004").is_dir():
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    proc.stderr.close()
+    kept = json.loads((killed / "splits.json").read_text())["train"]
+    run(killed, "--resume_from", "latest", *ULS)
+    run(tmp_path / "whole", *ULS)
+    assert json.loads((killed / "splits.json").read_text())["train"] == kept
+    r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, tmp_path / "whole"))
+    for key in ("steps", "epsilon", "history", "num_records", "user_level"):
+        assert r1[key] == r2[key], key
+    from safetensors.torch import load_file
+
+    a, b = (load_file(str(d / "checkpoint" / "model.safetensors")) for d in (killed, tmp_path / "whole"))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert ledger.verify(killed).ok
