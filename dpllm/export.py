@@ -51,13 +51,18 @@ def public_report(report: PrivacyReport) -> PrivacyReport:
 def model_card(report: PrivacyReport, *, lora: bool, has_base: bool) -> str:
     """README.md for the bundle: the guarantee, how it was computed, the data, how to load the model."""
     if report.enabled:
+        user = report.user_level or {}
+        clipped = "user (the mean of its records' gradients)" if user.get("sampling") == "uls" else "record"
         guarantee = (f"**(ε = {report.epsilon:.3f}, δ = {report.delta:g})-differential privacy** at the level of one "
                      f"**{report.privacy_unit}**, from the {report.accountant} accountant (Opacus) over the full "
                      f"training history: noise multiplier σ = {report.noise_multiplier:.4g}, Poisson sampling rate "
-                     f"q = {report.sample_rate:.4g}, {report.steps} steps, per-{report.privacy_unit} clipping norm "
+                     f"q = {report.sample_rate:.4g}, {report.steps} steps, per-{clipped} clipping norm "
                      f"C = {report.max_grad_norm:g} ({report.clipping}). Noise and sampling randomness came from "
                      "the operating system's entropy and were never written to disk outside the private run "
-                     "directory.")
+                     "directory."
+                     + (f" User level ({user['num_users']:,} users, at most "
+                        f"{user['max_records_per_user'] or user['group_size']} records each): {user['group_privacy']}."
+                        if user else ""))
     else:
         guarantee = "**No differential-privacy guarantee**: this model was trained without DP."
     stages = "\n".join(f"- `{s.get('name')}`: {'DP' if s.get('enabled') else 'no DP'}, {s.get('num_records')} "
