@@ -344,3 +344,14 @@ def test_plan_cli_states_the_unit_and_refuses_delta_over_one_over_users(capsys):
     assert "unit: USER" in capsys.readouterr().out
     assert cli_main(common + ["--sampling", "uls", "--delta", "0.005"]) == 2  # δ ≥ 1/U = 0.002
     assert "1/N" in capsys.readouterr().err
+
+
+def test_the_cap_choice_is_secret_unless_reproducible():
+    from dpllm.distributed import World
+
+    def draw(reproducible):
+        g = user_level.cap_generator(reproducible=reproducible, seed=0, stage="s", world=World())
+        return torch.randperm(1000, generator=g).tolist()
+
+    assert draw(False) != draw(False)  # fresh OS entropy each run, whatever train.seed says
+    assert draw(True) == draw(True)
