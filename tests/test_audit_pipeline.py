@@ -11,6 +11,7 @@ bug that leaks (no noise, no clipping, wrong σ) makes this test fail.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -73,7 +74,10 @@ def test_memorising_run_is_caught(runs):
 
 def test_dp_run_is_bounded(runs):
     _, dp = runs
-    assert 0.3 < audit(dp)["attacks"]["loss"]["auc"] < 0.7
+    # No ε-DP model lets any attack exceed AUC e^ε/(1+e^ε) (0.881 at ε = 2; the memorising run above scores
+    # ~0.93). The noise is secret and fresh, so the AUC moves between runs (seen 0.47-0.74 with 12 non-members);
+    # a fixed window around 0.5 would be a coin flip, the DP ceiling is the claim that must hold.
+    assert audit(dp)["attacks"]["loss"]["auc"] <= math.exp(2.0) / (1 + math.exp(2.0))
     code, canary = canaries(dp)
     assert canary["accountant_epsilon"] <= 2.0 + 1e-6
     assert code == 0 and not canary["privacy_bug"]
