@@ -244,3 +244,28 @@ def test_the_plan_is_checked_before_the_model_loads(tmp_path, monkeypatch):
     with pytest.raises(PrivacyPlanError, match="cannot be met"):
         run(tmp_path, "r", "--target_epsilon", "1e-9", "--max_steps", "500")
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
+def test_noise_never_comes_from_the_seeded_global_generator(mode):
+    """torch's global generator is seeded by train.seed (written in the config): no noise may come from it."""
+    from tests.helpers import TEXTS, batch_of, tiny_model
+    from dpllm.config import PrivacyConfig
+    from dpllm.data import TokenizedRecords, make_collate
+    from dpllm.privacy.engine import make_private
+    from dpllm.train import forward_loss
+
+    model, tok = tiny_model("tiny-llama", "full")
+    plan = plan_privacy(num_records=len(TEXTS), logical_batch_size=len(TEXTS), steps=1, noise_multiplier=1.0,
+                        target_epsilon=None, delta=1e-3, accountant="rdp")
+    dataset = TokenizedRecords(TEXTS, tok, 48)
+    pt = make_private(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=dataset,
+                      collate_fn=make_collate(tok.pad_token_id), cfg=PrivacyConfig(grad_sample_mode=mode,
+                      noise_multiplier=1.0), plan=plan, logical_batch_size=len(TEXTS),
+                      noise_generator=torch.Generator().manual_seed(1), sampling_generator=torch.Generator())
+    loss = forward_loss(pt.model, batch_of(tok), pt.criterion)
+    before = torch.get_rng_state()
+    loss.backward()
+    pt.optimizer.step()
+    assert torch.equal(before, torch.get_rng_state())  # noise drawn from our generator only
+    assert pt.engine.accountant.history == [(1.0, 1.0, 1)]
