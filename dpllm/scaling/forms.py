@@ -148,13 +148,8 @@ def _lse_predict(p: Mapping[str, float], x: Inputs, inputs: tuple[str, ...]) -> 
     return out
 
 
-def _lse_objective(theta, logx, signs, masks, logy, delta):
-    """Huber loss of log-sum-exp residuals and its gradient; theta = [e, c1, p1, c2, p2, ...]."""
-    n, k = logy.shape[0], len(logx)
-    t = np.empty((n, k + 1))
-    t[:, 0] = theta[0]
-    for j in range(k):
-        t[:, j + 1] = np.where(masks[j], theta[1 + 2 * j] - signs[j] * theta[2 + 2 * j] * logx[j], -np.inf)
+def _lse_huber(t, logy, delta):
+    """Huber loss of ``logsumexp(t, axis=1) - logy``; returns (loss, clipped residuals, softmax weights of t)."""
     m = t.max(axis=1)
     w = np.exp(t - m[:, None])
     s = w.sum(axis=1)
@@ -162,7 +157,17 @@ def _lse_objective(theta, logx, signs, masks, logy, delta):
     w /= s[:, None]
     absr = np.abs(r)
     f = np.where(absr <= delta, 0.5 * r * r, delta * (absr - 0.5 * delta)).sum()
-    dr = np.clip(r, -delta, delta)
+    return f, np.clip(r, -delta, delta), w
+
+
+def _lse_objective(theta, logx, signs, masks, logy, delta):
+    """Huber loss of log-sum-exp residuals and its gradient; theta = [e, c1, p1, c2, p2, ...]."""
+    n, k = logy.shape[0], len(logx)
+    t = np.empty((n, k + 1))
+    t[:, 0] = theta[0]
+    for j in range(k):
+        t[:, j + 1] = np.where(masks[j], theta[1 + 2 * j] - signs[j] * theta[2 + 2 * j] * logx[j], -np.inf)
+    f, dr, w = _lse_huber(t, logy, delta)
     g = np.empty_like(theta)
     g[0] = dr @ w[:, 0]
     for j in range(k):
@@ -304,14 +309,7 @@ def _mono_objective(theta, design, masks, logy, delta):
         slices.append((pos, k))
         pos += 1 + k
     t = np.column_stack(t)
-    m = t.max(axis=1)
-    w = np.exp(t - m[:, None])
-    s = w.sum(axis=1)
-    r = m + np.log(s) - logy
-    w /= s[:, None]
-    absr = np.abs(r)
-    f = np.where(absr <= delta, 0.5 * r * r, delta * (absr - 0.5 * delta)).sum()
-    dr = np.clip(r, -delta, delta)
+    f, dr, w = _lse_huber(t, logy, delta)
     g = np.empty_like(theta)
     g[0] = dr @ w[:, 0]
     for j, ((pos, k), X) in enumerate(zip(slices, design)):
