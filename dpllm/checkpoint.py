@@ -137,26 +137,6 @@ def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dt
     return model.to(device).eval(), tokenizer
 
 
-def read_report(run_dir: str | Path) -> dict:
-    """A run's privacy report as a dict (:class:`dpllm.privacy.report.PrivacyReport` checks it on the way).
-
-    Raises:
-        CheckpointError: no report, or a damaged one (the message names the file).
-    """
-    from dpllm.privacy.report import PrivacyReport, ReportError
-
-    try:
-        return PrivacyReport.read(run_dir).to_dict()
-    except ReportError as err:
-        raise CheckpointError(str(err)) from err
-
-
-def format_report(report: dict) -> str:
-    from dpllm.privacy.report import PrivacyReport
-
-    return PrivacyReport.from_dict(report).summary()
-
-
 def cli_main(argv: list[str]) -> int:
     """``dpllm report RUN_DIR``: print a run's privacy report."""
     from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError
