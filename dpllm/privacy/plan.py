@@ -46,6 +46,15 @@ def check_finite_positive(name: str, value: Optional[float]) -> None:
                                   and value == math.inf else ""))
 
 
+def noise_batch_warning(sigma: float, batch: int) -> Optional[str]:
+    """The warning for σ/B above :data:`NOISE_BATCH_WARN` (None below it)."""
+    if sigma / batch <= NOISE_BATCH_WARN:
+        return None
+    return (f"noise leaves little signal: σ/B = {sigma:.4g}/{batch} = {sigma / batch:.3g} > {NOISE_BATCH_WARN} "
+            "(per-coordinate noise σ·C/B on the averaged gradient is over a tenth of its largest possible norm C); "
+            "raise target_epsilon, the logical batch or the number of records")
+
+
 def batches_per_epoch(num_records: int, batch: int) -> int:
     """k = ⌈N/B⌉ Poisson batches make one expected pass over the data."""
     if num_records < 1:
@@ -148,12 +157,7 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
     else:
         sigma = float(noise_multiplier)
     expected = int(num_records * q)
-    notes = []
-    if sigma / logical_batch_size > NOISE_BATCH_WARN:
-        notes.append(
-            f"noise leaves little signal: σ/B = {sigma:.4g}/{logical_batch_size} = {sigma / logical_batch_size:.3g} > "
-            f"{NOISE_BATCH_WARN} (per-coordinate noise σ·C/B on the averaged gradient is over a tenth of its largest "
-            "possible norm C); raise target_epsilon, the logical batch or the number of records")
+    notes = [w for w in (noise_batch_warning(sigma, logical_batch_size),) if w]
     plan = PrivacyPlan(num_records=num_records, sample_rate=q, steps=steps, noise_multiplier=sigma, delta=delta,
                        accountant=accountant, expected_batch_size=expected, prior_history=prior,
                        warnings=tuple(notes))

@@ -32,7 +32,7 @@ import warnings
 from typing import Any, Sequence
 
 from dpllm.privacy.accounting import ACCOUNTANTS, PrivacyPlanError, calibrate_noise, check_delta, compute_epsilon
-from dpllm.privacy.plan import NOISE_BATCH_WARN, check_finite_positive, sample_rate_for, steps_for
+from dpllm.privacy.plan import check_finite_positive, noise_batch_warning, sample_rate_for, steps_for
 
 DEFAULT_EPSILONS = (1.0, 2.0, 4.0, 8.0, 10.0)
 SIGMA_DIGITS = 4
@@ -288,10 +288,9 @@ def cli_main(argv: list[str]) -> int:
         return 2
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     t = plan["target"] or plan["given_noise"]
-    if t and t["noise_multiplier"] / args.batch > NOISE_BATCH_WARN:
-        print(f"warning: σ/B = {t['noise_multiplier']:.4g}/{args.batch} = {t['noise_multiplier'] / args.batch:.3g} > "
-              f"{NOISE_BATCH_WARN}: the noise leaves little signal; raise epsilon, the batch or the records",
-              file=sys.stderr)
+    warning = noise_batch_warning(t["noise_multiplier"], args.batch) if t else None
+    if warning:
+        print(f"warning: {warning}", file=sys.stderr)
     for msg in sorted({str(w.message) for w in caught}):  # once each, not once per bisection step
         print(f"note: {msg}", file=sys.stderr)
     return 0
