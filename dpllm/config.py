@@ -136,7 +136,7 @@ class PrivacyConfig:
     secure_mode: bool = _f(False, "Noise from Opacus's cryptographically secure generator (needs torchcsprng; "
                                   "slower noise draws). Without it noise is still secretly seeded from OS entropy.")
     user_sampling: str = _f("uls", "With data.privacy_unit=user: 'uls' (Poisson-sample users; each sampled user adds "
-                                   "one clipped gradient, the mean over its records; hooks mode) or 'els' (sample "
+                                   "one clipped gradient, the mean over its records; bk or hooks) or 'els' (sample "
                                    "records of the k-capped data; σ calibrated so the user-level ε by group privacy "
                                    "meets target_epsilon) or 'record' (record-level DP at target_epsilon, splits by "
                                    "user; the report adds the user-level ε group privacy gives, often unbounded).")
@@ -297,11 +297,11 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"canary_records_per_user={d.canary_records_per_user} > max_records_per_user="
                           f"{d.max_records_per_user}: a canary user would break the contribution bound; lower it")
     if d.privacy_unit == "user" and p.enabled and p.user_sampling == "uls":
-        if p.grad_sample_mode != "hooks":
+        if p.grad_sample_mode in ("ghost", "ghost_fsdp"):
             raise ConfigError(
-                f"user_sampling=uls needs grad_sample_mode: hooks, not {p.grad_sample_mode}: a user's gradient is the "
-                "mean of its records' per-sample gradients before clipping, which ghost and bk clipping do not "
-                "materialise; set grad_sample_mode: hooks, or use user_sampling: els")
+                f"user_sampling=uls needs grad_sample_mode: bk, auto or hooks, not {p.grad_sample_mode}: a user's gradient "
+                "is the mean of its records' gradients before clipping, and Opacus's ghost clipping has no way to add "
+                "the cross terms between them; set grad_sample_mode: bk, or use user_sampling: els")
     if d.privacy_unit == "user" and p.enabled and p.user_sampling == "els" and p.target_epsilon is None:
         raise ConfigError("user_sampling=els needs target_epsilon: it fixes the record-level δ of the group-privacy "
                           "conversion (docs/user_level.md); set target_epsilon (noise_multiplier may stay set)")

@@ -465,7 +465,7 @@ class Trainer:
             if self.dp:
                 self.optimizer.signal_skip_step(do_skip=not last)
             if self.uls:  # the masked stand-in row of an empty share is a user of its own, with zero gradient
-                self.optimizer.set_users([self.record_user[j] for j in part] or [-1])
+                self.private.set_users([self.record_user[j] for j in part] or [-1])
             sync = nullcontext() if last or self.dp else self.accelerator.no_sync(self.model)
             with sync:
                 loss = forward_loss(self.model, batch, self.criterion, self.autocast)

@@ -14,6 +14,12 @@ Prints a table and writes JSON (figures, not a timed test).
     python scripts/bench_overhead.py --shape qwen2.5-1.5b --finetuning full --device cuda --dtype bfloat16 \\
         --autocast bf16 --seq 512 --batch 16 --search-batch --out runs/bench/qwen_1p5b_full.json
 
+User-level sampling (ULS) at the same physical batch of records: modes ``uls_bk`` and ``uls_hooks`` clip one
+mean gradient per user, the batch's rows grouped ``--records-per-user`` at a time:
+
+    python scripts/bench_overhead.py --hidden 128 --layers 4 --seq 64 --batch 32 --steps 20 \
+        --modes bk,uls_bk,hooks,uls_hooks --records-per-user 4
+
 ``--chunked-loss N`` computes the per-record loss N positions at a time (no float32 B×T×V logits);
 ``--gradient-checkpointing`` recomputes activations in backward (non-reentrant; bk and nodp only).
 """
@@ -31,6 +37,7 @@ import time
 from pathlib import Path
 
 MODES = ("nodp", "ghost", "hooks", "bk")
+USER_MODES = ("uls_bk", "uls_hooks")  # opt-in through --modes
 # Random-init shapes of public models (sizes from their configs); vocabularies as the real ones.
 SHAPES = {
     "llama3-8b": dict(arch="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -74,6 +81,8 @@ def make_step(args, model, mcfg, device, mode):
     from dpllm.train import forward_loss
 
     dp = mode != "nodp"
+    uls = mode.startswith("uls_")
+    users = [i // args.records_per_user for i in range(args.batch)]
     model, _ = prepare_model(model, mcfg, dp=dp)
     if args.gradient_checkpointing:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -86,8 +95,10 @@ def make_step(args, model, mcfg, device, mode):
         records = [torch.full((8,), 3, dtype=torch.long) for _ in range(args.batch)]
         plan = PrivacyPlan(num_records=args.batch, sample_rate=1.0, steps=1, noise_multiplier=1.0, delta=1e-5,
                            accountant="rdp", expected_batch_size=args.batch)
+        user_records = [[i for i, u in enumerate(users) if u == v] for v in sorted(set(users))] if uls else None
         pt = make_private(model=model, optimizer=opt, dataset=records, collate_fn=make_collate(0),
-                          cfg=PrivacyConfig(grad_sample_mode=mode), plan=plan, logical_batch_size=args.batch)
+                          cfg=PrivacyConfig(grad_sample_mode=mode.removeprefix("uls_")), plan=plan,
+                          logical_batch_size=args.batch, user_records=user_records)
         model, opt, criterion, resolved = pt.model, pt.optimizer, pt.criterion, pt.grad_sample_mode
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.autocast == "bf16" else None
 
@@ -102,6 +113,8 @@ def make_step(args, model, mcfg, device, mode):
 
     def step(batch):
         opt.zero_grad()
+        if uls:
+            pt.set_users(users[: batch["input_ids"].shape[0]])
         loss = loss_of(batch)
         loss.backward()
         opt.step()
@@ -202,7 +215,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--chunked-loss", type=int, default=0, help="positions per loss chunk (0: whole logits)")
     ap.add_argument("--search-batch", action="store_true", help="also find the largest physical batch that fits")
     ap.add_argument("--search-max", type=int, default=1024)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES + USER_MODES)}")
+    ap.add_argument("--records-per-user", type=int, default=4, help="uls_* modes: rows per user")
     ap.add_argument("--out", default="runs/bench/overhead.json")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: run one mode
     args = ap.parse_args(argv)
@@ -233,12 +247,12 @@ def main(argv=None) -> dict:
     result = {"setup": setup, "results": rows}
     print(f"model={args.shape or args.model} finetuning={args.finetuning} seq={args.seq} batch={args.batch} "
           f"device={args.device} autocast={args.autocast} (median of {args.steps} steps after {args.warmup} warm-up)")
-    print(f"{'mode':<7}{'ran':<7}{'step (s)':>10}{'tok/s':>10}{'× no-DP':>9}{'peak MiB':>10}{'× no-DP':>9}{'max B':>7}")
+    print(f"{'mode':<10}{'ran':<10}{'step (s)':>10}{'tok/s':>10}{'× no-DP':>9}{'peak MiB':>10}{'× no-DP':>9}{'max B':>7}")
     for r in rows:
         if "error" in r:
-            print(f"{r['mode']:<7}failed: {r['error'][:90]}")
+            print(f"{r['mode']:<10}failed: {r['error'][:90]}")
             continue
-        print(f"{r['mode']:<7}{r['resolved_mode']:<7}{r['median_step_s']:>10.4f}{r['tokens_per_s']:>10.0f}"
+        print(f"{r['mode']:<10}{r['resolved_mode']:<10}{r['median_step_s']:>10.4f}{r['tokens_per_s']:>10.0f}"
               f"{r['time_ratio_vs_nodp'] or 0:>9.2f}{r['peak_memory_mib']:>10.0f}{r['memory_ratio_vs_nodp'] or 0:>9.2f}"
               f"{r['max_batch_fits'] if r['max_batch_fits'] is not None else '-':>7}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -88,8 +88,8 @@ def _explicit_record_grads(model, tok):
     return torch.stack(grads)
 
 
-def _uls_sum(model, tok, rows: list[int], users: list[int], C: float):
-    """The clipped sum (noise 0) that the ULS optimizer accumulates for the records ``rows``."""
+def _uls_sum(model, tok, rows: list[int], users: list[int], C: float, mode: str = "hooks", policy: str = "auto"):
+    """The clipped sum (noise 0) that ULS accumulates for the records ``rows`` (hooks optimizer or bk module)."""
     from dpllm.config import PrivacyConfig
     from dpllm.data import TokenizedRecords, make_collate
     from dpllm.privacy.engine import make_private
@@ -102,44 +102,89 @@ def _uls_sum(model, tok, rows: list[int], users: list[int], C: float):
     user_records = [[i for i, u in enumerate(users) if u == v] for v in sorted(set(users))]
     private = make_private(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), dataset=ds,
                            collate_fn=make_collate(tok.pad_token_id), plan=plan, logical_batch_size=2,
-                           cfg=PrivacyConfig(grad_sample_mode="hooks", max_grad_norm=C),
+                           cfg=PrivacyConfig(grad_sample_mode=mode, max_grad_norm=C),
                            user_records=user_records)
-    assert isinstance(private.optimizer, user_level.UserLevelDPOptimizer)
+    assert private.grad_sample_mode == mode
     opt = private.optimizer
     opt.zero_grad()
+    if mode == "bk":  # one backward pass leaves the clipped per-user sum in p.grad
+        private.model.set_policy(policy)
+        private.set_users([users[i] for i in rows])
+        forward_loss(private.model, batch_of(tok, [TEXTS[i] for i in rows])).backward()
+        return torch.cat([p.grad.reshape(-1) for p in opt.params]), private.model.last_norms
+    assert isinstance(opt, user_level.UserLevelDPOptimizer)
     opt.signal_skip_step(do_skip=True)  # accumulate only: summed_grad is the clipped sum
-    opt.set_users([users[i] for i in rows])
+    private.set_users([users[i] for i in rows])
     forward_loss(private.model, batch_of(tok, [TEXTS[i] for i in rows])).backward()
     opt.step()
     out = torch.cat([p.summed_grad.reshape(-1) for p in opt.params])
     private.model._close()
-    return out
+    return out, None
 
 
-def test_uls_clipped_sum_is_the_explicit_per_user_computation():
+def _explicit_uls(g: torch.Tensor, users: list[int]):
+    """Per-user mean gradients, their norms, and C = their median (some users clipped, some not)."""
+    means = torch.stack([g[[i for i, u in enumerate(users) if u == v]].mean(0) for v in sorted(set(users))])
+    norms = means.norm(dim=1)
+    return means, norms, float(norms.median())
+
+
+@pytest.mark.parametrize("mode", ["hooks", "bk"])
+def test_uls_clipped_sum_is_the_explicit_per_user_computation(mode):
     model, tok = tiny_model()
     g = _explicit_record_grads(model, tok)
     users = [0, 0, 1, 2, 2, 2]  # user 0: records 0,1; user 1: record 2; user 2: records 3,4,5
-    means = torch.stack([g[[i for i, u in enumerate(users) if u == v]].mean(0) for v in range(3)])
-    norms = means.norm(dim=1)
-    C = float(norms.median())  # some users clipped, some not
+    means, norms, C = _explicit_uls(g, users)
     want = sum(min(1.0, C / (float(n) + 1e-6)) * m for m, n in zip(means, norms))
-    got = _uls_sum(model, tok, list(range(6)), users, C)
+    got, _ = _uls_sum(model, tok, list(range(6)), users, C, mode)
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
     # a record-level clip of the same rows is a different sum (the test can fail)
     record_level = sum(min(1.0, C / (float(n) + 1e-6)) * r for r, n in zip(g, g.norm(dim=1)))
     assert not torch.allclose(got, record_level, rtol=1e-3, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind, finetuning", [("tiny-gpt2", "full"), ("tiny-llama", "full"), ("tiny-llama", "lora"),
+                                              ("tiny-gpt2", "lora")])
+@pytest.mark.parametrize("policy", ["ghost", "explicit"])
+def test_uls_bk_norms_and_sum_equal_the_explicit_per_user_computation_in_float64(kind, finetuning, policy):
+    """bk's per-user norms (cross terms between a user's records: ghost pairs, explicit sums, embedding
+    rows shared across records) and clipped sum, against per-record autograd averaged by hand. Rows of a
+    user need not be adjacent."""
+    model, tok = tiny_model(kind, finetuning)
+    model = model.double()
+    g = _explicit_record_grads(model, tok).double()
+    users = [7, 3, 7, 3, 3, 11]  # user 3: records 1,3,4; user 7: 0,2; user 11: 5
+    means, norms, C = _explicit_uls(g, users)
+    want = sum(min(1.0, C / (float(n) + 1e-6)) * m for m, n in zip(means, norms))
+    got, last = _uls_sum(model, tok, list(range(6)), users, C, "bk", policy)
+    torch.testing.assert_close(last, norms, rtol=1e-6, atol=1e-9)
+    err = (got - want).abs().max()
+    assert err <= 1e-6 * want.abs().max(), err
+    # the record-level norms are not the per-user ones (the test can fail)
+    assert not torch.allclose(g.norm(dim=1)[[1, 0, 5]], norms, rtol=1e-2)
+
+
 def test_a_users_contribution_to_one_step_is_at_most_C():
     model, tok = tiny_model(seed=1)
     users = [0, 0, 1, 2, 2, 2]
     C = 1e-3  # far below every gradient norm: every user is clipped
-    for v in range(3):
-        rows = [i for i, u in enumerate(users) if u == v]
-        alone = _uls_sum(model, tok, rows, users, C)
-        assert alone.norm() <= C * (1 + 1e-4)
-        assert alone.norm() > 0.99 * C  # clipped to C exactly, not to C per record nor C/k
+    for mode in ("hooks", "bk"):
+        for v in range(3):
+            rows = [i for i, u in enumerate(users) if u == v]
+            alone, _ = _uls_sum(model, tok, rows, users, C, mode)
+            assert alone.norm() <= C * (1 + 1e-4)
+            assert alone.norm() > 0.99 * C  # clipped to C exactly, not to C per record nor C/k
+
+
+def test_uls_bk_without_the_users_of_a_batch_refuses_to_clip_per_record():
+    from dpllm.privacy.bk import BookKeepingModule
+
+    model, tok = tiny_model()
+    bk = BookKeepingModule(model, clip_weights=lambda n: torch.ones_like(n), per_user=True)
+    from dpllm.train import forward_loss
+
+    with pytest.raises(RuntimeError, match="set_users"):
+        forward_loss(bk, batch_of(tok)).backward()
 
 
 # ---- contribution bounding (ELS cap) -----------------------------------------------------------------------
@@ -198,9 +243,12 @@ def test_record_targets_convert_back_to_the_user_target():
 
 # ---- config, splits, plan = report -------------------------------------------------------------------------
 
-def test_uls_refuses_ghost_and_bk_with_the_fix():
-    with pytest.raises(ConfigError, match="grad_sample_mode: hooks"):
-        parse_config(["--privacy_unit", "user", "--user_sampling", "uls", "--grad_sample_mode", "ghost"])
+def test_uls_refuses_opacus_ghost_with_the_fix():
+    for mode in ("ghost", "ghost_fsdp"):
+        with pytest.raises(ConfigError, match="set grad_sample_mode: bk"):
+            parse_config(["--privacy_unit", "user", "--user_sampling", "uls", "--grad_sample_mode", mode])
+    for mode in ("bk", "auto", "hooks"):
+        parse_config(["--privacy_unit", "user", "--user_sampling", "uls", "--grad_sample_mode", mode])
     parse_config(["--privacy_unit", "user", "--user_sampling", "els", "--grad_sample_mode", "ghost"])
 
 
@@ -227,12 +275,12 @@ def test_pydoc_users_split_by_user(tmp_path):
         load_records_and_users(DataConfig(dataset=str(path), privacy_unit="user", user_column="who"))
 
 
-def _run(tmp_path, sampling, **extra):
+def _run(tmp_path, sampling, mode="hooks", **extra):
     from dpllm.train import train
 
     args = ["--model_name_or_path", "tiny-llama", "--finetuning", "full", "--tiny_hidden_size", "32",
             "--tiny_num_layers", "1", "--max_records", "300", "--max_length", "32", "--privacy_unit", "user",
-            "--max_records_per_user", "4", "--user_sampling", sampling, "--grad_sample_mode", "hooks",
+            "--max_records_per_user", "4", "--user_sampling", sampling, "--grad_sample_mode", mode,
             "--max_steps", "3", "--logical_batch_size", "16", "--physical_batch_size", "8", "--eval_every", "0",
             "--eval_max_records", "8", "--target_delta", "1e-3", "--output_dir", str(tmp_path / sampling),
             "--progress", "false", "--reproducible_noise", "true"]
@@ -242,14 +290,15 @@ def _run(tmp_path, sampling, **extra):
     return tmp_path / sampling
 
 
-@pytest.mark.parametrize("sampling", ["uls", "els"])
-def test_plan_matches_the_training_report_and_splits_list_users(tmp_path, sampling):
+@pytest.mark.parametrize("sampling, mode", [("uls", "hooks"), ("uls", "bk"), ("els", "hooks")])
+def test_plan_matches_the_training_report_and_splits_list_users(tmp_path, sampling, mode):
     from dpllm import ledger
     from dpllm.privacy.planning import user_plan_table
     from dpllm.privacy.report import PrivacyReport
 
-    run = _run(tmp_path, sampling)
+    run = _run(tmp_path, sampling, mode)
     report = PrivacyReport.read(run)
+    assert report.grad_sample_mode == mode
     u = report.user_level
     assert report.privacy_unit == "user" and u["sampling"] == sampling and u["max_records_per_user"] == 4
     assert report.epsilon <= 8.0 and report.delta == 1e-3 < 1 / u["num_users"]

@@ -15,6 +15,7 @@ def test_user_level_study_quick(tmp_path):
     assert arms["record"]["privacy_unit"] == "record" and arms["record"]["group_size"] == 16
     for name in ("els", "uls"):
         assert arms[name]["user_epsilon"] <= 8.0 and arms[name]["num_records"] < arms["record"]["num_records"]
-    assert {b["arm"] for b in res["benchmark"]} == {"record hooks", "record ghost", "uls hooks"}
+    assert {b["arm"] for b in res["benchmark"]} == {"record hooks", "record ghost", "record bk", "uls hooks",
+                                                      "uls bk"}
     assert json.loads((tmp_path / "results.json").read_text())["quick"]
     assert "| uls |" in (tmp_path / "summary.md").read_text()

@@ -63,6 +63,10 @@ class PrivateTraining:
         """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
         return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
 
+    def set_users(self, users) -> None:
+        """ULS: the user of each row of the next physical batch (the bk module or the hooks optimizer clips per user)."""
+        (self.model if self.grad_sample_mode == "bk" else self.optimizer).set_users(users)
+
     def steps_taken(self) -> int:
         return sum(int(h[2]) for h in self.engine.accountant.history)
 
@@ -98,7 +102,8 @@ def make_private(
             torch's global generator; under ``secure_mode`` Opacus's secure generator).
         rank, world_size: this process's share of each global batch.
         user_records: user-level sampling (:mod:`dpllm.privacy.user_level`): each user's dataset indices;
-            users are Poisson-sampled at the plan's q and each user's mean gradient is clipped once (hooks).
+            users are Poisson-sampled at the plan's q and each user's mean gradient is clipped once (hooks or
+            bk; :meth:`PrivateTraining.set_users` names the user of every row before each backward pass).
 
     Returns:
         A :class:`PrivateTraining` whose ``sampler`` (and ``data_loader`` over it) never ends: one
@@ -132,7 +137,7 @@ def make_private(
             engine=engine, model=model, optimizer=optimizer, clip_weights=lambda n: fn.weights(n, cfg),
             noise_multiplier=plan.noise_multiplier, max_grad_norm=fn.sensitivity(cfg),
             expected_batch_size=plan.expected_batch_size / world_size, noise_generator=noise_generator,
-            secure_mode=cfg.secure_mode)
+            secure_mode=cfg.secure_mode, per_user=user_records is not None)
         criterion = None
     else:
         model, optimizer, criterion = _wrap_opacus(

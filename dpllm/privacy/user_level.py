@@ -294,7 +294,8 @@ def optimizer_class(base: type) -> type:
     """The ULS subclass of Opacus's hooks-mode optimizer class ``base``.
 
     Raises:
-        PrivacyPlanError: ``base`` is not a hooks-mode optimizer (ghost / bk have no per-sample rows).
+        PrivacyPlanError: ``base`` is not a hooks-mode optimizer (Opacus's ghost clipping has no per-sample
+            rows; bk clips per user in :class:`dpllm.privacy.bk.BookKeepingModule` instead).
     """
     from opacus.optimizers import DPOptimizerFastGradientClipping
 
@@ -303,5 +304,6 @@ def optimizer_class(base: type) -> type:
             return UserLevelDistributedDPOptimizer
         if issubclass(base, DPOptimizer):
             return UserLevelDPOptimizer
-    raise PrivacyPlanError(f"user-level sampling needs grad_sample_mode: hooks (Opacus's DPOptimizer), got "
-                           f"{base.__name__}")
+    raise PrivacyPlanError(f"user-level sampling needs grad_sample_mode: bk or hooks, but this model runs Opacus's "
+                           f"{base.__name__} (ghost clipping cannot sum a user's records before clipping); set "
+                           "grad_sample_mode: hooks, or freeze the layers bk cannot handle")

@@ -8,6 +8,11 @@ explicit per layer, whichever is cheaper). When the backward pass ends, an autog
 2. turns norms into weights cᵢ = w(‖gᵢ‖) with any :mod:`dpllm.privacy.clipping` function,
 3. writes Σᵢ cᵢ·gᵢ into ``p.grad`` for every trainable parameter, from the stored tensors.
 
+Under user-level sampling (``per_user=True``) the trainer calls :meth:`BookKeepingModule.set_users` before
+each physical batch; step 1 then adds the squared norm of each *user's* mean gradient, cross terms between
+the user's records included (:class:`dpllm.privacy.bk.layers.Units`), the weight is computed once per user,
+and every record of user u enters step 3 with cᵤ/(records of u).
+
 Opacus stays the owner of noise, accounting and virtual-batch accumulation: the optimizer is Opacus's
 ``DPOptimizerFastGradientClipping`` (``Distributed...`` under DDP), which adds noise to ``p.grad`` exactly
 as for ghost clipping. Unlike Opacus's ghost clipping there is no second backward pass and no special
@@ -32,7 +37,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from dpllm.privacy.bk.layers import Record, rule_for
+from dpllm.privacy.bk.layers import Record, Units, rule_for
 
 __all__ = ["BookKeepingModule", "make_private_bk", "resolve_mode", "unsupported_layers"]
 
@@ -63,13 +68,14 @@ class BookKeepingModule(nn.Module):
         clip_weights: per-sample norms (B,) → weights (B,), e.g. ``lambda n: fn.weights(n, cfg)``.
         loss_reduction: ``"mean"`` if the loss is the mean over the batch's rows (gradients are scaled
             by the number of rows), ``"sum"`` if it is their sum.
+        per_user: clip one mean gradient per user (ULS); every backward pass then needs :meth:`set_users`.
 
     Raises:
         NotImplementedError: a trainable layer without a rule, or a parameter shared by two layers.
     """
 
     def __init__(self, module: nn.Module, *, clip_weights: Callable[[torch.Tensor], torch.Tensor],
-                 loss_reduction: str = "mean"):
+                 loss_reduction: str = "mean", per_user: bool = False):
         super().__init__()
         bad = unsupported_layers(module)
         if bad:
@@ -81,7 +87,9 @@ class BookKeepingModule(nn.Module):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'")
         self._module = module
         self.clip_weights, self.loss_reduction = clip_weights, loss_reduction
-        self.last_norms: Optional[torch.Tensor] = None  # per-sample gradient norms of the last backward
+        self.last_norms: Optional[torch.Tensor] = None  # per-sample (per-user) gradient norms of the last backward
+        self.per_user = per_user
+        self._units: Optional[Units] = None
         self._records: list[Record] = []
         self._queued = False
         for _, m in _trainable_modules(module):
@@ -98,6 +106,14 @@ class BookKeepingModule(nn.Module):
             raise ValueError(f"policy={policy!r}; use auto, ghost or explicit")
         for r in self._records:
             r.policy = policy
+
+    def set_users(self, users) -> None:
+        """The user (any integer id) of each row of the next batch: its backward clips one mean per user."""
+        if not self.per_user:
+            raise RuntimeError("set_users() on a record-level BookKeepingModule; build it with per_user=True")
+        self._units = Units.mean_over(torch.as_tensor(list(users), dtype=torch.long))
+        for r in self._records:
+            r.rows_per_unit = max(1, self._units.largest)
 
     def forward(self, *args, **kwargs):
         for r in self._records:  # left over only if an earlier backward pass failed half-way
@@ -126,13 +142,19 @@ class BookKeepingModule(nn.Module):
         if len(sizes) != 1:
             raise RuntimeError(f"layers saw different batch sizes {sorted(sizes)}; bk needs batch-first inputs")
         B = sizes.pop()
+        units, self._units = self._units, None
+        if self.per_user and (units is None or len(units.inverse) != B):
+            raise RuntimeError(f"user-level bk got {B} rows but set_users() gave "
+                               f"{None if units is None else len(units.inverse)} users; a dpllm bug")
         scale = float(B) if self.loss_reduction == "mean" else 1.0
         norm2 = None
         for r in active:
-            part = r.rule.norm2(r)
+            part = r.rule.norm2(r, units)
             norm2 = part if norm2 is None else norm2 + part
         norms = norm2.clamp(min=0).sqrt() * scale
         coef = self.clip_weights(norms).to(norms.dtype) * scale
+        if units is not None:  # a user's weight, shared by its records in proportion 1/(its records)
+            coef = coef[units.inverse.to(coef.device)] * units.weight.to(coef.device, coef.dtype)
         for r in active:
             for name, grad in r.rule.clipped(r, coef).items():
                 p = getattr(r.module, name)
@@ -158,11 +180,14 @@ def resolve_mode(requested: str, model: nn.Module) -> str:
 
 def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, clip_weights: Callable,
                     noise_multiplier: float, max_grad_norm: float, expected_batch_size: float,
-                    noise_generator: Optional[torch.Generator] = None, secure_mode: bool = False):
+                    noise_generator: Optional[torch.Generator] = None, secure_mode: bool = False,
+                    per_user: bool = False):
     """Wrap ``model`` for BK and ``optimizer`` as Opacus's ghost-clipping optimizer (noise, accumulation).
 
     The caller attaches ``engine``'s accountant hook, as for every mode. The optimizer class is the one
     Opacus picks for ``grad_sample_mode="ghost"``: it adds noise to, and accumulates, ``p.grad``.
+
+    ``per_user``: ULS, one clipped mean gradient per user; expected_batch_size then counts users.
 
     Returns:
         ``(model, optimizer)``.
@@ -184,4 +209,4 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
     dp_optimizer = cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                        expected_batch_size=expected_batch_size, loss_reduction="mean",
                        generator=engine.secure_rng if secure_mode else noise_generator, secure_mode=secure_mode)
-    return BookKeepingModule(model, clip_weights=clip_weights), dp_optimizer
+    return BookKeepingModule(model, clip_weights=clip_weights, per_user=per_user), dp_optimizer

@@ -12,16 +12,62 @@ Linear (LoRA's A and B are ``nn.Linear``) and GPT-2's ``Conv1D`` pick, per call,
 - explicit: Gᵢ = gᵢᵀaᵢ per sample, cost ~B·T·d_in·d_out, keeps B·d_in·d_out (LoRA's rank-r factors).
 Embedding: exact per-sample norm by summing the gradients of equal token ids (sort, O(B·T·d)).
 LayerNorm / RMSNorm: explicit per-sample gradients (B·d).
+
+User-level sampling (ULS) clips one gradient per *unit* (a user): the mean of its rows' gradients. Every
+rule's ``norm2`` then takes :class:`Units` and returns one squared norm per unit, with the cross terms
+between a unit's rows (ghost: Σᵢⱼ over the pairs of a unit; explicit: the weighted per-row gradients summed
+per unit; Embedding: token ids grouped per unit instead of per row). The clipped sum needs no change:
+Σᵤ cᵤ·Σ_{i∈u} wᵢgᵢ is the per-row sum with coefficient cᵤ₍ᵢ₎·wᵢ.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass
+class Units:
+    """Rows grouped into privacy units: row i enters unit ``inverse[i]``'s gradient with ``weight[i]``.
+
+    Under ULS a unit is a user and ``weight[i]`` is 1/(the user's rows), so a unit's gradient is the mean
+    of its records' gradients.
+    """
+
+    inverse: torch.Tensor  # (B,) long, values in [0, count)
+    weight: torch.Tensor  # (B,)
+    count: int
+
+    @classmethod
+    def mean_over(cls, users: torch.Tensor) -> "Units":
+        """Units from each row's user id (any integers): weight 1/(rows of that user)."""
+        _, inverse = torch.unique(users, return_inverse=True)
+        counts = torch.bincount(inverse)
+        return cls(inverse=inverse, weight=1.0 / counts[inverse].to(torch.float64), count=len(counts))
+
+    @property
+    def largest(self) -> int:
+        return int(torch.bincount(self.inverse).max()) if len(self.inverse) else 0
+
+    def scale_rows(self, v: torch.Tensor) -> torch.Tensor:
+        return v * self.weight.to(v.device, v.dtype).view(-1, *([1] * (v.dim() - 1)))
+
+    def sum_rows(self, v: torch.Tensor) -> torch.Tensor:
+        """(B, ...) per-row tensors → (count, ...) weighted sums per unit."""
+        out = torch.zeros((self.count, *v.shape[1:]), dtype=v.dtype, device=v.device)
+        return out.index_add_(0, self.inverse.to(v.device), self.scale_rows(v))
+
+    def pairs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """All ordered pairs (i, j) of rows in the same unit, i = j included: Σ_u k_u² of them."""
+        inv = self.inverse.to(device)
+        same = inv[:, None] == inv[None, :]
+        i, j = same.nonzero(as_tuple=True)
+        return i, j
 
 
 class Record:
@@ -32,6 +78,7 @@ class Record:
         self.ghost: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a, g), each (B, T, d)
         self.explicit: dict[str, torch.Tensor] = {}  # parameter name -> per-sample gradients (B, ...)
         self.policy = "auto"  # Linear/Conv1D: "auto" (cheaper of the two), "ghost" or "explicit"
+        self.rows_per_unit = 1  # ULS: the most rows one unit has (the ghost norm's cost grows with it)
 
     def add_explicit(self, name: str, per_sample: torch.Tensor) -> None:
         prev = self.explicit.get(name)
@@ -69,9 +116,13 @@ class Rule:
     def forward(self, module: nn.Module, record: Record, *args, **kwargs):  # installed as module.forward
         raise NotImplementedError
 
-    def norm2(self, record: Record) -> torch.Tensor:
-        """Per-sample squared norm (B,) of the layer's raw (loss-scale) gradient; None if nothing explicit."""
-        parts = [v.flatten(1).to(_acc_dtype(v)).pow(2).sum(1) for v in record.explicit.values()]
+    def norm2(self, record: Record, units: Optional[Units] = None) -> torch.Tensor:
+        """Per-sample squared norm (B,) of the layer's raw (loss-scale) gradient, or per unit (count,) of the
+        units' weighted gradient sums; None if nothing explicit."""
+        parts = []
+        for v in record.explicit.values():
+            v = v.to(_acc_dtype(v))
+            parts.append((v if units is None else units.sum_rows(v)).flatten(1).pow(2).sum(1))
         return sum(parts[1:], parts[0]) if parts else None
 
     def clipped(self, record: Record, coef: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -115,20 +166,32 @@ class LinearRule(Rule):
             record.add_explicit("bias", g.sum(1, dtype=_acc_dtype(g)))
         if not m.weight.requires_grad:
             return
-        ghost = T * (d_in + d_out) < d_in * d_out if record.policy == "auto" else record.policy == "ghost"
+        # ghost pairs each row with the rows of its unit (one row under record-level DP)
+        ghost = (record.rows_per_unit * T * (d_in + d_out) < d_in * d_out if record.policy == "auto"
+                 else record.policy == "ghost")
         if ghost:  # the weight's clipped sum is formed from a and g after clipping
             record.ghost.append((a, g))
         else:
             ps = torch.bmm(g.transpose(1, 2), a).to(_acc_dtype(g))  # (B, out, in)
             record.add_explicit("weight", ps.transpose(1, 2) if self.transposed else ps)
 
-    def norm2(self, record):
-        total = super().norm2(record)
+    def norm2(self, record, units=None):
+        total = super().norm2(record, units)
         if record.ghost:
             a = torch.cat([a for a, _ in record.ghost], 1)
             g = torch.cat([g for _, g in record.ghost], 1)
-            ga, gg = torch.bmm(a, a.transpose(1, 2)), torch.bmm(g, g.transpose(1, 2))
-            ghost = (ga.to(_acc_dtype(ga)) * gg.to(_acc_dtype(gg))).sum((1, 2))
+            if units is None:
+                ga, gg = torch.bmm(a, a.transpose(1, 2)), torch.bmm(g, g.transpose(1, 2))
+                ghost = (ga.to(_acc_dtype(ga)) * gg.to(_acc_dtype(gg))).sum((1, 2))
+            else:  # ‖Σ_{i∈u} wᵢ aᵢᵀgᵢ‖² = Σ_{i,j∈u} wᵢwⱼ Σₜₜ' (aᵢₜ·aⱼₜ')(gᵢₜ·gⱼₜ')
+                i, j = units.pairs(a.device)
+                ga = torch.bmm(a[i], a[j].transpose(1, 2))
+                gg = torch.bmm(g[i], g[j].transpose(1, 2))
+                acc = _acc_dtype(ga)
+                w = units.weight.to(a.device, acc)
+                pair = (ga.to(acc) * gg.to(acc)).sum((1, 2)) * w[i] * w[j]
+                ghost = torch.zeros(units.count, dtype=acc, device=a.device).index_add_(
+                    0, units.inverse.to(a.device)[i], pair)
             total = ghost if total is None else total + ghost
         return total
 
@@ -183,14 +246,20 @@ class EmbeddingRule(Rule):
         return _EmbeddingFn.apply(ids, module.weight, record)
 
     @staticmethod
-    def _grouped(record):
-        """Per (sample, token id): the summed output gradient. Returns (sample, row, summed (U, d))."""
+    def _grouped(record, units: Optional[Units] = None):
+        """Per (sample, token id), or per (unit, token id) with the rows' weights: the summed output
+        gradient. Returns (sample or unit, row, summed (n, d), B or unit count)."""
         ids = torch.cat([i for i, _ in record.ghost], 1)
         g = torch.cat([g for _, g in record.ghost], 1)
         B, T = ids.shape
         V = record.module.num_embeddings
-        keys = (ids + V * torch.arange(B, device=ids.device)[:, None]).flatten()
-        g = g.flatten(0, 1).to(_acc_dtype(g))
+        owner = torch.arange(B, device=ids.device) if units is None else units.inverse.to(ids.device)
+        keys = (ids + V * owner[:, None]).flatten()
+        g = g.to(_acc_dtype(g))
+        if units is not None:
+            g = units.scale_rows(g)
+            B = units.count
+        g = g.flatten(0, 1)
         pad = record.module.padding_idx
         if pad is not None:  # F.embedding gives the padding row no gradient
             g = g * (ids.flatten() != pad).unsqueeze(1).to(g.dtype)
@@ -198,8 +267,8 @@ class EmbeddingRule(Rule):
         summed = torch.zeros(len(uniq), g.shape[1], dtype=g.dtype, device=g.device).index_add_(0, inv, g)
         return uniq // V, uniq % V, summed, B
 
-    def norm2(self, record):
-        sample, _, summed, B = self._grouped(record)
+    def norm2(self, record, units=None):
+        sample, _, summed, B = self._grouped(record, units)
         return torch.zeros(B, dtype=summed.dtype, device=summed.device).index_add_(0, sample, summed.pow(2).sum(1))
 
     def clipped(self, record, coef):
