@@ -4,7 +4,8 @@ Two ways to train, both behind :func:`dpllm.privacy.engine.make_private`:
 
 - **ULS** (user-level sampling): every user joins each logical batch independently with probability
   q = 1/⌈U/B_u⌉ (:class:`UserPoissonBatchSampler`); a sampled user's gradient is the *mean* of its (at most
-  k) records' per-sample gradients, clipped once to C (:class:`UserLevelDPOptimizer`); the noise σ·C is
+  k) records' per-sample gradients, clipped once to C (hooks: :class:`UserLevelDPOptimizer`; bk: per-user
+  norms with the cross terms between a user's records, :class:`dpllm.privacy.bk.layers.Units`); the noise σ·C is
   calibrated on the user count. The accountant's ε is then directly the user-level ε: the unit of
   sampling and of sensitivity is the user.
 - **ELS** (example-level sampling): record-level DP-SGD on the data capped at k records per user. A user
