@@ -170,7 +170,8 @@ def summarize(res: dict) -> str:
     lines += ["", "## Step time at the same logical batch of records (Llama 4×128, CPU, best of 2)", "",
               "Same k-capped data, expected 64 records per step; record-level DP-SGD samples records, ULS samples "
               "users (B_u chosen so a step holds 64 records in expectation). Poisson batches differ in size, so "
-              "time per 1,000 tokens is shown too. ULS is compared with record-level DP in the same engine mode.", "",
+              "time per 1,000 tokens is shown too. ULS is compared with record-level DP in the same engine mode."
+              + (f" Rerun with `{res['benchmark_command']}`." if res.get("benchmark_command") else ""), "",
               "| arm | s/step | tokens/step | ms per 1k tokens | × record hooks (per step) | "
               "× record, same mode (per step) | × record, same mode (per token) |", "|---|---|---|---|---|---|---|"]
     for name in bench:
