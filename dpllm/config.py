@@ -137,9 +137,9 @@ class PrivacyConfig:
                                   "slower noise draws). Without it noise is still secretly seeded from OS entropy.")
     user_sampling: str = _f("uls", "With data.privacy_unit=user: 'uls' (Poisson-sample users; each sampled user adds "
                                    "one clipped gradient, the mean over its records; bk or hooks) or 'els' (sample "
-                                   "records of the k-capped data; σ calibrated so the user-level ε by group privacy "
+                                   "records of the k-capped data; σ calibrated so the user-level ε by tight group privacy "
                                    "meets target_epsilon) or 'record' (record-level DP at target_epsilon, splits by "
-                                   "user; the report adds the user-level ε group privacy gives, often unbounded).")
+                                   "user; the report adds the user-level ε tight group privacy gives, often huge).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
                                          "ONLY): anyone with the config can regenerate them, so the run is marked "
                                          "noise_secret=false and is not releasable.")
@@ -302,9 +302,6 @@ def validate(cfg: RunConfig) -> None:
                 f"user_sampling=uls needs grad_sample_mode: bk, auto or hooks, not {p.grad_sample_mode}: a user's gradient "
                 "is the mean of its records' gradients before clipping, and Opacus's ghost clipping has no way to add "
                 "the cross terms between them; set grad_sample_mode: bk, or use user_sampling: els")
-    if d.privacy_unit == "user" and p.enabled and p.user_sampling == "els" and p.target_epsilon is None:
-        raise ConfigError("user_sampling=els needs target_epsilon: it fixes the record-level δ of the group-privacy "
-                          "conversion (docs/user_level.md); set target_epsilon (noise_multiplier may stay set)")
     if d.max_length < 2:
         raise ConfigError(f"max_length={d.max_length}: need at least 2 tokens for next-token loss")
     if not (0 <= d.public_fraction < 1) or not (0 < d.heldout_fraction < 1):

@@ -53,8 +53,10 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool) -> str:
     if report.enabled:
         user = report.user_level or {}
         clipped = "user (the mean of its records' gradients)" if user.get("sampling") == "uls" else "record"
+        source = ("the tight user-level mixture-of-Gaussians accounting (dp-accounting's PLD)" if "record_delta" in user
+                  else f"the {report.accountant} accountant (Opacus)")
         guarantee = (f"**(ε = {report.epsilon:.3f}, δ = {report.delta:g})-differential privacy** at the level of one "
-                     f"**{report.privacy_unit}**, from the {report.accountant} accountant (Opacus) over the full "
+                     f"**{report.privacy_unit}**, from {source} over the full "
                      f"training history: noise multiplier σ = {report.noise_multiplier:.4g}, Poisson sampling rate "
                      f"q = {report.sample_rate:.4g}, {report.steps} steps, per-{clipped} clipping norm "
                      f"C = {report.max_grad_norm:g} ({report.clipping}). Noise and sampling randomness came from "

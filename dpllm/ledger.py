@@ -213,29 +213,24 @@ def _check_epsilons(entries: list[dict]) -> int:
         key = (json.dumps(history), e.get("delta"), e.get("accountant"))
         user = e.get("user_level") or {}
         group = user.get("group_size", 1) if "record_delta" in user else 1
-        if group > 1:  # ELS: the user-level ε is the record-level ε at record_delta, grouped over k records
-            key += (group, e["user_level"].get("record_delta"))
+        if group > 1:  # ELS: the user-level ε of the record-level history, users of k records (mixture accounting)
+            key += (group,)
         if key not in cache:
             try:
                 if group > 1:
-                    from dpllm.privacy.user_level import els_user_epsilon
+                    from dpllm.privacy.user_level import mixture_epsilon
 
-                    cache[key], converted = els_user_epsilon(history=[tuple(h) for h in history], group_size=group,
-                                                             record_delta=e["user_level"]["record_delta"],
-                                                             accountant=e["accountant"])
-                    if converted > e["delta"] * (1 + 1e-9):
-                        raise LedgerError(f"line {i}: group privacy over k={group} gives δ={converted:.3g} > the "
-                                          f"line's δ={e['delta']:g}")
+                    cache[key] = mixture_epsilon(history=[tuple(h) for h in history], delta=e["delta"],
+                                                 group_size=group)
                 else:
                     cache[key] = compute_epsilon_history(history=[tuple(h) for h in history], delta=e["delta"],
                                                          accountant=e["accountant"])
-            except LedgerError:
-                raise
             except (ValueError, TypeError, KeyError) as err:
                 raise LedgerError(f"line {i}: its history, δ or accountant cannot be accounted ({err})") from None
         if not math.isclose(cache[key], eps, rel_tol=1e-6, abs_tol=1e-9):
+            how = f"user-level mixture accounting (k={group})" if group > 1 else f"{e.get('accountant')} accountant"
             raise LedgerError(f"line {i}: ε={eps:.6g} but its history {history} gives ε={cache[key]:.6g} with the "
-                              f"{e.get('accountant')} accountant at δ={e.get('delta'):g}")
+                              f"{how} at δ={e.get('delta'):g}")
         if e.get("kind") in ("checkpoint", "final") and history and int(history[-1][2]) > int(e.get("step", 0)):
             raise LedgerError(f"line {i}: its history counts {history[-1][2]} steps in the last stage, but the line "
                               f"is at step {e.get('step')}")

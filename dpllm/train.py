@@ -45,7 +45,7 @@ from dpllm.privacy import clipping, user_level
 from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import make_private, sequence_loss
 from dpllm.privacy.accounting import PrivacyPlanError, check_delta
-from dpllm.privacy.plan import PrivacyPlan, plan_privacy, steps_for
+from dpllm.privacy.plan import PrivacyPlan, plan_privacy, sample_rate_for, steps_for
 from dpllm.privacy.randomness import privacy_generators
 from dpllm.privacy.report import PrivacyReport
 from dpllm.sampling import ShuffledBatchSampler
@@ -258,7 +258,7 @@ class Trainer:
 
     @property
     def group_size(self) -> int:
-        """k of the group-privacy conversion: the most records any user keeps (1 under ULS or per record)."""
+        """k of the group-privacy accounting: the most records any user keeps (1 under ULS or per record)."""
         if self.dp and self.user_unit and self.p.user_sampling in ("els", "record"):
             return max(len(r) for r in self.user_records)
         return 1
@@ -280,14 +280,25 @@ class Trainer:
             # ULS samples users: B_u users per step so that a step holds B records in expectation.
             n, batch = len(self.user_records), max(1, round(batch * len(self.user_records) / n))
             self.users_per_batch = batch
-        elif self.els and self.group_size > 1:
-            target, delta = user_level.record_targets(target_epsilon=target, delta=delta, group_size=self.group_size)
         self.steps = steps_for(num_records=n, batch=batch, epochs=t.epochs,
                                steps=None if t.epochs is not None else t.max_steps)
+        sigma = p.noise_multiplier
+        if self.els and self.group_size > 1 and (sigma is not None or target is not None):
+            # σ from the user-level target by the tight mixture accounting; the record-level plan below then
+            # carries δ/k (< 1/N, as δ < 1/U) only to state a record-level ε beside the user-level one.
+            k, q = self.group_size, sample_rate_for(n, batch)
+            if sigma is None:
+                sigma = user_level.calibrate_mixture(target_epsilon=target, delta=delta, sample_rate=q,
+                                                     steps=self.steps, group_size=k)
+            eps_u = user_level.mixture_epsilon(history=[(sigma, q, self.steps)], delta=delta, group_size=k)
+            if target is not None and eps_u > target:
+                raise PrivacyPlanError(f"noise_multiplier={sigma:g} gives user-level ε={eps_u:.4g} > target_epsilon="
+                                       f"{target:g} for users of {k} records; raise the noise or unset it")
+            target, delta = None, delta / k
         if self.dp:
             self.plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=self.steps,
                                      target_epsilon=target, delta=delta, accountant=p.accountant,
-                                     noise_multiplier=p.noise_multiplier, prior_history=self.lineage.history)
+                                     noise_multiplier=sigma, prior_history=self.lineage.history)
         for note in self.lineage.notes:
             log.info("stages: %s", note)
 
@@ -534,11 +545,10 @@ class Trainer:
     # ---- privacy state, checkpoints, report -------------------------------------------------------------
 
     def unit_privacy(self) -> tuple[float, float]:
-        """(ε, δ) so far for the privacy unit: a record, or a user (ULS directly; ELS by group privacy)."""
+        """(ε, δ) so far for the privacy unit: a record, or a user (ULS directly; ELS by the mixture accounting)."""
         if self.els and self.group_size > 1:
-            eps, _ = user_level.els_user_epsilon(history=self.private.history(), record_delta=self.plan.delta,
-                                                 group_size=self.group_size, accountant=self.plan.accountant)
-            return eps, self.p.target_delta  # the conversion's δ is ≤ target_delta while ε_r ≤ target/k
+            return user_level.mixture_epsilon(history=self.private.history(), delta=self.p.target_delta,
+                                              group_size=self.group_size), self.p.target_delta
         return self.private.epsilon(), self.plan.delta
 
     def user_level_info(self) -> Optional[dict]:
@@ -555,17 +565,12 @@ class Trainer:
                 "group_privacy": user_level.GROUP_PRIVACY if k > 1 else user_level.ULS_UNIT
                 if self.uls else "k = 1: the user-level guarantee is the record-level one"}
         if self.p.user_sampling == "record":  # the guarantee is per record; the user level only by group privacy
-            eps_u = user_level.user_epsilon_at_delta(history=self.private.history(), delta=self.p.target_delta,
-                                                     group_size=k, accountant=self.plan.accountant)
+            eps_u = user_level.mixture_epsilon(history=self.private.history(), delta=self.p.target_delta, group_size=k)
             info.update(user_epsilon=eps_u if math.isfinite(eps_u) else None, user_delta=self.p.target_delta,
-                        group_privacy=user_level.GROUP_PRIVACY + (
-                            "" if math.isfinite(eps_u) else "; NO user-level guarantee: the conversion's record-level "
-                            "δ underflows (user_epsilon = null means unbounded)"))
-        elif k > 1:
-            eps_r = self.private.epsilon()
-            info.update(record_epsilon=eps_r, record_delta=self.plan.delta,
-                        converted_delta=user_level.group_epsilon(record_epsilon=eps_r, record_delta=self.plan.delta,
-                                                                 group_size=k)[1])
+                        group_privacy=user_level.GROUP_PRIVACY + ("" if math.isfinite(eps_u) else
+                                                                  "; unbounded at this δ (user_epsilon = null)"))
+        elif k > 1:  # ELS: the record-level ε at δ/k, for comparison only (the guarantee is the user-level one)
+            info.update(record_epsilon=self.private.epsilon(), record_delta=self.plan.delta)
         return info
 
     def privacy_now(self) -> dict:

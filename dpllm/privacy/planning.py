@@ -144,9 +144,9 @@ def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, bat
                     epsilons: Sequence[float] = DEFAULT_EPSILONS) -> dict:
     """A user-level privacy plan (what ``dpllm plan --unit user`` prints), computed as training computes it.
 
-    ULS: :func:`plan_table` over U users at B_u users per step; its ε is the user-level ε. ELS: σ from the
-    record-level targets (ε/k, δ/(k·e^{(k−1)ε/k})) and every ε converted back by group privacy
-    (:mod:`dpllm.privacy.user_level`); each row then has ``epsilon`` (user level) and ``record_epsilon``.
+    ULS: :func:`plan_table` over U users at B_u users per step; its ε is the user-level ε. ELS: σ calibrated
+    by the tight mixture accounting of k records per user (:func:`dpllm.privacy.user_level.calibrate_mixture`);
+    each row then has ``epsilon`` (user level) and ``record_epsilon`` (record level at δ/k, for comparison).
 
     Args:
         sampling: ``uls`` or ``els``.
@@ -157,7 +157,7 @@ def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, bat
         Other arguments as for :func:`plan_table` (``batch`` counts records).
 
     Raises:
-        PrivacyPlanError: δ ≥ 1/U, bad sizes, ELS without a target ε, or an unreachable ε.
+        PrivacyPlanError: δ ≥ 1/U, bad sizes, or an unreachable ε.
     """
     from dpllm.privacy import user_level
 
@@ -178,24 +178,32 @@ def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, bat
         plan = plan_table(num_records=num_users, batch=b_u, delta=delta, target_epsilon=target_epsilon,
                           noise_multiplier=noise_multiplier, epsilons=epsilons, **common)
         return {**plan, **info, "users_per_batch": b_u, "group_privacy": user_level.ULS_UNIT}
-    if target_epsilon is None:
-        raise PrivacyPlanError("--sampling els needs --target-epsilon: it fixes the record-level δ of the group "
-                               "conversion (the trainer does the same)")
     k = records_per_user
-    eps_r, delta_r = user_level.record_targets(target_epsilon=target_epsilon, delta=delta, group_size=k)
-    plan = plan_table(num_records=n, batch=batch, delta=delta_r, target_epsilon=eps_r,
-                      noise_multiplier=noise_multiplier, epsilons=[e / k for e in epsilons], **common)
+    for name, value in (("target_epsilon", target_epsilon), ("noise_multiplier", noise_multiplier)):
+        check_finite_positive(name, value)
+    for e in epsilons:
+        check_finite_positive("epsilons", e)
+    # The record-level skeleton (q, steps, checks) at δ/k, the record-level δ training states beside the user level.
+    plan = plan_table(num_records=n, batch=batch, delta=delta / k, epsilons=[], **common)
+    q, n_steps = plan["sample_rate"], plan["steps"]
 
-    def to_user(row: dict | None, target: float | None) -> dict | None:
-        if row is None:
-            return None
-        eps_u, _ = user_level.group_epsilon(record_epsilon=row["epsilon"], record_delta=delta_r, group_size=k)
-        return {**row, "target_epsilon": target, "record_epsilon": row["epsilon"], "epsilon": eps_u}
+    def row(target: float | None, sigma: float) -> dict:
+        eps_u = user_level.mixture_epsilon(history=[(sigma, q, n_steps)], delta=delta, group_size=k)
+        eps_r = _accounted(compute_epsilon, accountant, noise_multiplier=sigma, sample_rate=q, steps=n_steps,
+                           delta=delta / k)
+        return {"target_epsilon": target, "noise_multiplier": sigma, "epsilon": eps_u, "record_epsilon": eps_r,
+                "nsr": noise_to_signal(noise_multiplier=sigma, max_grad_norm=max_grad_norm, batch=batch,
+                                       grad_norm=grad_norm)}
 
-    plan["target"] = to_user(plan["target"], target_epsilon)
-    plan["given_noise"] = to_user(plan["given_noise"], None)
-    plan["table"] = [to_user(r, r["target_epsilon"] * k) for r in plan["table"]]
-    return {**plan, **info, "delta": delta, "record_delta": delta_r, "group_privacy": user_level.GROUP_PRIVACY}
+    def for_target(eps: float) -> dict:
+        sigma = user_level.calibrate_mixture(target_epsilon=eps, delta=delta, sample_rate=q, steps=n_steps,
+                                             group_size=k)
+        return row(eps, round_up(sigma))
+
+    plan["target"] = for_target(float(target_epsilon)) if target_epsilon is not None else None
+    plan["given_noise"] = row(None, float(noise_multiplier)) if noise_multiplier is not None else None
+    plan["table"] = [for_target(float(e)) for e in sorted(set(epsilons))]
+    return {**plan, **info, "delta": delta, "record_delta": delta / k, "group_privacy": user_level.GROUP_PRIVACY}
 
 
 def format_plan(plan: dict) -> str:

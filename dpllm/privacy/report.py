@@ -61,8 +61,9 @@ class PrivacyReport:
     warnings: list = field(default_factory=list)
     note: Optional[str] = None
     # privacy_unit=user: {"unit", "sampling" (uls|els), "num_users", "max_records_per_user", "group_size" (k of the
-    # group-privacy conversion; 1 for ULS), "users_trimmed", "users_dropped", "records_dropped", "group_privacy"
-    # (which conversion), and for ELS "record_epsilon", "record_delta"}: dpllm.privacy.user_level
+    # group-privacy accounting; 1 for ULS), "users_trimmed", "users_dropped", "records_dropped", "group_privacy"
+    # (which accounting), for ELS "record_epsilon", "record_delta" (record level at δ/k, for comparison), for
+    # record sampling "user_epsilon", "user_delta"}: dpllm.privacy.user_level
     user_level: Optional[dict] = None
 
     @property
@@ -129,7 +130,7 @@ class PrivacyReport:
         secret = "" if self.noise_secret is not False else "; NOT RELEASABLE: reproducible (seeded) noise"
         u = self.user_level
         if u:
-            how = (f"group privacy over k = {u['group_size']} records from record-level ε = "
+            how = (f"tight group privacy over k = {u['group_size']} records (mixture accounting); record-level ε = "
                    f"{u['record_epsilon']:.3f} at δ = {u['record_delta']:.3g}" if "record_delta" in u
                    else "user-level sampling" if u.get("sampling") == "uls" else
                    f"record-level DP; by group privacy over k = {u['group_size']} the user-level ε is "
@@ -138,7 +139,9 @@ class PrivacyReport:
             secret = (f"; USER-LEVEL: U = {u['num_users']:,} users, k = {u['max_records_per_user']}, "
                       f"{u['sampling']} ({how}); {u['users_trimmed']} users trimmed, {u['records_dropped']} records "
                       f"dropped" + secret)
-        return (f"(ε = {self.epsilon:.3f}, δ = {self.delta:g}) via {self.accountant} accountant; "
+        via = (f"the user-level mixture accounting (dp-accounting PLD; records: {self.accountant})"
+               if u and "record_delta" in u else f"{self.accountant} accountant")
+        return (f"(ε = {self.epsilon:.3f}, δ = {self.delta:g}) via {via}; "
                 f"σ = {self.noise_multiplier:.4g}, q = {self.sample_rate:.4g}, steps = {self.steps}, "
                 f"C = {self.max_grad_norm:g}, clipping = {self.clipping}, N = {self.num_records:,} records "
                 f"(unit: {self.privacy_unit}){secret}")
