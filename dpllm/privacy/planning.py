@@ -219,7 +219,9 @@ def format_plan(plan: dict) -> str:
          if uls else f"records N={plan['num_records']:,}  batch B={plan['batch']:,}  sample rate q=1/⌈N/B⌉=")
         + f"{plan['sample_rate']:.6g}",
         f"steps={plan['steps']:,}" + (f" (ceil({plan['epochs']:g} epochs × ⌈N/B⌉))" if plan["epochs"] else "")
-        + f"  delta={plan['delta']:g}  accountant={plan['accountant']}",
+        + f"  delta={plan['delta']:g}  accountant="
+        + (f"user-level mixture PLD (record level: {plan['accountant']})" if plan.get("sampling") == "els"
+           else plan["accountant"]),
         f"clip C={plan['max_grad_norm']:g}  assumed mean grad norm ḡ={plan['grad_norm']:g}  NSR = σ·C/(B·ḡ)",
     ]
     if plan["target"]:
@@ -277,7 +279,9 @@ def cli_main(argv: list[str]) -> int:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            print(f"dpllm plan: calibrating with the {args.accountant} accountant...", file=sys.stderr, flush=True)
+            how = ("the user-level mixture accounting (dp-accounting PLD)" if args.unit == "user" and
+                   args.sampling == "els" else f"the {args.accountant} accountant")
+            print(f"dpllm plan: calibrating with {how}...", file=sys.stderr, flush=True)
             common = dict(batch=args.batch, delta=args.delta, target_epsilon=args.target_epsilon, epochs=args.epochs,
                           steps=args.steps, accountant=args.accountant, noise_multiplier=args.noise_multiplier,
                           max_grad_norm=args.max_grad_norm, grad_norm=args.grad_norm, epsilons=epsilons)
