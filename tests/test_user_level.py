@@ -265,6 +265,13 @@ def test_mixture_accounting_matches_an_independent_pld_event_composition():
     assert fine <= ours <= fine * 1.01  # coarser grid: still an upper bound, within 1%
 
 
+def test_module_examples_hold():
+    import doctest
+
+    result = doctest.testmod(user_level)
+    assert result.attempted >= 2 and result.failed == 0
+
+
 def test_calibrated_sigma_meets_the_user_level_target_and_more_records_need_more_noise():
     sigmas = []
     for k in (1, 2, 4):

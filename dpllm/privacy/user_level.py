@@ -25,7 +25,9 @@ seeded with secret randomness, and counts the users trimmed.
 
 Example (one record per user: the mixture is the subsampled Gaussian itself):
     >>> round(mixture_epsilon(history=[(1.0, 0.1, 10)], delta=1e-5, group_size=1), 1)
-    1.7
+    2.9
+    >>> round(mixture_epsilon(history=[(1.0, 0.1, 10)], delta=1e-5, group_size=3), 1)  # a user of 3 records
+    9.8
 """
 
 from __future__ import annotations
