@@ -1,7 +1,8 @@
-"""ULS crash safety: a user-level run killed with SIGKILL and resumed is the uninterrupted run.
+"""User-level crash safety: a ULS or ELS run killed with SIGKILL and resumed is the uninterrupted run.
 
 The resumed run must train on the same kept records (the cap's choice is read back from splits.json, never
-redrawn) and draw the same user batches (the user sampler's generator is restored).
+redrawn) and draw the same user batches (the user sampler's generator is restored); under ELS the resumed
+ledger's user-level ε (mixture accounting over the restored history) verifies.
 """
 
 import json
@@ -17,12 +18,11 @@ import torch
 from dpllm import ledger
 from tests.test_resume import ROOT, RUN, run
 
-ULS = ["--privacy_unit", "user", "--user_sampling", "uls", "--grad_sample_mode", "hooks", "--max_records_per_user",
-       "3", "--target_delta", "1e-3"]
-
-
 @pytest.mark.slow
-def test_uls_sigkill_then_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("sampling, mode", [("uls", "hooks"), ("els", "bk")])
+def test_user_level_sigkill_then_resume_equals_uninterrupted(tmp_path, sampling, mode):
+    ULS = ["--privacy_unit", "user", "--user_sampling", sampling, "--grad_sample_mode", mode,
+           "--max_records_per_user", "3", "--target_delta", "1e-3"]
     killed = tmp_path / "killed"
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"),
                              "--output_dir", str(killed), *RUN, *ULS], stdout=subprocess.DEVNULL,
@@ -42,6 +42,7 @@ def test_uls_sigkill_then_resume_equals_uninterrupted(tmp_path):
     r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, tmp_path / "whole"))
     for key in ("steps", "epsilon", "history", "num_records", "user_level"):
         assert r1[key] == r2[key], key
+    assert r1["user_level"]["sampling"] == sampling and r1["epsilon"] <= 8.0
     from safetensors.torch import load_file
 
     a, b = (load_file(str(d / "checkpoint" / "model.safetensors")) for d in (killed, tmp_path / "whole"))
