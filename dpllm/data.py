@@ -33,15 +33,12 @@ class DataError(ValueError):
     """Unusable data: missing file, missing column, empty after filtering..."""
 
 
-def _pydoc_records() -> list[str]:
-    # pydoc_data ships with CPython: the text of Python's reference documentation topics.
+def pydoc_paragraphs(*keys: str) -> list[str]:
+    """Whitespace-normalised paragraphs of pydoc's documentation topics ``keys`` (default: all, sorted by
+    name), in order, blank ones included. pydoc_data ships with CPython: the text of Python's reference."""
     from pydoc_data.topics import topics
 
-    out = []
-    for key in sorted(topics):
-        for para in re.split(r"\n\s*\n", topics[key]):
-            out.append(" ".join(para.split()))
-    return out
+    return [" ".join(p.split()) for key in (keys or sorted(topics)) for p in re.split(r"\n\s*\n", topics[key])]
 
 
 # pydoc's "users": each documentation topic cut into runs of at most this many consecutive paragraphs, so
@@ -55,9 +52,7 @@ def _pydoc_user_records() -> tuple[list[str], list[str]]:
 
     texts, users = [], []
     for key in sorted(topics):
-        paras = [" ".join(p.split()) for p in re.split(r"\n\s*\n", topics[key])]
-        paras = [p for p in paras if p.strip()]
-        for j, para in enumerate(paras):
+        for j, para in enumerate(p for p in pydoc_paragraphs(key) if p):
             texts.append(para)
             users.append(f"{key}#{j // PYDOC_USER_PARAGRAPHS}")
     return texts, users
@@ -86,7 +81,7 @@ def _pystdlib_records() -> list[str]:
     return out
 
 
-BUILTIN = {"pydoc": _pydoc_records, "pystdlib": _pystdlib_records}
+BUILTIN = {"pydoc": pydoc_paragraphs, "pystdlib": _pystdlib_records}
 BUILTIN_USERS = {"pydoc": _pydoc_user_records, "pystdlib": _pystdlib_user_records}
 
 

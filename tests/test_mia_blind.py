@@ -1,23 +1,16 @@
 """Blind baseline (mia.blind): a planted topic shift is flagged, a random split of one pool is not."""
 
 import random
-import re
 
 import pytest
 
+from dpllm.data import pydoc_paragraphs
 from mia.blind import blind_baseline
 
 
-def _paragraphs(*topics_wanted):
-    from pydoc_data.topics import topics
-
-    out = []
-    for key in topics_wanted or sorted(topics):
-        for para in re.split(r"\n\s*\n", topics[key]):
-            para = " ".join(para.split())
-            if len(para) >= 32 and para not in out:
-                out.append(para)
-    return out
+def _paragraphs(*keys):
+    """Distinct pydoc paragraphs of at least 32 characters from topics ``keys`` (default all)."""
+    return list(dict.fromkeys(p for p in pydoc_paragraphs(*keys) if len(p) >= 32))
 
 
 def test_planted_topic_shift_is_flagged():

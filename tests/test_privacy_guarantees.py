@@ -107,9 +107,9 @@ def test_resume_on_another_process_count_never_restores_noise():
 
 @pytest.fixture
 def records(tmp_path):
-    from dpllm.data import _pydoc_records
+    from dpllm.data import pydoc_paragraphs
 
-    texts = list(dict.fromkeys(t[:200] for t in _pydoc_records() if len(t) >= 40))[:160]
+    texts = list(dict.fromkeys(t[:200] for t in pydoc_paragraphs() if len(t) >= 40))[:160]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path

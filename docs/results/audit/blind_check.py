@@ -5,23 +5,16 @@ Usage: python docs/results/audit/blind_check.py [RUN_DIR ...]   (RUN_DIRs: their
 
 import json
 import random
-import re
 import sys
 from pathlib import Path
 
+from dpllm.data import pydoc_paragraphs
 from mia.blind import blind_baseline
 
 
 def paragraphs(*keys):
-    from pydoc_data.topics import topics
-
-    out = []
-    for key in keys or sorted(topics):
-        for para in re.split(r"\n\s*\n", topics[key]):
-            para = " ".join(para.split())
-            if len(para) >= 32 and para not in out:
-                out.append(para)
-    return out
+    """Distinct pydoc paragraphs of at least 32 characters from topics ``keys`` (default all)."""
+    return list(dict.fromkeys(p for p in pydoc_paragraphs(*keys) if len(p) >= 32))
 
 
 def main(run_dirs):
