@@ -33,6 +33,8 @@ from scipy.special import expit
 from scipy.stats import beta as beta_dist
 from scipy.stats import binom
 
+from mia.fdp import largest_rejected
+
 
 def one_run_p_value(*, m: int, r: int, v: int, epsilon: float, delta: float) -> float:
     """Probability of at least ``v`` correct out of ``r`` guesses if the training is (ε, δ)-DP.
@@ -90,17 +92,7 @@ def epsilon_lower_bound(*, m: int, r: int, v: int, delta: float, confidence: flo
     def rejected(eps: float) -> bool:
         return one_run_p_value(m=m, r=r, v=v, epsilon=eps, delta=delta) <= beta
 
-    if not rejected(0.0):
-        return 0.0
-    lo, hi = 0.0, 1.0
-    while rejected(hi):  # the p-value grows with ε, so some ε is not rejected
-        lo, hi = hi, 2 * hi
-        if hi > 1e3:
-            return math.inf
-    while hi - lo > tol:
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rejected(mid) else (lo, mid)
-    return lo
+    return largest_rejected(rejected, tol=tol)  # the p-value grows with ε, so some ε is not rejected
 
 
 def default_guess_grid(m: int) -> list[tuple[int, int]]:

@@ -146,16 +146,26 @@ def lower_bound(*, m: int, k: int, c: int, family: str = "epsdelta", delta: floa
         return rejects(m=m, k=k, c=c, level=level, family=family, theta=theta, delta=delta,
                        one_sided=one_sided)
 
-    if k == 0 or not rej(0.0):
+    return 0.0 if k == 0 else largest_rejected(rej, tol=tol)
+
+
+def largest_rejected(rejected: Callable[[float], bool], *, tol: float, cap: float = 1e3) -> float:
+    """Largest x ≥ 0 (to ``tol``) with ``rejected(x)``, for a test that rejects every x below some threshold
+    and none above it: doubling to bracket, then bisection.
+
+    Returns:
+        0.0 when ``rejected(0)`` is false; ``inf`` when x is still rejected beyond ``cap``.
+    """
+    if not rejected(0.0):
         return 0.0
     lo, hi = 0.0, 1.0
-    while rej(hi):
+    while rejected(hi):
         lo, hi = hi, 2 * hi
-        if hi > 1e3:
+        if hi > cap:
             return math.inf
     while hi - lo > tol:
         mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if rej(mid) else (lo, mid)
+        lo, hi = (mid, hi) if rejected(mid) else (lo, mid)
     return lo
 
 

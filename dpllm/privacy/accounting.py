@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
@@ -179,11 +179,25 @@ def calibrate_noise(
                 lo = hi / 2
         except PrivacyPlanError:
             pass
+    return smallest_noise(eps, target_epsilon, lo=lo, hi=hi, epsilon_tolerance=epsilon_tolerance,
+                          unreachable=lambda: _unreachable(target_epsilon, delta, sample_rate, steps))
+
+
+def smallest_noise(eps: Callable[[float], float], target_epsilon: float, *, epsilon_tolerance: float,
+                   unreachable: Callable[[], Exception], lo: float = 0.0, hi: float = 1.0,
+                   max_sigma: float = MAX_NOISE_MULTIPLIER) -> float:
+    """Smallest σ with ``eps(σ) <= target_epsilon``, to within ``epsilon_tolerance`` of the target (or a
+    relative 1e-6 in σ), for ``eps`` decreasing in σ: double ``hi`` until it meets the target, then bisect
+    keeping ``hi`` on the meeting side. The returned σ always meets the target.
+
+    Raises:
+        the exception ``unreachable()`` builds, when σ above ``max_sigma`` would be needed.
+    """
     eps_hi = eps(hi)
     while eps_hi > target_epsilon:
         lo, hi = hi, 2 * hi
-        if hi > MAX_NOISE_MULTIPLIER:
-            raise _unreachable(target_epsilon, delta, sample_rate, steps)
+        if hi > max_sigma:
+            raise unreachable()
         eps_hi = eps(hi)
     while target_epsilon - eps_hi > epsilon_tolerance and hi - lo > 1e-6 * hi:
         mid = (lo + hi) / 2

@@ -64,7 +64,8 @@ class PrivateTraining:
         return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
 
     def set_users(self, users) -> None:
-        """ULS: the user of each row of the next physical batch (the bk module or the hooks optimizer clips per user)."""
+        """ULS: the user of each row of the next physical batch (the bk module or the hooks optimizer clips
+        one mean gradient per user)."""
         (self.model if self.grad_sample_mode == "bk" else self.optimizer).set_users(users)
 
     def steps_taken(self) -> int:

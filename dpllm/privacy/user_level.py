@@ -41,12 +41,12 @@ import torch
 from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
-from dpllm.privacy.accounting import PrivacyPlanError
+from dpllm.privacy.accounting import PrivacyPlanError, smallest_noise
 from dpllm.sampling import PoissonBatchSampler
 
-GROUP_PRIVACY = ("tight group privacy of at most k records under Poisson sampling: each step a mixture of Gaussians "
-                 "N(J·C, σ²C²), J ~ Bin(k, q), against N(0, σ²C²) (Ganesh 2024), composed by dp-accounting's PLD "
-                 "accountant with pessimistic discretisation")
+GROUP_PRIVACY = ("tight group privacy of at most k records under Poisson sampling: each step a mixture of "
+                 "Gaussians N(J·C, σ²C²), J ~ Bin(k, q), against N(0, σ²C²) (Ganesh 2024), composed by "
+                 "dp-accounting's PLD accountant with pessimistic discretisation")
 ULS_UNIT = "user-level sampling: the accountant's unit is the user (one clipped mean gradient per sampled user)"
 # The PLD's grid: 1e-2 keeps one step's PLD under 3 s at k = 16 and moves ε by ~0.1% from 1e-3; always an upper bound.
 MIXTURE_DISCRETIZATION = 1e-2
@@ -92,8 +92,9 @@ def mixture_epsilon(*, history, delta: float, group_size: int) -> float:
 
 def calibrate_mixture(*, target_epsilon: float, delta: float, sample_rate: float, steps: int, group_size: int,
                       epsilon_tolerance: float = 0.01) -> float:
-    """Smallest σ (to ``epsilon_tolerance`` in ε) whose :func:`mixture_epsilon` over ``steps`` steps at
-    ``sample_rate`` is ≤ ``target_epsilon`` for users of ``group_size`` records.
+    """Smallest σ (to ``epsilon_tolerance`` of the target, relative) whose :func:`mixture_epsilon` over
+    ``steps`` steps at ``sample_rate`` is ≤ ``target_epsilon`` for users of ``group_size`` records
+    (:func:`dpllm.privacy.accounting.smallest_noise`, the search the record-level calibration uses).
 
     Raises:
         PrivacyPlanError: the target cannot be met with σ ≤ 1e4.
@@ -101,22 +102,11 @@ def calibrate_mixture(*, target_epsilon: float, delta: float, sample_rate: float
     def eps(sigma: float) -> float:
         return mixture_epsilon(history=[(sigma, sample_rate, steps)], delta=delta, group_size=group_size)
 
-    lo, hi = 0.0, 1.0
-    while eps(hi) > target_epsilon:
-        lo, hi = hi, hi * 2
-        if hi > 1e4:
-            raise PrivacyPlanError(
-                f"user-level ε={target_epsilon} at δ={delta:g} cannot be met for users of {group_size} records with "
-                f"q={sample_rate:.4g} over {steps} steps; raise target_epsilon, lower max_records_per_user, or train "
-                "fewer steps / a smaller batch")
-    while True:
-        mid = (lo + hi) / 2
-        if eps(mid) > target_epsilon:
-            lo = mid
-        else:
-            hi = mid
-        if target_epsilon - eps(hi) <= epsilon_tolerance * target_epsilon or hi - lo < 1e-4:
-            return hi
+    return smallest_noise(eps, target_epsilon, epsilon_tolerance=epsilon_tolerance * target_epsilon, max_sigma=1e4,
+                          unreachable=lambda: PrivacyPlanError(
+                              f"user-level ε={target_epsilon} at δ={delta:g} cannot be met for users of {group_size} "
+                              f"records with q={sample_rate:.4g} over {steps} steps; raise target_epsilon, lower "
+                              "max_records_per_user, or train fewer steps / a smaller batch"))
 
 
 # ---- contribution bounding -----------------------------------------------------------------------------
