@@ -19,16 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 ALPHABET = list("abcdefghijklmnopqrstuvwxyz ")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models run fastest on one thread; two threads on a busy 2-core machine spin-wait on
-    # each other and can be 100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _random_texts(rng, n, length=24):
     return ["".join(rng.choice(ALPHABET, length)) for _ in range(n)]
 

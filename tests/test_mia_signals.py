@@ -12,16 +12,6 @@ TEXTS = ["hello world", "a", "the quick brown fox jumps over the lazy dog", "dif
          "x" * 40, "membership inference"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny models run fastest on one thread; two threads on a busy 2-core machine spin-wait on
-    # each other and can be 100x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     torch.manual_seed(0)

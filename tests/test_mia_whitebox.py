@@ -2,17 +2,8 @@
 
 import numpy as np
 import pytest
-import torch
 
 from mia.whitebox import score_updates, whitebox_audit
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_dp_run_stays_under_its_epsilon_and_the_audit_has_power():

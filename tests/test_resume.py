@@ -41,14 +41,15 @@ def ledger_eps(run_dir):
     return {e["step"]: e["epsilon"] for e in ledger.read(run_dir) if e["kind"] == "checkpoint"}
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
-    killed = tmp_path / "killed"
+def kill_mid_run(killed, *extra, after="step-000004"):
+    """Run the recipe into ``killed`` in a subprocess and SIGKILL it once checkpoint ``after`` is the latest."""
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"),
-                             "--output_dir", str(killed), *RUN], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                             "--output_dir", str(killed), *RUN, *extra], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
     deadline = time.time() + 300
     latest = killed / "checkpoints" / "latest"
     # the pointer, not the directory: a kill between the rename and the pointer update resumes from step 2
-    while not (latest.is_file() and latest.read_text().strip() >= "step-000004"):
+    while not (latest.is_file() and latest.read_text().strip() >= after):
         assert proc.poll() is None, proc.stderr.read()[-3000:]
         assert time.time() < deadline
         time.sleep(0.01)
@@ -57,6 +58,11 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
     proc.stderr.close()
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "privacy_report.json").exists()  # it really died mid-way
+
+
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    killed = tmp_path / "killed"
+    kill_mid_run(killed)
 
     resumed = run(killed, "--resume_from", "latest")
     whole = run(tmp_path / "whole")

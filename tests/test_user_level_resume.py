@@ -6,38 +6,24 @@ ledger's user-level ε (mixture accounting over the restored history) verifies.
 """
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 
 from dpllm import ledger
-from tests.test_resume import ROOT, RUN, run
+from tests.test_resume import kill_mid_run, run
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sampling, mode", [("uls", "hooks"), ("els", "bk")])
 def test_user_level_sigkill_then_resume_equals_uninterrupted(tmp_path, sampling, mode):
-    ULS = ["--privacy_unit", "user", "--user_sampling", sampling, "--grad_sample_mode", mode,
+    USER = ["--privacy_unit", "user", "--user_sampling", sampling, "--grad_sample_mode", mode,
            "--max_records_per_user", "3", "--target_delta", "1e-3"]
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"),
-                             "--output_dir", str(killed), *RUN, *ULS], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    deadline = time.time() + 300
-    while not (killed / "checkpoints" / "step-000004").is_dir():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    proc.stderr.close()
+    kill_mid_run(killed, *USER)
     kept = json.loads((killed / "splits.json").read_text())["train"]
-    run(killed, "--resume_from", "latest", *ULS)
-    run(tmp_path / "whole", *ULS)
+    run(killed, "--resume_from", "latest", *USER)
+    run(tmp_path / "whole", *USER)
     assert json.loads((killed / "splits.json").read_text())["train"] == kept
     r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, tmp_path / "whole"))
     for key in ("steps", "epsilon", "history", "num_records", "user_level"):
