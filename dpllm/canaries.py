@@ -22,6 +22,13 @@ Designs (``data.canary_design``):
   byte-level tokenizers 4 bytes, each character a lead/continuation byte pair). As short as a record
   can be, so the clipped gradient is concentrated on a few next-token predictions that other records
   hardly share: the input-space counterpart of a Dirac canary. Secrets are distinct.
+* ``new_token`` — the "new token" canaries of Panda et al. (2025): the secret is one token that
+  did not exist before, ``<dpllm_canary_{i}>``, added to the vocabulary for all ``m`` canaries
+  (members and non-members alike, so the vocabulary says nothing about the coins), after the shared
+  prefix ``§``. Its output row and input row are touched by that canary alone (and by every
+  record's softmax push-down, the same for all canaries), so training on it moves the model in a
+  direction nothing else does, and its loss reads that direction out. The auditor must control the
+  vocabulary (a model developer's audit run, full fine-tuning); it costs ``m`` vocabulary rows.
 
 Example:
     >>> [c["text"][:20] for c in make(2, design="random", seed=0)]  # doctest: +SKIP
@@ -54,7 +61,52 @@ def _short(i: int, rng: random.Random) -> tuple[str, str]:
     return "", "".join(rng.choice(_WIDE) for _ in range(2))
 
 
-DESIGNS = {"random": _random, "rare": _rare(12), "rare_long": _rare(32), "short": _short}
+NEW_TOKEN = "<dpllm_canary_{}>"
+
+
+def _new_token(i: int, rng: random.Random) -> tuple[str, str]:
+    return "§", NEW_TOKEN.format(i)
+
+
+DESIGNS = {"random": _random, "rare": _rare(12), "rare_long": _rare(32), "short": _short,
+           "new_token": _new_token}
+NEEDS_TOKENS = ("new_token",)
+
+
+def added_tokens(canaries: list[dict]) -> list[str]:
+    """Vocabulary entries the canaries need (every canary's, included or not), in canary order."""
+    return [c["text"][len(c["prefix"]):] for c in canaries if c["design"] in NEEDS_TOKENS]
+
+
+def add_tokens(model, tokenizer, tokens: list[str]) -> int:
+    """Add ``tokens`` as special tokens and grow the model's embeddings to match; returns how many were new.
+
+    New input and output rows start at the mean of the existing rows, with no randomness: every new
+    token starts alike, so canaries differ after training only by what training did to them, and
+    every process of a distributed run builds the same model.
+    """
+    import torch
+
+    if not tokens:
+        return 0
+    old = len(tokenizer)
+    added = tokenizer.add_tokens(tokens, special_tokens=True)
+    new = len(tokenizer)
+    if not added:  # an earlier stage's checkpoint already has them, trained
+        return 0
+    if new > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(new, mean_resizing=False)
+    with torch.no_grad():
+        rows = [model.get_input_embeddings().weight]
+        out = model.get_output_embeddings()
+        if out is not None and out.weight is not rows[0]:
+            rows.append(out.weight)
+        for w in rows:
+            w[old:new] = w[:old].mean(dim=0)
+        bias = getattr(out, "bias", None)
+        if bias is not None:
+            bias[old:new] = bias[:old].mean()
+    return added
 
 
 def make(num: int, *, design: str = "random", seed: int = 1234) -> list[dict]:

@@ -77,7 +77,8 @@ class DataConfig:
     canary_seed: int = _f(1234, "Seed for canary secrets and their inclusion.")
     canary_design: str = _f("random", "Canary design (dpllm.canaries): 'random' (secret-sharer text); 'rare', "
                                       "'rare_long' or 'short' (secrets of characters the data never uses; easier "
-                                      "to audit).")
+                                      "to audit); 'new_token' (one new vocabulary token per canary; the strongest; "
+                                      "full fine-tuning only).")
     privacy_unit: str = _f("record", "'record' (one record is protected) or 'user' (all records of one person are "
                                      "protected: data.user_column groups records; docs/user_level.md).")
     user_column: str = _f("user", "Column naming each record's user (privacy_unit=user; JSONL/JSON/CSV/Hub). The "
@@ -281,9 +282,13 @@ def validate(cfg: RunConfig) -> None:
     _choice("lr_scheduler", t.lr_scheduler, ("constant", "linear", "cosine"))
     _choice("mixed_precision", t.mixed_precision, ("no", "bf16"))
     _choice("train_on", d.train_on, ("private", "public"))
-    from dpllm.canaries import DESIGNS
+    from dpllm.canaries import DESIGNS, NEEDS_TOKENS
 
     _choice("canary_design", d.canary_design, tuple(DESIGNS))
+    if d.num_canaries and d.canary_design in NEEDS_TOKENS and m.finetuning != "full":
+        raise ConfigError(f"canary_design={d.canary_design} trains new vocabulary rows, which finetuning={m.finetuning} "
+                          "keeps frozen (every canary would score alike); use finetuning: full for the audit run, "
+                          "or another canary design")
     _choice("accountant", p.accountant, ("prv", "rdp", "gdp"))
     _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
     _choice("privacy_unit", d.privacy_unit, ("record", "user"))

@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dpllm import data, ledger, resume, rundir
+from dpllm.canaries import add_tokens as add_canary_tokens, added_tokens as canary_tokens
 from dpllm.checkpoint import library_versions, save_checkpoint, unwrap
 from dpllm.config import ConfigError, RunConfig
 from dpllm.distributed import (World, all_max, all_sum, barrier, check_parallelism, full_state_dict, gather_objects,
@@ -310,6 +311,9 @@ class Trainer:
             raise ConfigError(f"max_length={dlen} exceeds the model's context of {ctx} tokens; lower max_length")
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        added = add_canary_tokens(model, self.tokenizer, canary_tokens(self.canaries))
+        if added:
+            log.info("canaries: added %d new tokens to the vocabulary (%s)", added, cfg.data.canary_design)
         # LoRA over a base that has no path of its own (tiny, or merged from a run) keeps a copy to save.
         keep_base = cfg.model.finetuning == "lora" and self.source["kind"] != "pretrained"
         self.lora_base = _copy(model) if keep_base else None

@@ -258,6 +258,20 @@ def read_canaries(run_dir: str | Path, *, with_prefixes: bool = False):
     return texts, included
 
 
+def check_canary_vocabulary(run_dir: str | Path, tokenizer) -> None:
+    """Refuse a tokenizer that lacks the tokens of the run's ``new_token`` canaries (it would split each
+    into characters and score something training never saw)."""
+    from dpllm.canaries import added_tokens
+
+    rows = json.loads((Path(run_dir) / "canaries.json").read_text())["canaries"]
+    need = added_tokens([r for r in rows if "design" in r and "prefix" in r])
+    vocab = tokenizer.get_vocab()
+    missing = [t for t in need if t not in vocab]
+    if missing:
+        raise ValueError(f"{len(missing)} of the run's {len(need)} new-token canaries (e.g. {missing[0]}) are not in "
+                         "the model's vocabulary; audit the checkpoint this run trained, whose tokenizer holds them")
+
+
 def read_privacy_report(run_dir: str | Path) -> dict:
     """``privacy_report.json`` of a run (top level, else the checkpoint's copy), read by dpllm's one report type.
 
@@ -327,6 +341,7 @@ def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss",
     if tokens not in ("secret", "all"):
         raise ValueError(f"tokens={tokens!r}; use 'secret' or 'all'")
     texts, included, prefixes = read_canaries(run_dir, with_prefixes=True)
+    check_canary_vocabulary(run_dir, tokenizer)
     privacy = read_privacy_report(run_dir)
     eps = privacy.get("epsilon")
     private = bool(privacy.get("enabled", True) and eps is not None and np.isfinite(float(eps)))

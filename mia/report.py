@@ -83,7 +83,7 @@ def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
         ax.plot(x, np.minimum(1.0, math.exp(min(eps, 700.0)) * x + delta), "r:", lw=1.5,
                 label=f"DP bound ε={eps:.3g}, δ={delta:.0e}")
     ax.set(xscale="log", yscale="log", xlabel="false positive rate", ylabel="true positive rate",
-           xlim=(floor / 2, 1), ylim=(floor / 2, 1), title=title)
+           xlim=(floor / 2, 1.2), ylim=(floor / 2, 1.2), title=title)  # a curve at 1 stays in view
     ax.legend(loc="lower right")
     fig.tight_layout()
     path = Path(path)

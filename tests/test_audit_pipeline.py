@@ -6,8 +6,8 @@ canaries reaches about 4.3-4.4 at 95%, so this fails if the attack or the bound 
 ε = 2 the bound must stay at or under 2: the same run without noise would give > 4, so a training
 bug that leaks (no noise, no clipping, wrong σ) makes this test fail.
 
-``@pytest.mark.slow`` checks the issue's ε = 8 targets (white-box with 10,000 canaries; black-box
-``short`` canaries).
+``new_token`` canaries (one new vocabulary token each) go through the same commands. ``@pytest.mark.slow``
+checks the issue's targets at its scale (10,000 canaries without DP; white-box and black-box at ε = 8).
 """
 
 import json
@@ -84,16 +84,31 @@ def test_dp_run_is_bounded(runs):
     assert canary["epsilon_lower"] <= canary["accountant_epsilon"]
 
 
+def test_new_token_canaries_through_the_real_commands(tmp_path):
+    # The recipe adds 1,000 tokens, the checkpoint keeps them, `mia canaries` reloads and scores them:
+    # two epochs without DP already separate members from non-members completely.
+    nodp = train(tmp_path / "nt", 1000, 32, "--canary_design", "new_token", "--privacy.enabled", "false",
+                 "--epochs", "2")
+    assert json.loads((nodp / "checkpoint" / "config.json").read_text())["vocab_size"] == 384 + 1000
+    code, canary = canaries(nodp)
+    assert code == 0 and canary["epsilon_lower"] > 4.0  # seen: 4.39, the most 1,000 canaries can prove
+
+
 @pytest.mark.slow
 def test_issue_scale_targets(tmp_path):
-    """Issue #12 at its scale: white-box at ε = 8 with 10,000 canaries proves ε >= 2 and stays under 8;
-    black-box `short` canaries at ε = 8 stay under 8 (measured 0.10-0.59 over seeds; see
-    docs/results/audit, where the non-private m = 10,000 target is recorded as not met)."""
+    """Issue #12 at its scale (docs/results/audit): without DP, 10,000 new-token canaries prove ε̂ >= 6;
+    at ε = 8, white-box with 10,000 Dirac canaries proves ε̂ >= 2 and black-box with 5,000 new-token
+    canaries ε̂ >= 0.5, both under 8. The DP run draws its noise from the seed (reproducible_noise) so
+    the number is the same on every run; docs/results/audit has three seeds with fresh noise."""
     from mia.whitebox import whitebox_audit
 
     rep = whitebox_audit(m=10000, steps=20, sample_rate=0.2, target_epsilon=8.0)
     assert 2.0 <= rep["epsilon_lower"] <= rep["accountant_epsilon"] <= 8.0 + 1e-6  # seen: 2.74
-    dp = train(tmp_path / "dp", 1000, 32, "--canary_design", "short", "--target_epsilon", "8", "--epochs", "10",
-               "--learning_rate", "0.01")
+    nodp = train(tmp_path / "nodp", 10000, 32, "--canary_design", "new_token", "--privacy.enabled", "false",
+                 "--epochs", "3")
+    code, canary = canaries(nodp)
+    assert code == 0 and canary["epsilon_lower"] >= 6.0  # seen: 6.59
+    dp = train(tmp_path / "dp", 5000, 32, "--canary_design", "new_token", "--target_epsilon", "8", "--epochs", "10",
+               "--logical_batch_size", "128", "--physical_batch_size", "128", "--reproducible_noise", "true")
     code, canary = canaries(dp)
-    assert code == 0 and canary["epsilon_lower"] <= canary["accountant_epsilon"] <= 8.0 + 1e-6
+    assert code == 0 and 0.5 <= canary["epsilon_lower"] <= canary["accountant_epsilon"] <= 8.0 + 1e-6  # seen: 0.94

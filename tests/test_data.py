@@ -89,3 +89,47 @@ def _umask():
     mask = os.umask(0)
     os.umask(mask)
     return mask
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt2"])
+def test_new_token_canaries_grow_the_vocabulary_for_every_canary_alike(tmp_path, name):
+    from dpllm.canaries import add_tokens, added_tokens
+    from dpllm.config import ModelConfig
+    from dpllm.models import build_tiny
+
+    canaries = make_canaries(DataConfig(num_canaries=50, canary_design="new_token", canary_seed=5))
+    new = added_tokens(canaries)
+    # members and non-members both: a vocabulary holding only the members' tokens would publish the coins
+    assert len(new) == 50 and 10 < sum(c["included"] for c in canaries) < 40
+    tok = byte_tokenizer()
+    model = build_tiny(ModelConfig(model_name_or_path=name), tok, 32)
+    old = len(tok)
+    tables = (model.get_input_embeddings, model.get_output_embeddings)
+    before = [get().weight.detach().clone() for get in tables]
+    assert add_tokens(model, tok, new) == 50 and len(tok) == old + 50
+    for get, was in zip(tables, before):
+        w = get().weight
+        assert w.shape[0] == old + 50 and torch.equal(w[:old], was)
+        # every new row starts at the mean of the old ones: no canary starts ahead of another
+        assert torch.allclose(w[old:], w[:old].mean(0).expand(50, -1), atol=0, rtol=0)
+    ids = tok(canaries[7]["text"])["input_ids"]
+    assert ids[:-1] == tok("§", add_special_tokens=False)["input_ids"] + [old + 7] and ids[-1] == tok.eos_token_id
+    # a later stage from a saved checkpoint already has them: nothing is added, trained rows are kept
+    tok.save_pretrained(tmp_path)
+    again = type(tok).from_pretrained(tmp_path)
+    assert again(canaries[7]["text"])["input_ids"] == ids
+    w = model.get_output_embeddings().weight
+    with torch.no_grad():
+        w[old + 7] += 1.0
+    assert add_tokens(model, again, new) == 0 and w[old + 7].sub(w[old]).abs().max() == 1.0
+
+
+def test_new_token_canaries_need_full_finetuning():
+    from dpllm.config import ConfigError, RunConfig, validate
+
+    cfg = RunConfig()
+    cfg.data.num_canaries, cfg.data.canary_design, cfg.model.finetuning = 10, "new_token", "lora"
+    with pytest.raises(ConfigError, match="finetuning: full"):
+        validate(cfg)
+    cfg.model.finetuning = "full"
+    validate(cfg)

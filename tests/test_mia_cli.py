@@ -149,3 +149,11 @@ def test_bad_inputs(overfit, tmp_path, capsys):
         audit.run_audit(model, tok, ["abc"], ["def"], attacks=["ref"], progress=False)
     with pytest.raises(ValueError, match="canaries.json"):
         audit.read_canaries(tmp_path)
+    # new-token canaries audited with a tokenizer that never had their tokens (another checkpoint)
+    from dpllm.canaries import make
+
+    (tmp_path / "canaries.json").write_text(json.dumps({"canaries": make(4, design="new_token")}))
+    with pytest.raises(ValueError, match="4 of the run's 4 new-token canaries"):
+        audit.check_canary_vocabulary(tmp_path, tok)
+    tok.add_tokens([c["text"][1:] for c in make(4, design="new_token")], special_tokens=True)
+    audit.check_canary_vocabulary(tmp_path, tok)

@@ -60,12 +60,15 @@ def kill_mid_run(killed, *extra, after="step-000004"):
     assert not (killed / "privacy_report.json").exists()  # it really died mid-way
 
 
-def test_sigkill_then_resume_equals_uninterrupted(tmp_path):
+# new-token canaries grow the vocabulary before training: the resumed run must grow it the same way
+@pytest.mark.parametrize("extra", [(), ("--num_canaries", "50", "--canary_design", "new_token")],
+                         ids=["plain", "new_token_canaries"])
+def test_sigkill_then_resume_equals_uninterrupted(tmp_path, extra):
     killed = tmp_path / "killed"
-    kill_mid_run(killed)
+    kill_mid_run(killed, *extra)
 
-    resumed = run(killed, "--resume_from", "latest")
-    whole = run(tmp_path / "whole")
+    resumed = run(killed, "--resume_from", "latest", *extra)
+    whole = run(tmp_path / "whole", *extra)
     assert resumed["resumed_from_step"] >= 4 and whole["resumed_from_step"] is None
 
     r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, tmp_path / "whole"))

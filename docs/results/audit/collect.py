@@ -1,6 +1,9 @@
 """Collect the audit runs of reproduce.sh into results.json, a markdown table and ROC pictures.
 
 Usage: python docs/results/audit/collect.py WORK_DIR OUT_DIR
+
+Runs found in WORK_DIR replace the rows of the same name in OUT_DIR/results.json; rows of runs not in
+WORK_DIR are kept, so a partial rerun (one design, one seed) updates the table without retraining the rest.
 """
 
 import json
@@ -43,6 +46,7 @@ def fmt(x, d=2):
 
 def main(work, out):
     work, out = Path(work), Path(out)
+    old = json.loads((out / "results.json").read_text()) if (out / "results.json").is_file() else {}
     rows = []
     for d in sorted(work.iterdir()):
         if (d / "audit" / "canary_report.json").is_file():
@@ -50,7 +54,10 @@ def main(work, out):
             shutil.copy(d / "audit" / "canary_roc.png", out / f"{d.name}_roc.png")
         elif (d / "whitebox_report.json").is_file():
             rows.append(whitebox_row(d.name, json.loads((d / "whitebox_report.json").read_text())))
-    blind = json.loads((work / "blind_check.json").read_text()) if (work / "blind_check.json").is_file() else []
+    found = {r["run"] for r in rows}
+    rows = sorted(rows + [r for r in old.get("canary_audits", []) if r["run"] not in found], key=lambda r: r["run"])
+    blind = (json.loads((work / "blind_check.json").read_text()) if (work / "blind_check.json").is_file()
+             else old.get("blind_baseline", []))
     (out / "results.json").write_text(json.dumps({"canary_audits": rows, "blind_baseline": blind}, indent=2) + "\n")
     lines = ["| run | threat model | canaries | m | accountant ε | **ε̂ (95%)** | analysis: correct/k | "
              "GDP μ̂ (its ε) | canary AUC | TPR@1%FPR |", "|---|---|---|---|---|---|---|---|---|---|"]

@@ -1,5 +1,5 @@
 #!/bin/bash
-# Reproduce docs/results/audit/ (tiny Llama on CPU, ~25 minutes on 2 cores). Usage:
+# Reproduce docs/results/audit/ (tiny Llama on CPU, ~40 minutes on 2 cores). Usage:
 #   bash docs/results/audit/reproduce.sh [WORK_DIR]      # default WORK_DIR=runs/audit_targets
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
@@ -20,6 +20,7 @@ train_and_audit() {  # NAME DESIGN M [recipe options...]
 train_and_audit nodp_rare_1k rare 1000 --privacy.enabled false --epochs 40 --learning_rate 0.003
 train_and_audit nodp_rare_10k rare 10000 --privacy.enabled false --epochs 40 --learning_rate 0.003
 train_and_audit nodp_short_10k short 10000 --privacy.enabled false --epochs 40 --learning_rate 0.003
+train_and_audit nodp_new_token_10k new_token 10000 --privacy.enabled false --epochs 3 --learning_rate 0.003
 # DP at ε = 8, black-box: three seeds of the 'short' design, and the other designs for comparison.
 for pair in "0 1234" "1 1" "2 2" "3 3"; do
   set -- $pair
@@ -28,6 +29,11 @@ for pair in "0 1234" "1 1" "2 2" "3 3"; do
 done
 train_and_audit dp8_rare_1k rare 1000 --target_epsilon 8 --epochs 10 --learning_rate 0.003
 train_and_audit dp8_random_1k random 1000 --target_epsilon 8 --epochs 10 --learning_rate 0.003 --max_length 64
+# DP at ε = 8, black-box, new-token canaries: 5,000 of them, batch 128 (q = 0.05 as above), three seeds.
+for s in 0 1 2; do
+  train_and_audit dp8_new_token_5k_s$s new_token 5000 --target_epsilon 8 --epochs 10 --learning_rate 0.003 \
+      --logical_batch_size 128 --physical_batch_size 128 --seed $s --canary_seed $((s + 1))
+done
 # DP at ε = 8, white-box (every noisy update seen), and the no-noise check.
 $PY -m mia whitebox --m 10000 --steps 20 --sample-rate 0.2 --target-epsilon 8 --out "$W/whitebox_eps8"
 $PY -m mia whitebox --m 1000 --steps 20 --sample-rate 0.2 --noise-multiplier 1e-3 --out "$W/whitebox_nonoise"
