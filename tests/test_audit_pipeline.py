@@ -91,7 +91,7 @@ def test_new_token_canaries_through_the_real_commands(tmp_path):
                  "--epochs", "2")
     assert json.loads((nodp / "checkpoint" / "config.json").read_text())["vocab_size"] == 384 + 1000
     code, canary = canaries(nodp)
-    assert code == 0 and canary["epsilon_lower"] > 4.0  # seen: 4.39, the most 1,000 canaries can prove
+    assert code == 0 and canary["epsilon_lower"] > 4.0  # seen: 4.28 (all 450 top guesses right)
 
 
 @pytest.mark.slow
