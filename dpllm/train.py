@@ -288,13 +288,15 @@ class Trainer:
             # σ from the user-level target by the tight mixture accounting; the record-level plan below then
             # carries δ/k (< 1/N, as δ < 1/U) only to state a record-level ε beside the user-level one.
             k, q = self.group_size, sample_rate_for(n, batch)
-            if sigma is None:
+            if sigma is None:  # calibrated: meets the target by construction
                 sigma = user_level.calibrate_mixture(target_epsilon=target, delta=delta, sample_rate=q,
                                                      steps=self.steps, group_size=k)
-            eps_u = user_level.mixture_epsilon(history=[(sigma, q, self.steps)], delta=delta, group_size=k)
-            if target is not None and eps_u > target:
-                raise PrivacyPlanError(f"noise_multiplier={sigma:g} gives user-level ε={eps_u:.4g} > target_epsilon="
-                                       f"{target:g} for users of {k} records; raise the noise or unset it")
+            elif target is not None:  # a given σ must still meet a given target
+                eps_u = user_level.mixture_epsilon(history=[(sigma, q, self.steps)], delta=delta, group_size=k)
+                if eps_u > target:
+                    raise PrivacyPlanError(f"noise_multiplier={sigma:g} gives user-level ε={eps_u:.4g} > "
+                                           f"target_epsilon={target:g} for users of {k} records; raise the noise or "
+                                           "unset it")
             target, delta = None, delta / k
         if self.dp:
             self.plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=self.steps,

@@ -206,24 +206,20 @@ def main(argv: list[str] | None = None) -> dict:
     if args.summary_only:
         resummarize(Path(args.out))
         return {}
-    if args.bench_only:
-        warnings.filterwarnings("ignore")
-        torch.set_num_threads(1)
-        out = Path(args.out)
-        res = json.loads((out / "results.json").read_text())
-        res["benchmark"] = benchmark(out / "runs", steps=20, batch=64)
-        res["benchmark_command"] = "python recipes/user_level_study.py " + " ".join(
-            shlex.quote(a) for a in (argv or sys.argv[1:]))
-        (out / "results.json").write_text(json.dumps(res, indent=2, default=str))
-        resummarize(out)
-        return res
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     out = Path(args.out)
+    command = "python recipes/user_level_study.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    if args.bench_only:
+        res = json.loads((out / "results.json").read_text())
+        res["benchmark"] = benchmark(out / "runs", steps=20, batch=64)
+        res["benchmark_command"] = command
+        (out / "results.json").write_text(json.dumps(res, indent=2, default=str))
+        resummarize(out)
+        return res
     runs_dir = out / "runs" if not args.quick else out
     steps, batch = (5, 32) if args.quick else (300, 32)
-    res = {"command": "python recipes/user_level_study.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-           "quick": args.quick, "out": str(out),
+    res = {"command": command, "quick": args.quick, "out": str(out),
            "settings": {"steps": steps, "batch": batch, "epsilon": EPSILON, "delta": DELTA, "k": K,
                         "model": "2 layers × 64 wide", "dataset": "pydoc (privacy_unit: user)"}}
     seeds = (0,) if args.quick else tuple(int(x) for x in args.seeds.split(","))

@@ -383,6 +383,12 @@ def test_delta_must_be_below_one_over_users(tmp_path):
         _run(tmp_path, "els", target_delta=0.05)  # 29 users: δ ≥ 1/U
 
 
+def test_els_refuses_a_given_noise_that_misses_the_user_level_target(tmp_path):
+    # σ = 0.5 over 3 steps for users of 4 records is far above ε = 1 at the user level (fine at the record level)
+    with pytest.raises(PrivacyPlanError, match=r"noise_multiplier=0.5 gives user-level ε=.* > target_epsilon=1 "):
+        _run(tmp_path, "els", noise_multiplier=0.5, target_epsilon=1.0)
+
+
 def test_record_mode_reports_per_record_and_states_the_group_privacy_user_epsilon(tmp_path):
     from dpllm import ledger
     from dpllm.privacy.report import PrivacyReport

@@ -23,7 +23,7 @@ per unit; Embedding: token ids grouped per unit instead of per row). The clipped
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -42,6 +42,7 @@ class Units:
     inverse: torch.Tensor  # (B,) long, values in [0, count)
     weight: torch.Tensor  # (B,)
     count: int
+    _pairs: Optional[tuple[torch.Tensor, torch.Tensor]] = field(default=None, repr=False, compare=False)
 
     @classmethod
     def mean_over(cls, users: torch.Tensor) -> "Units":
@@ -63,11 +64,13 @@ class Units:
         return out.index_add_(0, self.inverse.to(v.device), self.scale_rows(v))
 
     def pairs(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """All ordered pairs (i, j) of rows in the same unit, i = j included: Σ_u k_u² of them."""
-        inv = self.inverse.to(device)
-        same = inv[:, None] == inv[None, :]
-        i, j = same.nonzero(as_tuple=True)
-        return i, j
+        """All ordered pairs (i, j) of rows in the same unit, i = j included: Σ_u k_u² of them (found once per
+        batch, shared by every layer)."""
+        if self._pairs is None:
+            same = self.inverse[:, None] == self.inverse[None, :]
+            self._pairs = same.nonzero(as_tuple=True)
+        i, j = self._pairs
+        return i.to(device), j.to(device)
 
 
 class Record:
