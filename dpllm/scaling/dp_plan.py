@@ -4,7 +4,9 @@ A candidate is ``(N, B, S)``: N parameters, logical batch B, S optimizer steps. 
 ``6·N·B·S·ℓ`` FLOPs (ℓ tokens per record, measured on the sweep) and its noise multiplier σ is calibrated
 by :func:`dpllm.privacy.accounting.calibrate_noise` to the privacy budget, at the trainer's sampling rate
 ``q = 1/⌈records/B⌉`` (:mod:`dpllm.privacy.planning`). The fit then predicts the loss at
-``(N, S, σ̄ = σ/B)``; its bootstrap samples give the interval.
+``(N, S, σ̄ = σ/B)``; each candidate gets a 95% prediction interval (where a run with that plan will land:
+bootstrap laws plus the runs' scatter, ``loss_low``/``loss_high``) and the 95% CI of the law's mean
+(bootstrap laws alone, ``mean_low``/``mean_high``).
 
 Two questions:
 
@@ -147,8 +149,11 @@ class _Planner:
                 out.append(final)
         out = sorted(out, key=key)[:top]
         for c in out:
-            lo, hi = self.fit.predict_interval(N=c["N"], S=c["steps"], sigma_bar=c["sigma_bar"])
+            x = {"N": c["N"], "S": c["steps"], "sigma_bar": c["sigma_bar"]}
+            lo, hi = self.fit.prediction_interval(**x)  # where a run with this plan will land
             c["loss_low"], c["loss_high"] = float(lo), float(hi)
+            lo, hi = self.fit.confidence_interval(**x)  # where the law's mean lies
+            c["mean_low"], c["mean_high"] = float(lo), float(hi)
             c["extrapolated"] = not _in_domain(self.fit, 1.0, N=c["N"], S=c["steps"], sigma_bar=c["sigma_bar"])
         return out
 
@@ -177,7 +182,8 @@ def best_for_compute(fit: FitResult, *, records: int, epsilon: float, delta: flo
 
     Returns:
         ``{"question", ..., "candidates": [{N, batch, steps, noise_multiplier, sigma_bar, sample_rate, epochs,
-        tokens, compute, loss, loss_low, loss_high, extrapolated, accountant}], "dropped": {reason: count}}``.
+        tokens, compute, loss, loss_low, loss_high (95% prediction interval), mean_low, mean_high (95% CI of the
+        mean), extrapolated, accountant}], "dropped": {reason: count}}``.
 
     Raises:
         ScalingError: not a noise_batch fit, bad inputs, or no candidate inside the fitted range.
@@ -296,14 +302,18 @@ def format_plan(doc: dict) -> str:
                                        else f"loss ≤ {doc['target_loss']:.4f} (ppl {math.exp(doc['target_loss']):.4g})"),
              f"{doc['screened']} candidates screened; dropped: {_fmt_dropped(doc['dropped'])}", "",
              f"{'N':>10} {'batch':>7} {'steps':>7} {'epochs':>7} {'σ':>8} {'σ̄':>10} {'FLOPs':>10} "
-             f"{'pred. loss':>10}  95% interval"]
+             f"{'pred. loss':>10}  {'95% prediction interval':<23}  95% CI of the mean"]
     for c in doc["candidates"]:
-        band = (f"[{c['loss_low']:.4f}, {c['loss_high']:.4f}]" if np.isfinite(c.get("loss_low", np.nan))
-                else "(no bootstrap samples)")
+        band = (f"{_band(c.get('loss_low'), c.get('loss_high'), 'no residuals'):<23}  "
+                f"{_band(c.get('mean_low'), c.get('mean_high'), 'no bootstrap samples')}")
         lines.append(f"{c['N']:>10.3g} {c['batch']:>7d} {c['steps']:>7d} {c['epochs']:>7.3g} "
                      f"{c['noise_multiplier']:>8.4g} {c['sigma_bar']:>10.3g} {c['compute']:>10.3g} "
                      f"{c['loss']:>10.4f}  {band}" + ("  EXTRAPOLATED" if c.get("extrapolated") else ""))
     return "\n".join(lines)
+
+
+def _band(lo: float | None, hi: float | None, missing: str) -> str:
+    return f"[{lo:.4f}, {hi:.4f}]" if lo is not None and np.isfinite(lo) else f"({missing})"
 
 
 def _fmt_domain_dict(doc: dict) -> str:

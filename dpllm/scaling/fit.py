@@ -5,6 +5,15 @@ that share one (different seeds) are repeats. The fit is made to the per-configu
 R² is on loss (not log-loss) over configurations. The bootstrap resamples seeds within each
 configuration when every configuration is repeated, and runs (then re-averages) otherwise.
 
+Two intervals answer two questions, and every printed one says which it is:
+
+- **95% CI of the mean** (:meth:`FitResult.confidence_interval`): where the law itself (the mean loss over
+  seeds at N, D, ...) lies, from the bootstrap parameter vectors alone. It narrows as runs are added.
+- **95% prediction interval** (:meth:`FitResult.prediction_interval`): where one new run will land. Each
+  draw is a bootstrap law plus one resampled residual of a fitted run (on log-loss, inflated by
+  √(n/(n−p)) for the p fitted parameters), so it carries the scatter of runs around the law as well as
+  the uncertainty in the law. It does not narrow below that scatter.
+
 Example:
     >>> import numpy as np
     >>> N = np.geomspace(1e3, 1e6, 8)
@@ -17,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -52,6 +62,10 @@ class FitResult:
         samples: up to :data:`MAX_SAMPLES` bootstrap parameter vectors (in ``param_names`` order), for
             prediction intervals.
         degenerate: reasons the fit should not be planned with (see :func:`degenerate_reasons`).
+        scatter: the runs' scatter around the law, for prediction intervals: ``{"log_residuals": [per run
+            log(loss / law)], "inflation": √(n/(n−p)), "what": ...}``; empty for a published prior.
+        prior: empty for a fit to your runs; for a published law (:mod:`dpllm.scaling.published`) its name,
+            source and caveats: the law was fitted to someone else's data.
     """
 
     form: str
@@ -67,6 +81,8 @@ class FitResult:
     domain: dict[str, list[float]] = field(default_factory=dict)
     samples: list[list[float]] = field(default_factory=list)
     degenerate: list[str] = field(default_factory=list)
+    scatter: dict = field(default_factory=dict)
+    prior: dict = field(default_factory=dict)
 
     def predict(self, **inputs: Any) -> np.ndarray:
         """Predicted loss at ``N=..., D=..., sigma_bar=...`` (whichever the form reads)."""
@@ -82,28 +98,80 @@ class FitResult:
         d["r2_on"] = "loss, per-configuration means"
         return d
 
-    def predict_interval(self, level: float = 0.95, **inputs: Any) -> tuple[np.ndarray, np.ndarray]:
-        """Percentile interval of the prediction over the stored bootstrap samples (nan without them)."""
+    def _inputs(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         form = get_form(self.form)
-        x = {k: np.asarray(inputs[k], dtype=float) for k in form.inputs}
+        missing = [k for k in form.inputs if k not in inputs]
+        if missing:
+            raise ScalingError(f"{self.form} needs {', '.join(missing)} to predict")
+        arrays = np.broadcast_arrays(*(np.asarray(inputs[k], dtype=float) for k in form.inputs))
+        return dict(zip(form.inputs, arrays))
+
+    def _sample_preds(self, x: Mapping[str, np.ndarray]) -> np.ndarray:
+        """The law at ``x`` under each stored bootstrap parameter vector, shape (samples, *x)."""
+        form = get_form(self.form)
+        return np.array([form.predict(dict(zip(form.param_names, s)), x) for s in self.samples])
+
+    def confidence_interval(self, level: float = 0.95, **inputs: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Percentile interval of the law's value (the mean loss over seeds) at ``inputs``, from the stored
+        bootstrap parameter vectors: the **CI of the mean**, not where one run will land. nan without
+        samples."""
+        x = self._inputs(inputs)
         if not self.samples:
-            nan = np.full(np.shape(form.predict(self.params, x)), np.nan)
+            nan = np.full(np.shape(next(iter(x.values()))), np.nan)
             return nan, nan
-        preds = np.array([form.predict(dict(zip(form.param_names, s)), x) for s in self.samples])
+        preds = self._sample_preds(x)
         tail = 100 * (1 - level) / 2
         return np.percentile(preds, tail, axis=0), np.percentile(preds, 100 - tail, axis=0)
+
+    def prediction_interval(self, level: float = 0.95, **inputs: Any) -> tuple[np.ndarray, np.ndarray]:
+        """Interval that holds a new run's loss at ``inputs`` with probability ``level``.
+
+        Draws ``log L = log law_b(x) + c·r_j`` over bootstrap laws b (the fitted law alone when the fit has no
+        bootstrap samples) and the runs' log residuals r_j scaled by c = √(n/(n−p)), and takes percentiles.
+        Every (b, j) pair is used when there are at most :data:`MAX_PAIRS`, else that many seeded draws,
+        so the interval is reproducible. nan when the fit stores no residuals (a published prior).
+        """
+        x = self._inputs(inputs)
+        shape = np.shape(next(iter(x.values())))
+        r = np.asarray(self.scatter.get("log_residuals", []), dtype=float) * float(self.scatter.get("inflation", 1.0))
+        if not len(r):
+            nan = np.full(shape, np.nan)
+            return nan, nan
+        form = get_form(self.form)
+        logp = np.log(self._sample_preds(x) if self.samples else form.predict(self.params, x)[None])
+        n_b, n_r = len(logp), len(r)
+        if n_b * n_r <= MAX_PAIRS:
+            bi, ri = np.repeat(np.arange(n_b), n_r), np.tile(np.arange(n_r), n_b)
+        else:
+            rng = np.random.default_rng(0)
+            bi, ri = rng.integers(0, n_b, MAX_PAIRS), rng.integers(0, n_r, MAX_PAIRS)
+        lo, hi = np.empty(logp.shape[1:]), np.empty(logp.shape[1:])
+        tail = 100 * (1 - level) / 2
+        flat_lo, flat_hi, flat_p = lo.reshape(-1), hi.reshape(-1), logp.reshape(n_b, -1)
+        for start in range(0, flat_p.shape[1], 64):  # chunks keep (pairs × points) small for plot grids
+            draws = flat_p[bi, start:start + 64] + r[ri, None]
+            flat_lo[start:start + 64], flat_hi[start:start + 64] = np.percentile(draws, [tail, 100 - tail], axis=0)
+        return np.exp(lo).reshape(shape), np.exp(hi).reshape(shape)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "FitResult":
         fit = cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
         if not fit.domain and fit.residuals:  # fit.json written before domains were stored
             fit.domain = domain_of({k: np.array([r[k] for r in fit.residuals]) for k in get_form(fit.form).inputs})
+        if not fit.scatter and not fit.prior and all(r.get("pred", 0) > 0 for r in fit.residuals or [{}]):
+            # fit.json written before per-run residuals were stored: the configuration means' residuals
+            # (narrower than per-run scatter when seeds were averaged, so the interval is a little short).
+            logr = [math.log(r["loss"] / r["pred"]) for r in fit.residuals]
+            n, p = len(logr), len(get_form(fit.form).param_names)
+            fit.scatter = {"log_residuals": logr, "inflation": math.sqrt(n / max(n - p, 1)),
+                           "what": "configuration means' log residuals (older fit.json without per-run ones)"}
         # Re-judged on load, so fits written by older versions are flagged too.
         fit.degenerate = degenerate_reasons(fit)
         return fit
 
 
 MAX_SAMPLES = 200
+MAX_PAIRS = 20_000  # (bootstrap law, residual) pairs drawn per prediction interval
 # A coefficient this far below the smallest loss contributes nothing anywhere in the data: the optimiser
 # pushed it to zero, so the term (or the floor E) is not identified.
 NEGLIGIBLE = 1e-6
@@ -226,12 +294,20 @@ def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterabl
     at_bound = [k for k, v in params.items()
                 if (k in EXPONENTS and not exponent_bounds(k)[0] + 1e-6 < v < exponent_bounds(k)[1] - 1e-6)
                 or (k == "L_inf" and v < 1e-9)]
+    # Per-run log residuals (a run against the law at its configuration): the scatter a new run will show.
+    # Their mean square underestimates the noise by (n−p)/n with p fitted parameters, hence the inflation.
+    log_res = np.log(y) - np.log(pred[inverse])
+    n_par = len(f.param_names)
+    scatter = {"log_residuals": [float(v) for v in log_res],
+               "inflation": float(np.sqrt(len(y) / max(len(y) - n_par, 1))),
+               "what": "per-run log(loss / fitted law); prediction intervals resample them, scaled by inflation"}
     keep = np.random.default_rng(seed).permutation(len(samples))[:MAX_SAMPLES] if len(samples) else []
     res = FitResult(form=form, params=params, ci=ci, r2=r2, n_points=len(ymean), n_runs=len(y),
                     residuals=residuals, label=label, at_bound=at_bound,
                     bootstrap={"n_boot": n_boot, "n_ok": len(samples), "seed": seed, "level": level,
                                "method": method},
-                    domain=domain_of(xc), samples=[[float(v) for v in samples[i]] for i in sorted(keep)])
+                    domain=domain_of(xc), samples=[[float(v) for v in samples[i]] for i in sorted(keep)],
+                    scatter=scatter)
     res.degenerate = degenerate_reasons(res)
     return res
 
@@ -303,19 +379,26 @@ def _refit(f: Form, x, y, start) -> dict | None:
     return p if all(np.isfinite(v) for v in p.values()) else None
 
 
+def _span(v: np.ndarray) -> list[float] | None:
+    v = v[np.isfinite(v)]
+    return [float(v.min()), float(v.max())] if len(v) else None
+
+
 def summarise_groups(points: Mapping[str, np.ndarray]) -> dict[str, dict]:
-    """Per privacy group: run count, ranges of N and D, distinct σ̄ and seeds (for fit.json)."""
+    """Per privacy group: run count, ranges of N and D, distinct σ̄ and seeds (for fit.json).
+
+    Inputs a table did not give (steps, batch for a chinchilla fit from a CSV) are ``None`` / empty."""
     out = {}
     for g in sorted(set(points["group"])):
         m = points["group"] == g
+        finite = {k: points[k][m][np.isfinite(points[k][m])] for k in ("D", "S", "B", "sigma_bar")}
         out[g] = {"n_runs": int(m.sum()),
-                  "N": [float(points["N"][m].min()), float(points["N"][m].max())],
-                  "D": [float(points["D"][m].min()), float(points["D"][m].max())],
-                  "sigma_bar": sorted({float(s) for s in points["sigma_bar"][m]}),
+                  "N": _span(points["N"][m]), "D": _span(points["D"][m]),
+                  "sigma_bar": sorted({float(s) for s in finite["sigma_bar"]}),
                   "n_distinct_N": int(len(np.unique(points["N"][m]))),
-                  "n_distinct_D": int(len(np.unique(points["D"][m]))),
-                  "S": [float(points["S"][m].min()), float(points["S"][m].max())],
-                  "logical_batch_size": sorted({float(b) for b in points["B"][m]})}
+                  "n_distinct_D": int(len(np.unique(finite["D"]))),
+                  "S": _span(points["S"][m]),
+                  "logical_batch_size": sorted({float(b) for b in finite["B"]})}
     return out
 
 
@@ -340,7 +423,7 @@ def fit_runs(rows: Iterable[Mapping[str, Any]], *, form: str, params: str = "tra
     f = get_form(form)
     group = parse_epsilon(epsilon)
     rows = list(rows)
-    points = runs_to_points(rows, params=params, group=group)
+    points = runs_to_points(rows, params=params, group=group, inputs=f.inputs)
     groups = [JOINT] if form in JOINT_FORMS else sorted(set(points["group"]))
     fits, skipped = {}, {}
     for g in groups:
@@ -362,10 +445,16 @@ def fit_runs(rows: Iterable[Mapping[str, Any]], *, form: str, params: str = "tra
                    "groups": summarise_groups(points),
                    # tokens per record actually trained on (tokens_seen / (steps · logical batch)): what a
                    # plan needs to turn (N, B, S) into compute 6·N·B·S·tokens_per_record
-                   "tokens_per_record": float(np.median(points["D"] / (points["S"] * points["B"])))},
+                   "tokens_per_record": _tokens_per_record(points)},
         "bootstrap": {"n_boot": n_boot, "seed": seed, "level": 0.95},
         "fits": fits, "skipped": skipped,
     }
+
+
+def _tokens_per_record(points: Mapping[str, np.ndarray]) -> float | None:
+    ratio = points["D"] / (points["S"] * points["B"])
+    ratio = ratio[np.isfinite(ratio)]
+    return float(np.median(ratio)) if len(ratio) else None  # a table without steps or batch size
 
 
 def write_fit(doc: Mapping[str, Any], path: str | os.PathLike) -> Path:

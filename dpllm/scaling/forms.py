@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Callable, Mapping
 
 import numpy as np
-from scipy.optimize import least_squares, minimize
 
 Inputs = Mapping[str, np.ndarray]
 Params = dict[str, float]
@@ -113,6 +112,8 @@ def _power_law_fit(x: Inputs, y: np.ndarray, start: Mapping[str, float] | None =
             for alpha in (0.1, 0.3, 0.7, 1.5, 3.0)
             for linf in (0.0, 0.5 * float(y.min()), 0.9 * float(y.min()))
         ]
+    from scipy.optimize import least_squares  # imported here: `dpllm scaling --help` need not load scipy
+
     best = None
     for s in starts:
         sol = least_squares(resid, np.array(s, dtype=float), jac=jac, bounds=(lo, hi), method="trf",
@@ -227,6 +228,8 @@ def _lse_fit(x: Inputs, y: np.ndarray, start: Mapping[str, float] | None, inputs
         ])
         starts = grid[np.argsort(score)[:n_starts]]
     bounds = [(None, None)] + [b for _ in inputs for b in ((None, None), (0.0, MAX_EXPONENT))]
+    from scipy.optimize import minimize
+
     best = None
     for th0 in starts:
         sol = minimize(_lse_objective, th0, args=(logx, signs, masks, logy, HUBER_DELTA), jac=True,
@@ -365,6 +368,8 @@ def _mono_fit(x: Inputs, y: np.ndarray, start: Mapping[str, float] | None, terms
         score = np.concatenate([_mono_grid(chunk, design, masks, logy)
                                 for chunk in np.array_split(grid, max(1, len(grid) // 2048))])
         starts = grid[np.argsort(score)[:n_starts]]
+    from scipy.optimize import minimize
+
     best = None
     for th0 in starts:
         sol = minimize(_mono_objective, th0, args=(design, masks, logy, HUBER_DELTA), jac=True,

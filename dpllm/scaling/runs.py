@@ -109,8 +109,18 @@ def parse_epsilon(value: str | float | None) -> str | None:
     return NON_PRIVATE if not math.isfinite(eps) else f"eps={epsilon_key(eps):g}"
 
 
+# The option of `dpllm scaling fit` that names the column holding each field (for a table's own names).
+COLUMN_OPTION = {"params_trainable": "--params-col", "params_total": "--params-col", "tokens_seen": "--tokens-col",
+                 "steps": "--steps-col", "logical_batch_size": "--batch-col", "final_eval_loss": "--loss-col",
+                 "noise_multiplier": "--noise-col", "epsilon": "--epsilon-col"}
+
+
 def _number(row: Mapping[str, Any], field: str, lineno: int, *, allow_zero: bool = False) -> float:
     value = row.get(field)
+    if field not in row:
+        where = row.get("run_dir", f"row {lineno}")
+        raise ScalingError(f"run {where} has no {field!r}; name the column that holds it with "
+                           f"{COLUMN_OPTION.get(field, 'the matching --*-col option')} NAME")
     try:
         v = float(value)
     except (TypeError, ValueError):
@@ -123,8 +133,17 @@ def _number(row: Mapping[str, Any], field: str, lineno: int, *, allow_zero: bool
     return v
 
 
+def _optional(row: Mapping[str, Any], field: str, *, allow_zero: bool = False) -> float:
+    """The field as a number, or nan when it is absent or not a valid one (a form that needs it asks again)."""
+    try:
+        v = float(row.get(field))
+    except (TypeError, ValueError):
+        return math.nan
+    return v if math.isfinite(v) and (v > 0 or (allow_zero and v == 0)) else math.nan
+
+
 def runs_to_points(rows: Iterable[Mapping[str, Any]], *, params: str = "trainable",
-                   group: str | None = None) -> dict[str, np.ndarray]:
+                   group: str | None = None, inputs: Iterable[str] | None = None) -> dict[str, np.ndarray]:
     """Arrays for fitting, one entry per run.
 
     Args:
@@ -132,14 +151,18 @@ def runs_to_points(rows: Iterable[Mapping[str, Any]], *, params: str = "trainabl
         params: which parameter count is ``N``: ``"trainable"`` (default; what DP noise acts on) or
             ``"total"``.
         group: keep only this privacy group (a :func:`group_label` value), e.g. ``"eps=8"``.
+        inputs: the inputs a form reads (``Form.inputs``): only their fields must be valid (a chinchilla fit
+            needs no steps or batch size); the others are nan where missing. ``None`` requires them all.
 
     Returns:
         ``{"N", "D", "S", "B", "sigma_bar", "loss", "seed", "group", "run_dir"}`` as numpy arrays
         (S = optimizer steps, B = logical batch size).
 
     Raises:
-        ScalingError: unknown ``params``, no rows left after filtering, or a non-positive/NaN value.
+        ScalingError: unknown ``params``, no rows left after filtering, or a missing/non-positive/NaN value
+            of a needed field.
     """
+    need = set(inputs) if inputs is not None else {"N", "D", "S", "sigma_bar"}
     if params not in PARAMS_FIELDS:
         raise ScalingError(f"params={params!r} is not known; choose trainable or total")
     rows = list(rows)
@@ -152,13 +175,19 @@ def runs_to_points(rows: Iterable[Mapping[str, Any]], *, params: str = "trainabl
     out: dict[str, list] = {k: [] for k in ("N", "D", "S", "B", "sigma_bar", "loss", "seed", "group", "run_dir")}
     for i, (row, label) in enumerate(zip(rows, labels), start=1):
         out["N"].append(_number(row, PARAMS_FIELDS[params], i))
-        out["D"].append(_number(row, "tokens_seen", i))
-        out["S"].append(_number(row, "steps", i))
-        out["B"].append(_number(row, "logical_batch_size", i))
-        out["loss"].append(_number(row, "final_eval_loss", i))
+        out["D"].append(_number(row, "tokens_seen", i) if "D" in need else _optional(row, "tokens_seen"))
+        out["S"].append(_number(row, "steps", i) if "S" in need else _optional(row, "steps"))
         private = label != NON_PRIVATE
+        need_batch = "sigma_bar" in need and private
+        out["B"].append(_number(row, "logical_batch_size", i) if need_batch else _optional(row, "logical_batch_size"))
+        out["loss"].append(_number(row, "final_eval_loss", i))
         # Non-private runs have no noise: σ̄ = 0, whatever the row's noise_multiplier field says.
-        sigma_bar = _number(row, "noise_multiplier", i) / _number(row, "logical_batch_size", i) if private else 0.0
+        if not private:
+            sigma_bar = 0.0
+        elif "sigma_bar" in need:
+            sigma_bar = _number(row, "noise_multiplier", i) / _number(row, "logical_batch_size", i)
+        else:
+            sigma_bar = _optional(row, "noise_multiplier", allow_zero=True) / _optional(row, "logical_batch_size")
         out["sigma_bar"].append(sigma_bar)
         out["seed"].append(row.get("seed"))
         out["group"].append(label)
