@@ -3,14 +3,21 @@
     dpllm scaling fit --runs runs/sweep/runs.jsonl --form chinchilla --out runs/sweep/fit
     dpllm scaling fit --runs runs/sweep/runs.jsonl --form power_law --epsilon 8 --n-boot 200
     dpllm scaling fit --runs runs/sweep/runs.jsonl --form dp_noise --out runs/sweep/fit_dp
+    dpllm scaling fit --runs table.csv --params-col N --tokens-col D --loss-col loss --out fit
+    dpllm scaling predict --fit fit/fit.json --params 1e8 --tokens 2e9
+    dpllm scaling predict --fit published:chinchilla-besiroglu2024 --params 1e9,7e9 --tokens 2e10,1.4e11
     dpllm scaling plan --fit runs/sweep/fit/fit.json --epsilon 8 --target-ppl 20 --n 1.2e8
     dpllm scaling plan --fit runs/sweep/fit/fit.json --epsilon 8 --target-ppl 20 --compute 1e19
     dpllm scaling plan --fit runs/gpu/fit_nb/fit.json --records 40000 --epsilon 8 --delta 1e-6 --compute 1e17
     dpllm scaling plan --fit runs/gpu/fit_nb/fit.json --records 40000 --epsilon 8 --delta 1e-6 --target-loss 1.1
     dpllm scaling frontier --fit runs/gpu/fit_nb/fit.json --records 40000 --epsilons 2,4,8 --delta 1e-6 --out DIR
 
-``fit`` writes ``OUT/fit.json`` (parameters, 95% bootstrap intervals, R² on loss, residuals, input
-summary and the filter used) and ``OUT/loss_vs_N.png`` / ``loss_vs_D.png``.
+``fit`` reads a runs.jsonl or a CSV/TSV (``--*-col`` name its columns) and writes ``OUT/fit.json``
+(parameters, 95% bootstrap intervals, R² on loss, residuals, input summary and the filter used) and plots:
+loss vs N and vs D with curves at the data's own D and N, predicted vs observed, residuals vs N and D.
+``predict`` prints the law's loss at N, D (S, σ̄) with its 95% prediction interval (where a new run will
+land) and the 95% CI of the mean (where the law itself lies). ``--fit published:NAME`` uses a published
+law instead of your fit (``dpllm scaling published`` lists them): a prior from other, non-private data.
 ``plan`` prints tokens for a target at ``--n``, parameters at ``--d``, the compute-optimal point for
 ``--compute``, or (with none of them) the least compute that reaches the target. With a ``noise_batch``
 fit it plans private training: ``--records --epsilon --delta`` and ``--compute`` (best model size, batch,
@@ -28,21 +35,27 @@ import sys
 import warnings
 from pathlib import Path
 
-import numpy as np
-
-from dpllm.scaling import dp_plan
-from dpllm.scaling import plan as planning
-from dpllm.scaling.fit import JOINT, FitResult, fit_runs, load_fit, write_fit
+# Only the light modules here: `dpllm scaling --help` should not pay for scipy, torch or Opacus (the DP
+# planner's accountant). Each command imports what it uses.
 from dpllm.scaling.forms import FORMS, ScalingError
-from dpllm.scaling.runs import load_runs, parse_epsilon, runs_to_points
+
+# --X-col option → runs-table field it names (the N field depends on --params)
+COLUMNS = {"tokens": "tokens_seen", "loss": "final_eval_loss", "steps": "steps", "batch": "logical_batch_size",
+           "epsilon": "epsilon", "noise": "noise_multiplier"}
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpllm scaling", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
-    f = sub.add_parser("fit", help="fit a scaling-law form to a runs.jsonl")
-    f.add_argument("--runs", required=True, help="runs table (JSONL, one run_summary.json per line)")
+    f = sub.add_parser("fit", help="fit a scaling-law form to a runs table (JSONL or CSV)")
+    f.add_argument("--runs", required=True, help="runs table: JSONL (one run_summary.json per line) or CSV/TSV")
+    f.add_argument("--format", default="auto", choices=("auto", "jsonl", "csv", "tsv"),
+                   help="table format (default auto: .csv/.tsv by suffix, else JSONL)")
+    f.add_argument("--params-col", help="column holding N (default params_trainable, or params_total with "
+                   "--params total)")
+    for opt, field in COLUMNS.items():
+        f.add_argument(f"--{opt}-col", help=f"column holding {field} (default {field})")
     f.add_argument("--form", default="chinchilla", help=f"one of: {', '.join(sorted(FORMS))} (default chinchilla)")
     f.add_argument("--out", help="output folder for fit.json and PNGs (default: <runs folder>/fit)")
     f.add_argument("--n-boot", type=int, default=1000, help="bootstrap resamples (default 1000; 0 = none)")
@@ -52,8 +65,22 @@ def _parser() -> argparse.ArgumentParser:
     f.add_argument("--epsilon", help="fit only runs at this ε (rounded to 2 significant figures); 'inf' = "
                    "non-private only")
     f.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    e = sub.add_parser("predict", help="predicted loss with its 95%% prediction interval at given N, D (S, σ̄)")
+    e.add_argument("--fit", required=True, help="fit.json written by `dpllm scaling fit`, or published:NAME")
+    e.add_argument("--params", required=True, help="model size N (comma-separated for several)")
+    e.add_argument("--tokens", help="tokens D (chinchilla, dp_noise; comma-separated)")
+    e.add_argument("--steps", help="optimizer steps S (noise_batch; comma-separated)")
+    e.add_argument("--sigma-bar", help="noise multiplier / logical batch (dp_noise, noise_batch; 0 = "
+                   "non-private; comma-separated)")
+    e.add_argument("--epsilon", help="which ε group's fit ('inf' = non-private); needed when the fit has several")
+    e.add_argument("--level", type=float, default=0.95, help="interval coverage (default 0.95)")
+    e.add_argument("--extrapolate", type=float, default=1.0, help="allow inputs up to this factor beyond the "
+                   "fitted range (default 1: refuse), with a warning")
+    e.add_argument("--force", action="store_true", help="predict from a degenerate fit anyway (with a warning)")
+    e.add_argument("--json", action="store_true", help="print the predictions as JSON")
+    sub.add_parser("published", help="list the published laws usable as --fit published:NAME (priors)")
     q = sub.add_parser("plan", help="plan N, D or compute for a target perplexity from a fit.json")
-    q.add_argument("--fit", required=True, help="fit.json written by `dpllm scaling fit`")
+    q.add_argument("--fit", required=True, help="fit.json written by `dpllm scaling fit`, or published:NAME")
     q.add_argument("--epsilon", help="which ε group's fit to use ('inf' = non-private); needed when "
                    "the fit has several")
     q.add_argument("--target-ppl", type=float, help="target eval perplexity (loss = ln ppl)")
@@ -98,9 +125,34 @@ def _fmt_param(name: str, value: float, ci: list[float] | None) -> str:
     return f"    {name:<7} {value:>12.5g}{band}"
 
 
+def _columns(args: argparse.Namespace) -> dict[str, str]:
+    from dpllm.scaling.runs import PARAMS_FIELDS
+
+    cols = {field: getattr(args, f"{opt}_col") for opt, field in COLUMNS.items() if getattr(args, f"{opt}_col")}
+    if args.params_col:
+        cols[PARAMS_FIELDS[args.params]] = args.params_col
+    return cols
+
+
+def _scatter_line(fit: dict) -> str:
+    r = fit.get("scatter", {}).get("log_residuals", [])
+    if len(r) < 2:
+        return ""
+    import numpy as np
+
+    sd = float(np.std(r, ddof=0)) * fit["scatter"].get("inflation", 1.0)
+    return (f"    runs scatter around the law by {100 * sd:.2g}% (sd of log-loss, {len(r)} runs): a new run's 95% "
+            f"prediction interval is at least ±{196 * sd:.2g}%; the parameter CIs above do not include it")
+
+
 def _fit(args: argparse.Namespace) -> int:
+    from dpllm.scaling.fit import fit_runs, write_fit
+    from dpllm.scaling.forms import get_form
+    from dpllm.scaling.runs import parse_epsilon, runs_to_points
+    from dpllm.scaling.table import read_table
+
     runs_path = Path(args.runs)
-    rows = load_runs(runs_path)
+    rows = read_table(runs_path, fmt=args.format, columns=_columns(args))
     doc = fit_runs(rows, form=args.form, params=args.params, epsilon=args.epsilon, n_boot=args.n_boot,
                    seed=args.seed)
     doc["inputs"]["runs_file"] = str(runs_path)
@@ -110,7 +162,8 @@ def _fit(args: argparse.Namespace) -> int:
     if not args.no_plots:
         from dpllm.scaling.plot import plot_fit
 
-        points = runs_to_points(rows, params=args.params, group=parse_epsilon(args.epsilon))
+        points = runs_to_points(rows, params=args.params, group=parse_epsilon(args.epsilon),
+                                inputs=get_form(args.form).inputs)
         plots = plot_fit(doc, points, out)
     print(f"{doc['form']}: {doc['formula']}")
     print(f"  N = {doc['filter']['N_field']}; {doc['inputs']['n_runs']} runs of {doc['inputs']['n_runs_in_file']} "
@@ -122,11 +175,101 @@ def _fit(args: argparse.Namespace) -> int:
         for name, value in fit["params"].items():
             print(_fmt_param(name, value, fit["ci"].get(name))
                   + ("  (at its bound: not determined by the data)" if name in fit.get("at_bound", []) else ""))
+        if _scatter_line(fit):
+            print(_scatter_line(fit))
         for reason in fit.get("degenerate", []):
             print(f"    DEGENERATE: {reason}")
     for label, reason in doc["skipped"].items():
         print(f"  [{label}] skipped: {reason}")
     print(f"wrote {path}" + "".join(f", {p}" for p in plots))
+    return 0
+
+
+def _prior_lines(fit) -> list[str]:
+    """What a published fit is, printed above anything computed from it."""
+    if not fit.prior:
+        return []
+    p = fit.prior
+    return [f"PRIOR, not your data: {fit.label}: {p['citation']} ({p['url']})",
+            f"  fitted to {p['data']}; {p['caveat']}"]
+
+
+def _broadcast(args: argparse.Namespace, names: dict[str, str]) -> dict[str, list[float]]:
+    """The comma-separated --params/--tokens/... values, each list of length 1 or one common length."""
+    vals = {k: _floats(getattr(args, opt)) for k, opt in names.items() if getattr(args, opt) is not None}
+    lengths = {len(v) for v in vals.values()} - {1}
+    if len(lengths) > 1:
+        raise ScalingError("give each of --params, --tokens, --steps, --sigma-bar one value or the same number of "
+                           f"values; got {', '.join(f'{k}: {len(v)}' for k, v in vals.items())}")
+    n = lengths.pop() if lengths else 1
+    return {k: v * n if len(v) == 1 else v for k, v in vals.items()}
+
+
+def _predict(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from dpllm.scaling import plan as planning
+    from dpllm.scaling.fit import load_fit
+
+    doc = load_fit(args.fit)
+    fit, sigma_bar = planning.select_fit(doc, epsilon=args.epsilon)
+    inputs = _broadcast(args, {"N": "params", "D": "tokens", "S": "steps", "sigma_bar": "sigma_bar"})
+    if "sigma_bar" not in inputs and sigma_bar is not None:
+        inputs["sigma_bar"] = [sigma_bar] * len(inputs["N"])
+    from dpllm.scaling.forms import get_form
+
+    need = get_form(fit.form).inputs
+    flag = {"N": "--params", "D": "--tokens", "S": "--steps", "sigma_bar": "--sigma-bar"}
+    missing = [flag[k] for k in need if k not in inputs]
+    if missing:
+        raise ScalingError(f"a {fit.form} fit predicts from {', '.join(flag[k] for k in need)}; add "
+                           f"{', '.join(missing)}" + (" (σ̄ = noise multiplier / logical batch; 0 = non-private)"
+                                                       if "--sigma-bar" in missing else ""))
+    if not 0 < args.level < 1:
+        raise ScalingError(f"--level {args.level} must be between 0 and 1, e.g. 0.95")
+    planning.check_fit_usable(fit, force=args.force)
+    n = len(inputs["N"])
+    rows = []
+    for i in range(n):
+        x = {k: inputs[k][i] for k in need}
+        for k, v in x.items():
+            if not (v > 0 or (k == "sigma_bar" and v == 0)) or not math.isfinite(v):
+                raise ScalingError(f"{flag[k]} {v:g} must be a finite positive number"
+                                   + (" (or 0 for non-private)" if k == "sigma_bar" else ""))
+        planning.check_in_domain(fit, extrapolate=args.extrapolate, **x)
+        lo, hi = fit.prediction_interval(args.level, **x)
+        mlo, mhi = fit.confidence_interval(args.level, **x)
+        rows.append({**x, "loss": float(fit.predict(**x)), "prediction_interval": [float(lo), float(hi)],
+                     "mean_ci": [float(mlo), float(mhi)]})
+    if args.json:
+        print(json.dumps({"fit": str(args.fit), "form": fit.form, "group": fit.label, "level": args.level,
+                          "prior": fit.prior or None, "predictions": rows}, indent=2))
+        return 0
+    pct = f"{100 * args.level:g}%"
+    for line in _prior_lines(fit):
+        print(line)
+    r2 = "" if fit.prior else f" R²(loss)={fit.r2:.4f}, {fit.n_runs} runs"
+    print(f"fit: {fit.form} [{fit.label}]{r2}")
+    for r in rows:
+        where = "  ".join(f"{k}={r[k]:.4g}" for k in need)
+        pi, ci = r["prediction_interval"], r["mean_ci"]
+        band = (f"{pct} prediction interval [{pi[0]:.4f}, {pi[1]:.4f}] (a new run)" if np.isfinite(pi[0])
+                else f"no prediction interval ({'a published point estimate' if fit.prior else 'no residuals'})")
+        mean = (f"; {pct} CI of the mean [{ci[0]:.4f}, {ci[1]:.4f}]" if np.isfinite(ci[0]) else "")
+        print(f"  {where}  loss {r['loss']:.4f} (ppl {math.exp(r['loss']):.4g})  {band}{mean}")
+    return 0
+
+
+def _published(args: argparse.Namespace) -> int:
+    from dpllm.scaling.published import PREFIX, PUBLISHED, published_fit
+
+    for name in sorted(PUBLISHED):
+        fit = published_fit(name)
+        law = ", ".join(f"{k}={v:g}" for k, v in fit.params.items())
+        print(f"{PREFIX}{name}\n  {fit.form}: {law}\n  {fit.prior['citation']} ({fit.prior['url']})\n"
+              f"  data: {fit.prior['data']}; fitted range N {fit.domain['N']}, D {fit.domain['D']}\n"
+              f"  note: {fit.prior['note']}")
+    print(f"\nAll are priors from other data: {published_fit(sorted(PUBLISHED)[0]).prior['caveat']}.")
     return 0
 
 
@@ -139,7 +282,9 @@ def _floats(text: str | None, kind=float) -> list | None:
         raise ScalingError(f"{text!r} must be comma-separated numbers") from err
 
 
-def _noise_batch_fit(doc: dict) -> FitResult:
+def _noise_batch_fit(doc: dict):
+    from dpllm.scaling.fit import JOINT, FitResult
+
     fit = FitResult.from_dict(doc["fits"][JOINT]) if JOINT in doc["fits"] else None
     if fit is None or fit.form != "noise_batch":
         raise ScalingError("this needs a noise_batch fit: `dpllm scaling fit --form noise_batch`")
@@ -157,7 +302,11 @@ def _dp_kw(args: argparse.Namespace, doc: dict) -> dict:
             "extrapolate": args.extrapolate, "force": args.force}
 
 
-def _plan_dp(args: argparse.Namespace, doc: dict, fit: FitResult) -> int:
+def _plan_dp(args: argparse.Namespace, doc: dict, fit) -> int:
+    from dpllm.scaling import dp_plan
+    from dpllm.scaling import plan as planning
+    from dpllm.scaling.runs import parse_epsilon
+
     if args.epsilon is None or parse_epsilon(args.epsilon) == "non-private":
         raise ScalingError("a noise_batch plan needs a finite --epsilon")
     kw = {**_dp_kw(args, doc), "epsilon": float(args.epsilon), "top": args.top,
@@ -175,6 +324,11 @@ def _plan_dp(args: argparse.Namespace, doc: dict, fit: FitResult) -> int:
 
 
 def _frontier(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from dpllm.scaling import dp_plan
+    from dpllm.scaling.fit import load_fit, write_fit
+
     doc = load_fit(args.fit)
     fit = _noise_batch_fit(doc)
     kw = _dp_kw(args, doc)
@@ -199,12 +353,16 @@ def _frontier(args: argparse.Namespace) -> int:
     for label, rows in curves.items():
         for r in rows:
             print(f"{label:>8}  C={r['budget']:.3g}  N={r['N']:.3g}  B={r['batch']}  S={r['steps']}  "
-                  f"σ={r['noise_multiplier']:.3g}  loss={r['loss']:.4f} [{r['loss_low']:.4f}, {r['loss_high']:.4f}]")
+                  f"σ={r['noise_multiplier']:.3g}  loss={r['loss']:.4f}  95% prediction interval "
+                  f"[{r['loss_low']:.4f}, {r['loss_high']:.4f}]")
     print(f"wrote {out / 'frontier.json'}, {png}")
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from dpllm.scaling import plan as planning
+    from dpllm.scaling.fit import JOINT, load_fit
+
     doc = load_fit(args.fit)
     if JOINT in doc["fits"] and doc["fits"][JOINT]["form"] == "noise_batch":
         return _plan_dp(args, doc, _noise_batch_fit(doc))
@@ -234,6 +392,9 @@ def _plan(args: argparse.Namespace) -> int:
         answer.update(question="compute-optimal N, D for the compute", N=opt["N"], D=opt["D"],
                       compute=opt["compute"], predicted_loss=opt["loss"],
                       predicted_ppl=opt["ppl"])
+        x = {"N": opt["N"], "D": opt["D"], "sigma_bar": sigma_bar or 0.0}
+        answer["prediction_interval"] = [float(v) for v in fit.prediction_interval(**x)]
+        answer["mean_ci"] = [float(v) for v in fit.confidence_interval(**x)]
         if target is not None:
             answer["meets_target"] = opt["loss"] <= target
     elif fit.form == "power_law":
@@ -243,11 +404,16 @@ def _plan(args: argparse.Namespace) -> int:
         need = planning.compute_for_target(fit, target_loss=target, **kw)
         answer.update(question="least compute that reaches the target, at its compute-optimal N, D",
                       N=need["N"], D=need["D"], compute=need["compute"])
+    if fit.prior:
+        answer["prior"] = fit.prior
     if args.json:
         print(json.dumps(answer, indent=2))
         return 0
     sb = f", σ̄={sigma_bar:.3g}" if sigma_bar is not None else ""
-    print(f"fit: {fit.form} [{fit.label}] R²(loss)={fit.r2:.4f}{sb}; floor loss {answer['floor_loss']:.4f} "
+    for line in _prior_lines(fit):
+        print(line)
+    r2 = "" if fit.prior else f" R²(loss)={fit.r2:.4f}"
+    print(f"fit: {fit.form} [{fit.label}]{r2}{sb}; floor loss {answer['floor_loss']:.4f} "
           f"(ppl {math.exp(answer['floor_loss']):.4g})")
     if target is not None:
         print(f"target: ppl {args.target_ppl:g} = loss {target:.4f} nats")
@@ -261,6 +427,10 @@ def _plan(args: argparse.Namespace) -> int:
     if "predicted_ppl" in answer:
         verdict = "" if target is None else ("  (meets target)" if answer["meets_target"] else "  (misses target)")
         print(f"  predicted loss {answer['predicted_loss']:.4f} (ppl {answer['predicted_ppl']:.4g}){verdict}")
+        pi, ci = answer["prediction_interval"], answer["mean_ci"]
+        if math.isfinite(pi[0]):
+            print(f"  95% prediction interval [{pi[0]:.4f}, {pi[1]:.4f}] (a run at this N, D); 95% CI of the mean "
+                  f"[{ci[0]:.4f}, {ci[1]:.4f}]")
     return 0
 
 
@@ -271,11 +441,14 @@ def cli_main(argv: list[str]) -> int:
     except SystemExit as exit_:  # argparse exits on --help / bad flags; hand back its code instead
         return int(exit_.code or 0)
     try:
+        from dpllm.scaling.plan import ExtrapolationWarning
+
         with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", planning.ExtrapolationWarning)
-            code = {"fit": _fit, "plan": _plan, "frontier": _frontier}[args.command](args)
+            warnings.simplefilter("always", ExtrapolationWarning)
+            code = {"fit": _fit, "plan": _plan, "predict": _predict, "published": _published,
+                    "frontier": _frontier}[args.command](args)
         for w in caught:
-            if issubclass(w.category, planning.ExtrapolationWarning):
+            if issubclass(w.category, ExtrapolationWarning):
                 print(f"WARNING: {w.message}", file=sys.stderr)
             else:
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)

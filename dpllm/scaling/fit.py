@@ -96,6 +96,7 @@ class FitResult:
         d = asdict(self)
         d["formula"] = get_form(self.form).formula
         d["r2_on"] = "loss, per-configuration means"
+        d["ci_is"] = "percentile bootstrap interval of each parameter" if not self.prior else "as published"
         return d
 
     def _inputs(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -468,7 +469,15 @@ def write_fit(doc: Mapping[str, Any], path: str | os.PathLike) -> Path:
 
 
 def load_fit(path: str | os.PathLike) -> dict:
-    """Read a ``fit.json``. Raises ScalingError if it is missing or not a fit document."""
+    """Read a ``fit.json``, or a published law named ``published:NAME`` (:mod:`dpllm.scaling.published`).
+
+    Raises:
+        ScalingError: the file is missing or not a fit document, or no such published law.
+    """
+    from dpllm.scaling.published import is_published, published_doc
+
+    if is_published(path):
+        return published_doc(str(path))
     path = Path(path)
     if not path.is_file():
         raise ScalingError(f"fit file {path} does not exist; run `dpllm scaling fit` first")

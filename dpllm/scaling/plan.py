@@ -22,7 +22,7 @@ from typing import Any, Mapping
 
 from dpllm.scaling.fit import JOINT, FitResult
 from dpllm.scaling.forms import ScalingError
-from dpllm.scaling.runs import parse_epsilon
+from dpllm.scaling.runs import NON_PRIVATE, parse_epsilon
 
 FLOPS_PER_PARAM_TOKEN = 6.0  # ≈2 forward + 4 backward FLOPs per parameter per token
 
@@ -277,6 +277,14 @@ def select_fit(doc: Mapping[str, Any], *, epsilon: str | float | None = None) ->
             raise ScalingError(f"this fit has groups {', '.join(fits)}; pick one with --epsilon")
         group = next(iter(fits))
     if group not in fits:
+        if group != NON_PRIVATE and all(g == NON_PRIVATE for g in fits):
+            what = (f"{doc['prior']['name']} is a published non-private law" if doc.get("prior")
+                    else f"this {doc.get('form', 'fit')} fit has only non-private runs")
+            raise ScalingError(
+                f"{what}: it has no noise term, so it cannot predict at {group}. To plan at a privacy budget, "
+                f"fit --form noise_batch (loss in N, steps and σ̄) to runs at several ε, then `dpllm scaling plan "
+                f"--fit FIT --records R --epsilon E --delta δ --compute C`; or drop --epsilon for the "
+                f"non-private prediction")
         raise ScalingError(f"no fit for {group}; fitted groups: {', '.join(fits) or 'none'}"
                            + (f" (skipped: {doc['skipped'][group]})" if group in doc.get("skipped", {}) else ""))
     return FitResult.from_dict(fits[group]), None
