@@ -295,13 +295,7 @@ def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterabl
     at_bound = [k for k, v in params.items()
                 if (k in EXPONENTS and not exponent_bounds(k)[0] + 1e-6 < v < exponent_bounds(k)[1] - 1e-6)
                 or (k == "L_inf" and v < 1e-9)]
-    # Per-run log residuals (a run against the law at its configuration): the scatter a new run will show.
-    # Their mean square underestimates the noise by (n−p)/n with p fitted parameters, hence the inflation.
-    log_res = np.log(y) - np.log(pred[inverse])
-    n_par = len(f.param_names)
-    scatter = {"log_residuals": [float(v) for v in log_res],
-               "inflation": float(np.sqrt(len(y) / max(len(y) - n_par, 1))),
-               "what": "per-run log(loss / fitted law); prediction intervals resample them, scaled by inflation"}
+    scatter = _scatter(np.log(y), inverse, counts, np.log(pred), len(f.param_names))
     keep = np.random.default_rng(seed).permutation(len(samples))[:MAX_SAMPLES] if len(samples) else []
     res = FitResult(form=form, params=params, ci=ci, r2=r2, n_points=len(ymean), n_runs=len(y),
                     residuals=residuals, label=label, at_bound=at_bound,
@@ -314,6 +308,24 @@ def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterabl
 
 
 EXPONENTS = ("alpha", "beta", "gamma", "kappa", "eta")
+
+
+def _scatter(logy: np.ndarray, inverse: np.ndarray, counts: np.ndarray, logpred: np.ndarray, n_par: int) -> dict:
+    """Per-run residuals whose spread estimates where a new run lands around the law (on log-loss).
+
+    A run's residual is its deviation from its configuration's mean, w, plus that mean's deviation from the
+    law, b. A new run carries seed noise σ² and the law's misfit m². Over configurations with r seeds,
+    E w² = σ²(1 − 1/r) and E b² ≈ (σ²/r + m²)(n − p)/n (p parameters fitted to n means), so
+    w + b·√(n/(n − p)) has variance σ² + m²: no correction is needed on w, only on b.
+    """
+    n_cfg = len(counts)
+    cfg_mean = np.bincount(inverse, weights=logy) / counts
+    within, between = logy - cfg_mean[inverse], cfg_mean - logpred
+    inflation = float(np.sqrt(n_cfg / max(n_cfg - n_par, 1)))
+    return {"log_residuals": [float(v) for v in within + inflation * between[inverse]], "inflation": 1.0,
+            "between_inflation": inflation,
+            "what": "per run: log(loss) − its configuration's mean log-loss, plus that mean's log residual × "
+                    "√(n/(n−p)); prediction intervals resample these around bootstrap laws"}
 
 
 def _config_means(f: Form, x: Mapping[str, np.ndarray], y: np.ndarray):

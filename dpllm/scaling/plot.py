@@ -1,8 +1,16 @@
-"""Plots of a scaling fit: loss vs N and loss vs D on log-log axes, one colour per privacy group.
+"""Plots of a scaling fit, each answering one question about it.
 
-Points are per-configuration means with ±1 std over seeds as error bars; lines are the fitted law.
-A form's curve vs N depends on D (and σ̄), so up to three D values (min, median, max of the group) get
-one line style each. matplotlib is imported here only, with the Agg backend (no display needed).
+- ``loss_vs_N.png`` / ``loss_vs_D.png``: does the law follow the runs? One panel per privacy group; runs
+  are per-configuration means (±1 std over seeds), coloured by the *other* input (D on the N plot), and the
+  law is drawn at that input's own values in the data (quantile bins when it takes many), in the same
+  colours, so each curve has its runs beside it even when the sweep varies N and D together.
+- ``pred_vs_obs.png``: every run's observed loss against the law's prediction, with the 95% prediction
+  interval at its configuration; the title counts how many runs fall inside (in-sample).
+- ``residuals.png``: log(observed / predicted) against each input (N, D, S, σ̄): a trend left in a panel is
+  a term the form is missing. The dashed lines are the residual part of the 95% prediction interval.
+
+Loss axes are logarithmic with plain tick labels ("2.5", not "2.5×10⁰"). matplotlib is imported here only,
+with the Agg backend (no display needed).
 """
 
 from __future__ import annotations
@@ -14,14 +22,36 @@ from typing import Any, Mapping
 import numpy as np
 
 from dpllm.scaling.fit import JOINT, FitResult
+from dpllm.scaling.forms import get_form
 from dpllm.scaling.runs import NON_PRIVATE
 
-STYLES = ("-", "--", ":")
+MAX_CURVES = 5
+NAMES = {"N": "parameters N", "D": "tokens D", "S": "steps S", "sigma_bar": "σ̄ = noise multiplier / batch"}
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plain_log_axis(ax, axis: str = "y") -> None:
+    """Log scale with plain tick labels at round values (a loss axis spans well under a decade, where
+    matplotlib's log labels read "4×10⁰")."""
+    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+
+    getattr(ax, f"set_{axis}scale")("log")
+    target = ax.yaxis if axis == "y" else ax.xaxis
+    target.set_major_locator(MaxNLocator(nbins=6, min_n_ticks=3))
+    target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    target.set_minor_formatter(NullFormatter())
 
 
 def _colours(groups: list[str]) -> dict[str, Any]:
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     private = sorted((g for g in groups if g != NON_PRIVATE), key=lambda g: float(g.split("=", 1)[1]))
     cmap = plt.get_cmap("viridis")
     # Stop at 0.85 of the ramp: viridis's last yellows are unreadable on white.
@@ -36,18 +66,65 @@ def _pick(values: np.ndarray) -> list[float]:
     return list(v) if len(v) <= 3 else [v[0], v[len(v) // 2], v[-1]]
 
 
-def _means(points: Mapping[str, np.ndarray], mask: np.ndarray) -> dict[str, np.ndarray]:
-    keys = np.column_stack([points[k][mask] for k in ("N", "D", "sigma_bar")])
-    cfg, inv = np.unique(keys, axis=0, return_inverse=True)
+def _levels(values: np.ndarray) -> tuple[list[float], np.ndarray]:
+    """The values a family of curves is drawn at, and each point's curve: the distinct values when there
+    are at most :data:`MAX_CURVES`, else that many equal-count bins of log value (curve at the bin's
+    geometric mean)."""
+    v = np.asarray(values, dtype=float)
+    uniq = np.unique(v)
+    if len(uniq) <= MAX_CURVES:
+        return list(uniq), np.searchsorted(uniq, v)
+    edges = np.quantile(np.log(v), np.linspace(0, 1, MAX_CURVES + 1))
+    idx = np.clip(np.searchsorted(edges, np.log(v), side="right") - 1, 0, MAX_CURVES - 1)
+    return [float(np.exp(np.log(v[idx == i]).mean())) if (idx == i).any() else float(np.exp(edges[i]))
+            for i in range(MAX_CURVES)], idx
+
+
+def _means(points: Mapping[str, np.ndarray], mask: np.ndarray, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    cols = np.column_stack([np.nan_to_num(points[k][mask], nan=0.0) for k in keys])
+    cfg, inv = np.unique(cols, axis=0, return_inverse=True)
     inv = inv.ravel()
     loss = points["loss"][mask]
     mean = np.array([loss[inv == i].mean() for i in range(len(cfg))])
     std = np.array([loss[inv == i].std(ddof=1) if (inv == i).sum() > 1 else 0.0 for i in range(len(cfg))])
-    return {"N": cfg[:, 0], "D": cfg[:, 1], "sigma_bar": cfg[:, 2], "mean": mean, "std": std}
+    return {**{k: cfg[:, j] for j, k in enumerate(keys)}, "mean": mean, "std": std}
+
+
+def _group_fits(doc: Mapping[str, Any], points: Mapping[str, np.ndarray]) -> list[tuple[str, FitResult, np.ndarray]]:
+    """(group, its fit, its runs' mask) for every group with a fit (a joint fit serves every group)."""
+    out = []
+    for g in sorted(set(points["group"])):
+        d = doc["fits"].get(JOINT) or doc["fits"].get(g)
+        if d is not None:
+            out.append((g, FitResult.from_dict(d), points["group"] == g))
+    return out
+
+
+def _x(points: Mapping[str, np.ndarray], mask: np.ndarray, inputs: tuple[str, ...]) -> dict[str, np.ndarray]:
+    return {k: points[k][mask] for k in inputs}
+
+
+def _curves_panel(ax, fit: FitResult, m: dict, xname: str, other: str | None, sb: float) -> None:
+    """Runs (means ± std) coloured by ``other`` and the law at ``other``'s own levels in the same colours."""
+    plt = _plt()
+    lo, hi = m[xname].min(), m[xname].max()
+    xs = np.geomspace(lo / 1.3, hi * 1.3, 200)
+    if other is None:
+        ax.errorbar(m[xname], m["mean"], yerr=m["std"], fmt="o", ms=4, capsize=2, color="black", label="runs")
+        ax.plot(xs, fit.predict(**{xname: xs}), "-", color="black", lw=1.2, label="law")
+        return
+    levels, idx = _levels(m[other])
+    cmap = plt.get_cmap("viridis")
+    colour = [cmap(0.85 * i / max(len(levels) - 1, 1)) for i in range(len(levels))]
+    for i, level in enumerate(levels):
+        sel = idx == i
+        ax.errorbar(m[xname][sel], m["mean"][sel], yerr=m["std"][sel], fmt="o", ms=4, capsize=2, color=colour[i])
+        inputs = {xname: xs, other: np.full_like(xs, level), "sigma_bar": np.full_like(xs, sb)}
+        ax.plot(xs, fit.predict(**inputs), "-", color=colour[i], lw=1.2, label=f"{other}={level:.3g}")
 
 
 def plot_fit(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], out_dir: str | os.PathLike) -> list[Path]:
-    """Draw ``loss_vs_N.png`` (and ``loss_vs_D.png`` for forms with a D term) into ``out_dir``.
+    """Draw the fit's plots into ``out_dir`` (see the module docstring).
 
     Args:
         doc: a fit.json document (:func:`dpllm.scaling.fit.fit_runs`).
@@ -55,56 +132,103 @@ def plot_fit(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], out_dir: 
         out_dir: where to write (usually next to fit.json).
 
     Returns:
-        The paths written.
+        The paths written: ``loss_vs_N.png`` (and ``loss_vs_D.png`` for forms with D, or
+        ``loss_vs_sigma_bar.png`` for noise_batch), ``pred_vs_obs.png`` and ``residuals.png``.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     form = doc["form"]
-    if form == "noise_batch":
-        return [plot_noise_batch(doc, points, out_dir)]
-    groups = sorted(set(points["group"]))
-    colours = _colours(groups)
-    axes_to_draw = ("N",) if form == "power_law" else ("N", "D")
-    written = []
-    for xname in axes_to_draw:
-        other = "D" if xname == "N" else "N"
-        fig, ax = plt.subplots(figsize=(6.4, 4.8))
-        for g in groups:
-            fit_d = doc["fits"].get(JOINT) or doc["fits"].get(g)
-            m = _means(points, points["group"] == g)
-            ax.errorbar(m[xname], m["mean"], yerr=m["std"], fmt="o", ms=4, capsize=2, color=colours[g],
-                        label=f"{g} (runs)")
-            if fit_d is None:
-                continue  # group skipped by the fit: points only
-            fit = FitResult.from_dict(fit_d)
-            lo, hi = m[xname].min(), m[xname].max()
-            xs = np.geomspace(lo / 1.5, hi * 1.5, 200)
-            sb = float(np.median(m["sigma_bar"]))
-            for style, ov in zip(STYLES, [None] if form == "power_law" else _pick(m[other])):
-                inputs = {xname: xs, "sigma_bar": np.full_like(xs, sb)}
-                if ov is not None:
-                    inputs[other] = np.full_like(xs, ov)
-                tag = f"{g} fit" + ("" if ov is None else f", {other}={ov:.2g}")
-                ax.plot(xs, fit.predict(**inputs), style, color=colours[g], lw=1.2, label=tag)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel({"N": "parameters N", "D": "tokens D"}[xname])
-        ax.set_ylabel("eval loss (nats)")
-        r2 = ", ".join(f"{g}: R²={f['r2']:.3f}" for g, f in doc["fits"].items())
-        ax.set_title(f"{form}: loss vs {xname}\n{r2}", fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    inputs = get_form(form).inputs
+    fits = _group_fits(doc, points)
+    written = [plot_noise_batch(doc, points, out_dir)] if form == "noise_batch" else []
+    for xname in ([] if form == "noise_batch" else [k for k in ("N", "D") if k in inputs]):
+        other = next((k for k in ("N", "D") if k in inputs and k != xname), None)
+        fig, axes = plt.subplots(1, len(fits), figsize=(5.2 * len(fits), 4.4), squeeze=False, sharey=True)
+        for ax, (g, fit, mask) in zip(axes[0], fits):
+            m = _means(points, mask, inputs)
+            sb = float(np.median(m["sigma_bar"])) if "sigma_bar" in m else 0.0
+            _curves_panel(ax, fit, m, xname, other, sb)
+            ax.set_xscale("log")
+            plain_log_axis(ax)
+            ax.set_xlabel(NAMES[xname])
+            ax.set_title(f"{g}: R²={fit.r2:.3f}" + (f"; lines at the runs' {other}" if other else ""), fontsize=9)
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel("eval loss (nats)")
+        fig.suptitle(f"{form}: loss vs {xname}", fontsize=10)
         fig.tight_layout()
-        path = out_dir / f"loss_vs_{xname}.png"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, out_dir / f"loss_vs_{xname}.png"))
+    written.append(plot_pred_vs_obs(fits, points, inputs, out_dir / "pred_vs_obs.png", form))
+    written.append(plot_residuals(fits, points, inputs, out_dir / "residuals.png", form))
     return written
+
+
+def _save(fig, path: Path) -> Path:
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return path
+
+
+def plot_pred_vs_obs(fits, points, inputs, path: Path, form: str) -> Path:
+    """Observed loss of every run against the law's prediction, with the 95% prediction interval."""
+    plt = _plt()
+    colours = _colours([g for g, _, _ in fits])
+    fig, ax = plt.subplots(figsize=(5.6, 5.2))
+    inside = total = 0
+    for g, fit, mask in fits:
+        x = _x(points, mask, inputs)
+        pred, obs = fit.predict(**x), points["loss"][mask]
+        lo, hi = fit.prediction_interval(**x)
+        if np.isfinite(lo).all():
+            ax.vlines(pred, lo, hi, color=colours[g], alpha=0.35, lw=2)
+            inside += int(((lo <= obs) & (obs <= hi)).sum())
+            total += len(obs)
+        ax.plot(pred, obs, "o", ms=4, color=colours[g], label=f"{g} ({len(obs)} runs)")
+    lims = np.array(ax.get_xlim() + ax.get_ylim())
+    span = [lims.min(), lims.max()]
+    ax.plot(span, span, "--", color="grey", lw=1, label="observed = predicted")
+    ax.set_xlim(span)
+    ax.set_ylim(span)
+    plain_log_axis(ax, "x")
+    plain_log_axis(ax, "y")
+    ax.set_xlabel("predicted loss (the law at the run's inputs)")
+    ax.set_ylabel("observed eval loss (nats)")
+    share = f"{inside} of {total} runs ({100 * inside / total:.0f}%)" if total else "no runs"
+    ax.set_title(f"{form}: observed vs predicted\nbars: 95% prediction interval; {share} inside (in-sample)",
+                 fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_residuals(fits, points, inputs, path: Path, form: str) -> Path:
+    """log(observed / predicted) against each input, one panel per input, one colour per group."""
+    plt = _plt()
+    colours = _colours([g for g, _, _ in fits])
+    panels = [k for k in inputs if any(np.isfinite(points[k][m]).all() and (points[k][m] > 0).any()
+                                       for _, _, m in fits)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.4 * len(panels), 3.8), squeeze=False, sharey=True)
+    for ax, k in zip(axes[0], panels):
+        for g, fit, mask in fits:
+            x = _x(points, mask, inputs)
+            res = np.log(points["loss"][mask] / fit.predict(**x))
+            pos = x[k] > 0  # σ̄ = 0 (non-private) has no place on a log axis
+            ax.plot(x[k][pos], res[pos], "o", ms=4, color=colours[g], label=g)
+            r = np.asarray(fit.scatter.get("log_residuals", [])) * fit.scatter.get("inflation", 1.0)
+            if len(r) > 1:
+                for q in np.percentile(r, [2.5, 97.5]):
+                    ax.axhline(q, ls="--", lw=0.8, color=colours[g])
+        ax.axhline(0.0, color="grey", lw=1)
+        ax.set_xscale("log")
+        ax.set_xlabel(NAMES[k])
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].set_ylabel("log(observed / predicted)")
+    axes[0][-1].legend(fontsize=7)
+    fig.suptitle(f"{form}: residuals (dashed: residual part of the 95% prediction interval)", fontsize=9)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def plot_noise_batch(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], out_dir: str | os.PathLike) -> Path:
@@ -113,11 +237,7 @@ def plot_noise_batch(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], o
     Non-private runs (σ̄ = 0) are drawn as dashed horizontal lines at the size's loss; the fitted law is a
     solid curve over the fitted σ̄ range.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _plt()
     fit = FitResult.from_dict(doc["fits"][JOINT])
     steps = np.unique(points["S"])
     shown = _pick(steps)
@@ -154,13 +274,9 @@ def plot_noise_batch(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], o
 
 
 def plot_frontier(curves: Mapping[str, list], out_dir: str | os.PathLike) -> Path:
-    """``frontier.png``: best predicted loss (with its bootstrap interval) against compute, one line per ε,
-    and the model size and batch the planner chose along it."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """``frontier.png``: best predicted loss (with its 95% prediction interval) against compute, one line per
+    ε, and the model size and batch the planner chose along it."""
+    plt = _plt()
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10, 4.2))
     cmap = plt.get_cmap("viridis")
     for i, (label, rows) in enumerate(curves.items()):
@@ -178,7 +294,7 @@ def plot_frontier(curves: Mapping[str, list], out_dir: str | os.PathLike) -> Pat
         a.grid(True, which="both", alpha=0.3)
         a.legend(fontsize=7)
     ax2.set_yscale("log")
-    ax.set_ylabel("best predicted eval loss (95% interval)")
+    ax.set_ylabel("best predicted eval loss (band: 95% prediction interval)")
     ax2.set_ylabel("chosen model size N / logical batch")
     fig.suptitle("compute-optimal private training (noise_batch fit)", fontsize=9)
     fig.tight_layout()
