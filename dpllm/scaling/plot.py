@@ -38,15 +38,24 @@ def _plt():
     return plt
 
 
+def _tick(v: float, _pos=None) -> str:
+    text = f"{v:.3g}"
+    return text.replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")  # 3e4, not 3e+04
+
+
 def plain_log_axis(ax, axis: str = "y") -> None:
-    """Log scale with plain tick labels at round values (a loss axis spans well under a decade, where
-    matplotlib's log labels read "4×10⁰")."""
-    from matplotlib.ticker import FuncFormatter, MaxNLocator, NullFormatter
+    """Log scale with plain tick labels ("2.5", "3e4"; not "2.5×10⁰"), called after the data are drawn.
+
+    An axis spanning under ~a decade (a loss axis) gets round linear steps; a wider one 1-2-5 steps per decade.
+    """
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
     getattr(ax, f"set_{axis}scale")("log")
     target = ax.yaxis if axis == "y" else ax.xaxis
-    target.set_major_locator(MaxNLocator(nbins=6, min_n_ticks=3))
-    target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    lo, hi = sorted(ax.get_ylim() if axis == "y" else ax.get_xlim())
+    wide = lo > 0 and hi / lo > 8
+    target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)) if wide else MaxNLocator(nbins=6, min_n_ticks=3))
+    target.set_major_formatter(FuncFormatter(_tick))
     target.set_minor_formatter(NullFormatter())
 
 
@@ -104,23 +113,50 @@ def _x(points: Mapping[str, np.ndarray], mask: np.ndarray, inputs: tuple[str, ..
     return {k: points[k][mask] for k in inputs}
 
 
-def _curves_panel(ax, fit: FitResult, m: dict, xname: str, other: str | None, sb: float) -> None:
-    """Runs (means ± std) coloured by ``other`` and the law at ``other``'s own levels in the same colours."""
+def _family(m: dict, xname: str, other: str) -> tuple[str, list[float], np.ndarray]:
+    """How to draw the law against ``xname`` so each curve has its runs beside it: ``("iso", C values, idx)``
+    when the runs lie on at most :data:`MAX_CURVES` compute budgets C = 6·N·D (an isoFLOP sweep: curves of
+    constant compute), else ``("fixed", levels, idx)`` at ``other``'s own values (binned when many)."""
+    c = 6.0 * m["N"] * m["D"]
+    rounded = np.array([float(f"{v:.2g}") for v in c])
+    uniq = np.unique(rounded)
+    if len(uniq) <= MAX_CURVES and len(uniq) < len(np.unique(m[other])):
+        return "iso", [float(np.exp(np.log(c[rounded == u]).mean())) for u in uniq], np.searchsorted(uniq, rounded)
+    levels, idx = _levels(m[other])
+    return "fixed", levels, idx
+
+
+def _curves_panel(ax, fit: FitResult, m: dict, xname: str, other: str | None, sb: float) -> str:
+    """Runs (means ± std) coloured by their curve, and the law along each curve in the same colour.
+
+    Returns what the curves are, for the title."""
     plt = _plt()
     lo, hi = m[xname].min(), m[xname].max()
     xs = np.geomspace(lo / 1.3, hi * 1.3, 200)
     if other is None:
         ax.errorbar(m[xname], m["mean"], yerr=m["std"], fmt="o", ms=4, capsize=2, color="black", label="runs")
         ax.plot(xs, fit.predict(**{xname: xs}), "-", color="black", lw=1.2, label="law")
-        return
-    levels, idx = _levels(m[other])
+        return "law"
+    kind, levels, idx = _family(m, xname, other)
     cmap = plt.get_cmap("viridis")
     colour = [cmap(0.85 * i / max(len(levels) - 1, 1)) for i in range(len(levels))]
+    binned = kind == "fixed" and len(levels) < len(np.unique(m[other]))
     for i, level in enumerate(levels):
         sel = idx == i
         ax.errorbar(m[xname][sel], m["mean"][sel], yerr=m["std"][sel], fmt="o", ms=4, capsize=2, color=colour[i])
-        inputs = {xname: xs, other: np.full_like(xs, level), "sigma_bar": np.full_like(xs, sb)}
-        ax.plot(xs, fit.predict(**inputs), "-", color=colour[i], lw=1.2, label=f"{other}={level:.3g}")
+        if kind == "iso":
+            span = m[xname][sel]
+            xi = np.geomspace(span.min() / 1.3, span.max() * 1.3, 100)
+            inputs = {xname: xi, other: level / (6.0 * xi)}
+            label = f"C=6ND={level:.2g}"
+        else:
+            xi, inputs, label = xs, {xname: xs, other: np.full_like(xs, level)}, f"{other}={level:.3g}"
+        ax.plot(xi, fit.predict(**inputs, sigma_bar=np.full_like(xi, sb)), "-", color=colour[i], lw=1.2, label=label)
+    if binned:  # a binned curve is only near its runs: mark the law at each run's own inputs as well
+        own = fit.predict(**{k: m[k] for k in ("N", "D")}, sigma_bar=np.full_like(m["N"], sb))
+        ax.plot(m[xname], own, "x", ms=5, color="grey", label="law at each run's own N, D")
+    return {"iso": "lines of constant compute", "fixed": f"lines at the runs' {other}"}[kind] + \
+        (" (binned)" if binned else "")
 
 
 def plot_fit(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], out_dir: str | os.PathLike) -> list[Path]:
@@ -148,11 +184,11 @@ def plot_fit(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], out_dir: 
         for ax, (g, fit, mask) in zip(axes[0], fits):
             m = _means(points, mask, inputs)
             sb = float(np.median(m["sigma_bar"])) if "sigma_bar" in m else 0.0
-            _curves_panel(ax, fit, m, xname, other, sb)
-            ax.set_xscale("log")
+            what = _curves_panel(ax, fit, m, xname, other, sb)
+            plain_log_axis(ax, "x")
             plain_log_axis(ax)
             ax.set_xlabel(NAMES[xname])
-            ax.set_title(f"{g}: R²={fit.r2:.3f}" + (f"; lines at the runs' {other}" if other else ""), fontsize=9)
+            ax.set_title(f"{g}: R²={fit.r2:.3f}; {what}", fontsize=9)
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
         axes[0][0].set_ylabel("eval loss (nats)")
@@ -221,7 +257,7 @@ def plot_residuals(fits, points, inputs, path: Path, form: str) -> Path:
                 for q in np.percentile(r, [2.5, 97.5]):
                     ax.axhline(q, ls="--", lw=0.8, color=colours[g])
         ax.axhline(0.0, color="grey", lw=1)
-        ax.set_xscale("log")
+        plain_log_axis(ax, "x")
         ax.set_xlabel(NAMES[k])
         ax.grid(True, which="both", alpha=0.3)
     axes[0][0].set_ylabel("log(observed / predicted)")
