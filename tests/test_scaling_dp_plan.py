@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from dpllm.scaling import FitResult, ScalingError, fit_form
-from dpllm.scaling.dp_plan import SigmaTable, best_for_compute, least_compute_for_loss
+from dpllm.scaling.dp_plan import SigmaTable, best_for_compute, format_plan, least_compute_for_loss
 from dpllm.scaling.plan import DegenerateFitError, OutsideFitError, compute_for_target
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,6 +76,10 @@ def test_planner_from_a_fit_to_synthetic_runs_lands_on_the_optimum(brute):
     assert true_of_top <= brute[0]["loss"] * 1.005  # what the plan picks is (near-)optimal under the truth
     top = out["candidates"][0]
     assert top["loss_low"] <= top["loss"] <= top["loss_high"]
+    # where a run lands (prediction interval) is wider than where the law's mean lies (CI of the mean)
+    assert top["loss_low"] < top["mean_low"] <= top["mean_high"] < top["loss_high"]
+    text = format_plan(out)
+    assert "95% prediction interval" in text and "95% CI of the mean" in text and "95% interval" not in text
     assert top["loss"] == pytest.approx(true_of_top, rel=0.01)
 
 
