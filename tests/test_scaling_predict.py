@@ -193,3 +193,23 @@ def test_plain_tick_labels_and_curves_that_follow_an_isoflop_sweep():
     scattered = {"N": np.exp(rng.uniform(14, 18, 40)), "D": np.exp(rng.uniform(18, 23, 40))}
     kind, levels, idx = _family(scattered, "N", "D")
     assert kind == "fixed" and len(levels) == 5 and set(idx) == set(range(5))
+
+
+def test_predict_from_a_noise_batch_fit_takes_steps_and_sigma_bar(tmp_path, capsys):
+    from dpllm.scaling import write_fit
+
+    params = {"E": 1.0, "A": 40.0, "alpha": 0.3, "B": 6.0, "beta": 0.35, "C": 60.0, "gamma": 1.0, "kappa": 0.1,
+              "eta": 0.2}
+    law = FitResult(form="noise_batch", params=params, ci={}, r2=0.99, n_points=30, n_runs=30,
+                    domain={"N": [1e6, 1e8], "S": [100.0, 10000.0], "sigma_bar": [1e-4, 1e-2]}, label="joint")
+    write_fit({"form": "noise_batch", "fits": {"joint": law.to_dict()}, "skipped": {},
+               "inputs": {"groups": {"eps=8": {"sigma_bar": [1e-3, 2e-3]}}}}, tmp_path / "fit.json")
+    base = ["scaling", "predict", "--fit", str(tmp_path / "fit.json"), "--params", "1e7"]
+    assert main(base + ["--steps", "1000,3000", "--sigma-bar", "1e-3", "--epsilon", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["predictions"]
+    assert [r["S"] for r in rows] == [1000, 3000] and rows[0]["sigma_bar"] == 1e-3
+    assert rows[0]["loss"] == pytest.approx(float(law.predict(N=1e7, S=1000, sigma_bar=1e-3)))
+    assert main(base + ["--steps", "1000"]) == 2
+    assert "add --sigma-bar (σ̄ = noise multiplier / logical batch; 0 = non-private)" in capsys.readouterr().err
+    assert main(base + ["--steps", "1000,2000", "--sigma-bar", "0,1e-3,2e-3"]) == 2
+    assert "the same number of values" in capsys.readouterr().err

@@ -1,9 +1,12 @@
 """Scaling laws for (private) fine-tuning: fit forms to a runs table, plan N, D and compute.
 
 Pure functions live in :mod:`~dpllm.scaling.forms` (the registry), :mod:`~dpllm.scaling.fit` and
-:mod:`~dpllm.scaling.plan`; :mod:`~dpllm.scaling.runs` reads/writes the runs table, and
-:mod:`~dpllm.scaling.plot` (matplotlib, imported lazily) draws. ``dpllm scaling`` is
-:mod:`~dpllm.scaling.cli`.
+:mod:`~dpllm.scaling.plan`; :mod:`~dpllm.scaling.runs` reads/writes the runs table,
+:mod:`~dpllm.scaling.table` reads any CSV/TSV/JSONL table of runs, :mod:`~dpllm.scaling.published` holds
+published laws (priors from other data), and :mod:`~dpllm.scaling.plot` (matplotlib, imported lazily)
+draws. ``dpllm scaling`` is :mod:`~dpllm.scaling.cli`. Predictions carry two intervals:
+:meth:`FitResult.prediction_interval` (where a new run lands) and :meth:`FitResult.confidence_interval`
+(where the law's mean lies).
 """
 
 from dpllm.scaling.fit import FitResult, fit_form, fit_runs, load_fit, write_fit

@@ -209,10 +209,12 @@ def _predict(args: argparse.Namespace) -> int:
     import numpy as np
 
     from dpllm.scaling import plan as planning
-    from dpllm.scaling.fit import load_fit
+    from dpllm.scaling.fit import JOINT, load_fit
 
     doc = load_fit(args.fit)
-    fit, sigma_bar = planning.select_fit(doc, epsilon=args.epsilon)
+    # A joint fit with an explicit σ̄ needs no ε group (whose runs may have used several σ̄).
+    joint_with_sigma = JOINT in doc["fits"] and args.sigma_bar is not None
+    fit, sigma_bar = planning.select_fit(doc, epsilon=None if joint_with_sigma else args.epsilon)
     inputs = _broadcast(args, {"N": "params", "D": "tokens", "S": "steps", "sigma_bar": "sigma_bar"})
     if "sigma_bar" not in inputs and sigma_bar is not None:
         inputs["sigma_bar"] = [sigma_bar] * len(inputs["N"])
