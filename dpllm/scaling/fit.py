@@ -10,9 +10,10 @@ Two intervals answer two questions, and every printed one says which it is:
 - **95% CI of the mean** (:meth:`FitResult.confidence_interval`): where the law itself (the mean loss over
   seeds at N, D, ...) lies, from the bootstrap parameter vectors alone. It narrows as runs are added.
 - **95% prediction interval** (:meth:`FitResult.prediction_interval`): where one new run will land. Each
-  draw is a bootstrap law plus one resampled residual of a fitted run (on log-loss, inflated by
-  √(n/(n−p)) for the p fitted parameters), so it carries the scatter of runs around the law as well as
-  the uncertainty in the law. It does not narrow below that scatter.
+  draw is a bootstrap law plus one resampled residual of a fitted run (on log-loss; the part of it that is
+  the configuration mean's misfit is inflated by √(n/(n−p)) for the p fitted parameters, see
+  :func:`_scatter`), so it carries the scatter of runs around the law as well as the uncertainty in the
+  law. It does not narrow below that scatter.
 
 Example:
     >>> import numpy as np
@@ -62,8 +63,9 @@ class FitResult:
         samples: up to :data:`MAX_SAMPLES` bootstrap parameter vectors (in ``param_names`` order), for
             prediction intervals.
         degenerate: reasons the fit should not be planned with (see :func:`degenerate_reasons`).
-        scatter: the runs' scatter around the law, for prediction intervals: ``{"log_residuals": [per run
-            log(loss / law)], "inflation": √(n/(n−p)), "what": ...}``; empty for a published prior.
+        scatter: the runs' scatter around the law, for prediction intervals: ``{"log_residuals": [one per
+            run, see :func:`_scatter`], "inflation": factor applied when drawing, "what": ...}``; empty for a
+            published prior.
         prior: empty for a fit to your runs; for a published law (:mod:`dpllm.scaling.published`) its name,
             source and caveats: the law was fitted to someone else's data.
     """
@@ -128,7 +130,8 @@ class FitResult:
         """Interval that holds a new run's loss at ``inputs`` with probability ``level``.
 
         Draws ``log L = log law_b(x) + c·r_j`` over bootstrap laws b (the fitted law alone when the fit has no
-        bootstrap samples) and the runs' log residuals r_j scaled by c = √(n/(n−p)), and takes percentiles.
+        bootstrap samples) and the runs' residuals r_j (:func:`_scatter`; c = ``scatter["inflation"]``, 1 for
+        fits written by this version), and takes percentiles.
         Every (b, j) pair is used when there are at most :data:`MAX_PAIRS`, else that many seeded draws,
         so the interval is reproducible. nan when the fit stores no residuals (a published prior).
         """
@@ -146,12 +149,12 @@ class FitResult:
         else:
             rng = np.random.default_rng(0)
             bi, ri = rng.integers(0, n_b, MAX_PAIRS), rng.integers(0, n_r, MAX_PAIRS)
-        lo, hi = np.empty(logp.shape[1:]), np.empty(logp.shape[1:])
         tail = 100 * (1 - level) / 2
-        flat_lo, flat_hi, flat_p = lo.reshape(-1), hi.reshape(-1), logp.reshape(n_b, -1)
+        flat_p = logp.reshape(n_b, -1)
+        lo, hi = np.empty(flat_p.shape[1]), np.empty(flat_p.shape[1])
         for start in range(0, flat_p.shape[1], 64):  # chunks keep (pairs × points) small for plot grids
             draws = flat_p[bi, start:start + 64] + r[ri, None]
-            flat_lo[start:start + 64], flat_hi[start:start + 64] = np.percentile(draws, [tail, 100 - tail], axis=0)
+            lo[start:start + 64], hi[start:start + 64] = np.percentile(draws, [tail, 100 - tail], axis=0)
         return np.exp(lo).reshape(shape), np.exp(hi).reshape(shape)
 
     @classmethod
