@@ -31,7 +31,7 @@ def default_embedder(run_dir: Path) -> Optional[str]:
 
 
 def evaluate(synth: str | Path, run_dir: str | Path, *, embedder: str = "auto", near: float = 0.6,
-             min_chars: int = 48, seed: int = 0) -> dict:
+             min_chars: int = 48, seed: int = 0, canaries: Optional[list[dict]] = None) -> dict:
     """Leakage and fidelity of the synthetic file ``synth`` against the run it was sampled from.
 
     Args:
@@ -40,6 +40,8 @@ def evaluate(synth: str | Path, run_dir: str | Path, *, embedder: str = "auto", 
         embedder: ``auto`` (the run's local base model, else ``lsa``), ``lsa``, or a model directory.
         near, min_chars: :func:`dpllm.synthetic.leakage.leakage`'s thresholds.
         seed: size-matched subsamples and the classifier.
+        canaries: canaries to look for (``{"id", "text", "prefix", "included"}``, as :func:`dpllm.canaries.make`);
+            default: the run's ``canaries.json``, if any.
 
     Returns:
         ``{"synthetic_file", "run", "leakage", "fidelity"}``.
@@ -53,8 +55,7 @@ def evaluate(synth: str | Path, run_dir: str | Path, *, embedder: str = "auto", 
     texts = [r["text"] for r in rows]
     train = [split_control_code(t) for t in load_split_texts(run_dir, "train")]
     heldout = [split_control_code(t) for t in load_split_texts(run_dir, "heldout")]
-    canaries = None
-    if (run_dir / "canaries.json").is_file():
+    if canaries is None and (run_dir / "canaries.json").is_file():
         canaries = json.loads((run_dir / "canaries.json").read_text())["canaries"]
     tr, ho = [t for _, t in train], [t for _, t in heldout]
     leak = leakage(texts, tr, ho, canaries=canaries, near=near, min_chars=min_chars, seed=seed)
