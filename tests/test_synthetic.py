@@ -59,6 +59,9 @@ def test_refuses_what_export_refuses(runs, tmp_path):
     assert not (tmp_path / "n.jsonl").exists()
     card = synthesize(runs / "nodp", num=2, out=tmp_path / "n.jsonl", allow_non_private=True, **GEN)
     assert "No differential-privacy guarantee" in card["statement"] and not card["source"]["privacy"]["enabled"]
+    assert not card["source"]["dp_guarantee"]
+    card = synthesize(runs / "nodp", num=2, out=tmp_path / "n2.jsonl", allow_unreleasable=True, **GEN)
+    assert card["statement"].startswith("NOT RELEASABLE") and "without DP" in card["source"]["refusal_overridden"]
 
     seeded = tmp_path / "seeded"  # as a privacy.reproducible_noise run reports itself
     shutil.copytree(runs / "dp", seeded)
@@ -94,7 +97,7 @@ def test_labels_card_and_resume(runs, tmp_path):
     assert "post-processing" in card["statement"] and card["complete"] and card["num_records"] == 10
     from dpllm.synthetic.card import file_sha256
 
-    assert card["sha256"] == file_sha256(whole) and str(runs) not in json.dumps(card)
+    assert card["sha256"] == file_sha256(whole) and str(runs) not in json.dumps(card) and card["source"]["dp_guarantee"]
     assert f"ε = {report['epsilon']:.3f}" in (tmp_path / "whole.card.md").read_text()
 
     # interrupted after 6 records (mid-batch) and a cut line: the rerun writes what one run would have

@@ -83,7 +83,7 @@ def synthesize(run_dir: str | Path, *, num: int, out: str | Path, temperature: f
             ``data.label_column`` (unconditional otherwise).
         allow_non_private: accept a run trained without DP (the card says there is no guarantee).
         allow_unreleasable: accept a run that ``dpllm export`` refuses (seeded noise, a ledger that does not
-            verify); the card marks the file NOT RELEASABLE with the reason.
+            verify, no DP without ``allow_non_private``); the card marks the file NOT RELEASABLE with the reason.
         progress: show a tqdm bar.
 
     Returns:
@@ -93,18 +93,23 @@ def synthesize(run_dir: str | Path, *, num: int, out: str | Path, temperature: f
         SynthesisError: bad settings, a refused run, or an ``out`` written with other settings.
     """
     from dpllm.export import ExportError, check_releasable
-    from dpllm.privacy.report import PrivacyReport
+    from dpllm.privacy.report import PrivacyReport, ReportError
 
     run_dir, out = Path(run_dir), Path(out)
     refusal = None
     try:
-        report = check_releasable(run_dir, allow_non_private=allow_non_private or allow_unreleasable,
-                                  what="synthesize from")
+        report = check_releasable(run_dir, allow_non_private=allow_non_private, what="synthesize from")
     except ExportError as err:
-        if not allow_unreleasable or not (run_dir / "checkpoint").is_dir():
+        try:
+            report = PrivacyReport.read(run_dir)
+        except ReportError:
+            report = None
+        if report is None or not (run_dir / "checkpoint").is_dir():
+            raise SynthesisError(str(err)) from None
+        if not allow_unreleasable:
             raise SynthesisError(f"{err}; or pass --allow-unreleasable to sample anyway (the card will say the file "
                                  "is not releasable)") from None
-        report, refusal = PrivacyReport.read(run_dir), str(err).split(": ", 1)[-1]
+        refusal = str(err).split(": ", 1)[-1]
     if num < 1 or batch_size < 1 or max_new_tokens < 1:
         raise SynthesisError(f"num={num}, batch_size={batch_size}, max_new_tokens={max_new_tokens}: each must be ≥ 1")
     if not temperature > 0 or not 0 < top_p <= 1:
