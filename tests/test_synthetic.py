@@ -172,3 +172,13 @@ def test_fidelity_measures():
     labels = ["code"] * 5 + ["prose"] * 5
     assert downstream(train, labels, ["def g(y): return y", "a cat on a mat"], ["code", "prose"]) == 1.0
     assert downstream(train[:5], labels[:5], ["x"], ["code"]) is None
+
+
+def test_module_examples():
+    import doctest
+
+    from dpllm.synthetic import fidelity as fidelity_module, leakage as leakage_module
+
+    for module in (leakage_module, fidelity_module):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
