@@ -124,6 +124,11 @@ def test_prompts_and_unconditional(runs, tmp_path):
     assert card["generation"]["conditioning"] == "unconditional" and len(read_jsonl(tmp_path / "u.jsonl")) == 3
 
 
+def test_cli_help_lists_synthesize(capsys):
+    assert dpllm_main(["--help"]) == 0 and "synthesize" in capsys.readouterr().out
+    assert dpllm_main(["synthesize", "--help"]) == 0 and "--allow-unreleasable" in capsys.readouterr().out
+
+
 def test_cli_writes_file_card_and_private_report(runs, tmp_path, capsys):
     out = tmp_path / "cli" / "synth.jsonl"
     out.parent.mkdir()
@@ -152,6 +157,11 @@ def test_leakage_sees_copies_and_the_heldout_control():
     assert r["verbatim"]["train_all"] == 0.5 and r["verbatim"]["heldout"] == 0.0
     assert r["verbatim"]["distinct_train_records_copied"] == 10 and r["num_train_matched"] == 20
     assert r["nn_distance"]["heldout"]["min"] > 0.5
+    # chunking does not change the answer
+    from dpllm.synthetic.leakage import nearest_neighbours
+
+    full, one = nearest_neighbours(copied + fresh, train), nearest_neighbours(copied + fresh, train, chunk=3)
+    assert np.array_equal(full[0], one[0]) and np.array_equal(full[1], one[1]) and (full[0][:10] > 0.5).all()
     none = leakage(fresh, train, heldout)
     assert none["verbatim"]["train_all"] == 0.0 and none["near"]["train"] == 0.0
     assert 0.2 <= none["closer_to_train"] <= 0.8

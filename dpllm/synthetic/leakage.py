@@ -37,10 +37,11 @@ def _norm(text: str) -> str:
 
 
 def nearest_neighbours(queries: Sequence[str], reference: Sequence[str], *, n: int = NGRAM,
-                       chunk: int = 512) -> tuple[np.ndarray, np.ndarray]:
+                       chunk: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
     """Jaccard similarity of character ``n``-gram sets to each query's nearest reference text, and its index.
 
-    Texts with fewer than ``n`` characters have no n-grams and similarity 0 to everything.
+    Texts with fewer than ``n`` characters have no n-grams and similarity 0 to everything. Queries go in
+    chunks of ``chunk`` rows (default: about 2·10⁷ similarities, 160 MB, at a time).
     """
     from sklearn.feature_extraction.text import CountVectorizer
 
@@ -53,6 +54,7 @@ def nearest_neighbours(queries: Sequence[str], reference: Sequence[str], *, n: i
     Q, R = vec.transform(queries), vec.transform(reference)
     q_size, r_size = np.asarray(Q.sum(1)).ravel(), np.asarray(R.sum(1)).ravel()
     best, arg = np.zeros(len(queries)), np.zeros(len(queries), dtype=int)
+    chunk = chunk or max(1, min(4096, 20_000_000 // max(1, len(reference))))
     for lo in range(0, len(queries), chunk):
         inter = (Q[lo:lo + chunk] @ R.T).toarray()
         union = q_size[lo:lo + chunk, None] + r_size[None, :] - inter
@@ -64,14 +66,15 @@ def nearest_neighbours(queries: Sequence[str], reference: Sequence[str], *, n: i
 
 def verbatim_copies(queries: Sequence[str], reference: Sequence[str], *, min_chars: int = 48) -> list[Optional[int]]:
     """For each query, the index of a reference text it copies verbatim (see the module docstring), or None."""
-    refs = [_norm(r) for r in reference]
+    # both texts of a copy share their first min_chars characters: bucket the references by them (linear time)
+    buckets: dict[str, list[tuple[int, str]]] = {}
+    for j, r in enumerate(map(_norm, reference)):
+        if len(r) >= min_chars:
+            buckets.setdefault(r[:min_chars], []).append((j, r))
     out: list[Optional[int]] = []
     for q in map(_norm, queries):
-        hit = None
-        if len(q) >= min_chars:
-            hit = next((j for j, r in enumerate(refs) if len(r) >= min_chars
-                        and (r.startswith(q) if len(q) <= len(r) else q.startswith(r))), None)
-        out.append(hit)
+        cands = buckets.get(q[:min_chars], []) if len(q) >= min_chars else []
+        out.append(next((j for j, r in cands if (r.startswith(q) if len(q) <= len(r) else q.startswith(r))), None))
     return out
 
 
