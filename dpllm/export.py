@@ -9,7 +9,8 @@ the secret state of the noise generators. The bundle gets only:
 
 It refuses a run whose ledger does not verify, a run whose noise was not secret
 (``privacy.reproducible_noise: true``), and a non-private run unless ``--allow-non-private`` is given
-(the card then says plainly that there is no DP guarantee).
+(the card then says plainly that there is no DP guarantee). Those checks are :func:`check_releasable`, which
+``dpllm synthesize`` (:mod:`dpllm.synthetic`) makes too.
 """
 
 from __future__ import annotations
