@@ -49,6 +49,12 @@ def test_label_column_prefixes_a_control_code(tmp_path):
                                         + json.dumps({"text": "y" * 40}) + "\n")
     with pytest.raises(DataError, match="record 2 has label None"):
         load_records(parse_config(["--dataset", str(tmp_path / "bad.jsonl"), "--label_column", "topic"]).data)
+    (tmp_path / "d.csv").write_text("text,topic\n" + "".join(f"record number {i} of a csv file here,t{i % 2}\n"
+                                                               for i in range(4)))
+    csv = parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "topic"]).data
+    assert load_records(csv)[1] == "[t1] record number 1 of a csv file here"
+    with pytest.raises(DataError, match="no label column 'kind'"):
+        load_records(parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "kind"]).data)
     with pytest.raises(DataError, match="needs a .jsonl"):
         load_records(parse_config(["--dataset", "pydoc", "--label_column", "topic"]).data)
 
