@@ -5,6 +5,7 @@
     dpllm ledger verify RUN   check a run's tamper-evident ε ledger
     dpllm report RUN          print a run's privacy report
     dpllm export RUN --out D  write the releasable part of a run (model, tokenizer, report, model card)
+    dpllm synthesize RUN ...  sample a synthetic data set from a run, with its data card and a private report
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ COMMANDS = {
     "ledger": ("dpllm.ledger", "verify a run's privacy ledger (hash chain)"),
     "report": ("dpllm.checkpoint", "print a run's privacy report"),
     "export": ("dpllm.export", "write a run's release bundle: model, tokenizer, privacy report, model card"),
+    "synthesize": ("dpllm.synthetic.cli", "sample a synthetic data set from a run: JSONL, data card, private report"),
 }
 
 

@@ -83,6 +83,10 @@ class DataConfig:
                                      "protected: data.user_column groups records; docs/user_level.md).")
     user_column: str = _f("user", "Column naming each record's user (privacy_unit=user; JSONL/JSON/CSV/Hub). The "
                                   "built-in corpora have their own grouping (pydoc: topic chunks; pystdlib: file).")
+    label_column: Optional[str] = _f(None, "Column holding each record's class label (JSONL/JSON/CSV/Hub). Opt-in: "
+                                           "the label is prefixed to the text as a control code '[label] ' (Yue et "
+                                           "al. 2023), so `dpllm synthesize` can ask for a class; the set of labels "
+                                           "is treated as public.")
     canary_records_per_user: int = _f(1, "privacy_unit=user: each canary is a user who writes its canary text in "
                                          "this many records (all in or all out by one coin); ≤ max_records_per_user.")
     max_records_per_user: Optional[int] = _f(None, "k: keep at most this many records of each user (chosen at random "

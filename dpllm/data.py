@@ -106,6 +106,8 @@ def _file_records(path: Path, cfg: DataConfig) -> tuple[list[str], Optional[list
             raise DataError(f"dataset {path} has no text column {cfg.text_column!r} in record {missing} (its keys: "
                             f"{sorted(rows[missing - 1])}): set text_column to one of them")
         texts = [str(r[cfg.text_column]) if r[cfg.text_column] is not None else "" for r in rows]
+        if cfg.label_column:
+            texts = with_control_codes(texts, [r.get(cfg.label_column) for r in rows], cfg.label_column, str(path))
         if cfg.privacy_unit != "user":
             return texts, None
         missing = next((i for i, r in enumerate(rows, 1) if r.get(cfg.user_column) is None), None)
@@ -123,7 +125,7 @@ def _file_records(path: Path, cfg: DataConfig) -> tuple[list[str], Optional[list
         except Exception as err:  # datasets wraps parse errors in long chains: keep the last, useful line
             raise DataError(f"dataset={path} could not be parsed as {suffix[1:]}: "
                             f"{str(err).strip().splitlines()[-1][:300]}") from None
-        return _column(ds, cfg.text_column, str(path)), _users(ds, cfg, str(path))
+        return _labelled(ds, cfg, str(path)), _users(ds, cfg, str(path))
     raise DataError(f"dataset={path}: unsupported file type {suffix!r}; use .jsonl, .json, .csv or .txt")
 
 
@@ -134,6 +136,41 @@ def _column(ds, column: str, source: str) -> list[str]:
             f"set text_column to one of them"
         )
     return [str(x) if x is not None else "" for x in ds[column]]
+
+
+def control_code(label: str) -> str:
+    """The control code a labelled record starts with (``data.label_column``; Yue et al. 2023)."""
+    return f"[{label}] "
+
+
+def split_control_code(text: str) -> tuple[Optional[str], str]:
+    """``(label, text)`` of a record that starts with a control code, else ``(None, text)``."""
+    m = re.match(r"\[([^\]\n]+)\] ", text)
+    return (m.group(1), text[m.end():]) if m else (None, text)
+
+
+def with_control_codes(texts: list[str], labels: Sequence, column: str, source: str) -> list[str]:
+    """Prefix each text with its label's control code.
+
+    Raises:
+        DataError: a record without a label, or a label that cannot be a control code.
+    """
+    bad = next((i for i, lab in enumerate(labels, 1) if lab is None or not str(lab).strip()
+                or re.search(r"[\]\n]", str(lab))), None)
+    if bad is not None:
+        raise DataError(f"dataset {source}: record {bad} has label {labels[bad - 1]!r} in column {column!r}; every "
+                        "record needs a non-empty one-line label without ']' (or unset label_column)")
+    return [control_code(str(lab).strip()) + text for lab, text in zip(labels, texts)]
+
+
+def _labelled(ds, cfg: DataConfig, source: str) -> list[str]:
+    texts = _column(ds, cfg.text_column, source)
+    if not cfg.label_column:
+        return texts
+    if cfg.label_column not in ds.column_names:
+        raise DataError(f"dataset {source} has no label column {cfg.label_column!r}; its columns are "
+                        f"{ds.column_names}: set label_column to one of them, or unset it")
+    return with_control_codes(texts, ds[cfg.label_column], cfg.label_column, source)
 
 
 def _users(ds, cfg: DataConfig, source: str) -> Optional[list[str]]:
@@ -168,7 +205,7 @@ def _hub_records(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
         raise DataError(f"dataset={name} is not a local file and could not be loaded from the Hub "
                         f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); "
                         "check the name, or pass a local .jsonl/.json/.csv/.txt file") from None
-    return _column(ds, cfg.text_column, name), _users(ds, cfg, name)
+    return _labelled(ds, cfg, name), _users(ds, cfg, name)
 
 
 def load_records(cfg: DataConfig) -> list[str]:
@@ -192,6 +229,9 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
         DataError: as :func:`load_records`, or a missing user column.
     """
     by_user = cfg.privacy_unit == "user"
+    if cfg.label_column and (cfg.dataset in BUILTIN or Path(cfg.dataset).suffix.lower() == ".txt"):
+        raise DataError(f"label_column={cfg.label_column!r} needs a .jsonl/.json/.csv file or a Hub dataset with that "
+                        f"column; dataset={cfg.dataset} has none (unset label_column)")
     if cfg.dataset in BUILTIN:
         raw, raw_users = BUILTIN_USERS[cfg.dataset]() if by_user else (BUILTIN[cfg.dataset](), None)
     elif Path(cfg.dataset).is_file():

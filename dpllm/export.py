@@ -9,7 +9,8 @@ the secret state of the noise generators. The bundle gets only:
 
 It refuses a run whose ledger does not verify, a run whose noise was not secret
 (``privacy.reproducible_noise: true``), and a non-private run unless ``--allow-non-private`` is given
-(the card then says plainly that there is no DP guarantee).
+(the card then says plainly that there is no DP guarantee). Those checks are :func:`check_releasable`, which
+``dpllm synthesize`` (:mod:`dpllm.synthetic`) makes too.
 """
 
 from __future__ import annotations
@@ -106,6 +107,42 @@ run directory.
 """
 
 
+def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, what: str = "export") -> PrivacyReport:
+    """The checks every release path makes (``dpllm export``, ``dpllm synthesize``) before anything leaves the run.
+
+    Args:
+        run_dir: a finished dpllm run directory.
+        allow_non_private: accept a run trained without DP (its release must then say there is no guarantee).
+        what: the verb used in the refusal message.
+
+    Returns:
+        The run's privacy report.
+
+    Raises:
+        ExportError: no finished run, seeded noise (or a report that does not say the noise was secret), a
+            non-private run without ``allow_non_private``, or a ledger that does not verify.
+    """
+    from dpllm import ledger
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "checkpoint").is_dir():
+        raise ExportError(f"{run_dir} has no checkpoint/; {what} a finished dpllm run directory")
+    try:
+        report = PrivacyReport.read(run_dir)
+    except ReportError as err:
+        raise ExportError(str(err)) from err
+    if report.enabled and report.noise_secret is not True:
+        raise ExportError(f"refusing to {what} {run_dir}: " + (NOT_RELEASABLE if report.noise_secret is False else
+                          "its report does not say the noise was secret (a run from before dpllm recorded it)"))
+    if not report.enabled and not allow_non_private:
+        raise ExportError(f"refusing to {what} {run_dir}: it was trained without DP; pass --allow-non-private to "
+                          "release it anyway (the card will say there is no DP guarantee)")
+    checked = ledger.verify(run_dir)
+    if not checked.ok:
+        raise ExportError(f"refusing to {what} {run_dir}: its privacy ledger does not verify ({checked.message})")
+    return report
+
+
 def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = False) -> Path:
     """Write the release bundle of ``run_dir`` to ``out`` (atomically).
 
@@ -113,25 +150,9 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
         ExportError: no finished run, a ledger that fails to verify, seeded noise, a non-private run
             (without ``allow_non_private``), or an ``out`` that is not empty.
     """
-    from dpllm import ledger
-
     run_dir, out = Path(run_dir), Path(out)
     ckpt = run_dir / "checkpoint"
-    if not ckpt.is_dir():
-        raise ExportError(f"{run_dir} has no checkpoint/; export a finished dpllm run directory")
-    try:
-        report = PrivacyReport.read(run_dir)
-    except ReportError as err:
-        raise ExportError(str(err)) from err
-    if report.enabled and report.noise_secret is not True:
-        raise ExportError(f"refusing to export {run_dir}: " + (NOT_RELEASABLE if report.noise_secret is False else
-                          "its report does not say the noise was secret (a run from before dpllm recorded it)"))
-    if not report.enabled and not allow_non_private:
-        raise ExportError(f"refusing to export {run_dir}: it was trained without DP; pass --allow-non-private to "
-                          "release it anyway (the model card will say there is no DP guarantee)")
-    checked = ledger.verify(run_dir)
-    if not checked.ok:
-        raise ExportError(f"refusing to export {run_dir}: its privacy ledger does not verify ({checked.message})")
+    report = check_releasable(run_dir, allow_non_private=allow_non_private)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not empty; pick a new directory")
     lora = (ckpt / "adapter_config.json").is_file()

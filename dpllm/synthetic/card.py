@@ -1,0 +1,106 @@
+"""The data card of a synthetic set: what it was sampled from, how, and what guarantee it carries.
+
+Written beside the synthetic file (``synth.jsonl`` → ``synth.card.json`` and ``synth.card.md``) and
+released with it. It holds only public facts: the source run's privacy report without local paths
+(:func:`dpllm.export.public_report`), the generation settings (public prompts and the public set of labels
+included) and the file's sha256. It never holds a training record, a split or a metric of the training data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Optional
+
+from dpllm.privacy.report import PrivacyReport
+
+PRIVACY_FIELDS = ("enabled", "epsilon", "delta", "privacy_unit", "accountant", "noise_multiplier", "sample_rate",
+                  "steps", "max_grad_norm", "clipping", "num_records", "noise_secret", "user_level")
+
+
+def card_paths(out: str | Path) -> tuple[Path, Path]:
+    """``(card.json, card.md)`` beside the synthetic file ``out``."""
+    out = Path(out)
+    stem = out.name[: -len(out.suffix)] if out.suffix else out.name
+    return out.with_name(f"{stem}.card.json"), out.with_name(f"{stem}.card.md")
+
+
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def statement(report: PrivacyReport, refusal: Optional[str]) -> str:
+    """The guarantee in words: post-processing of a DP model, or plainly none."""
+    if refusal is not None:
+        return (f"NOT RELEASABLE: the source run failed dpllm's release checks ({refusal}); the checks were "
+                "overridden, so this file carries no DP guarantee and must stay with the data owner.")
+    if not report.enabled:
+        return ("No differential-privacy guarantee: the source model was trained without DP, and its samples may "
+                "copy training records verbatim.")
+    return (f"Every record was sampled from a model trained with (ε = {report.epsilon:.3f}, δ = {report.delta:g})-"
+            f"differential privacy at the level of one {report.privacy_unit}. Sampling reads only the model's "
+            "weights, public prompts and the public set of labels, never the training data, so by the "
+            "post-processing property of differential privacy this file, any number of further samples and any "
+            f"analysis of them are (ε = {report.epsilon:.3f}, δ = {report.delta:g})-DP with respect to the training "
+            f"data at no further cost. DP bounds what the file reveals about any one {report.privacy_unit}; it does "
+            "not hide patterns shared by many records, nor anything in the public pretraining data.")
+
+
+def make_card(*, run_name: str, report: PrivacyReport, refusal: Optional[str], settings: dict, file: str,
+              num_records: int, complete: bool, sha256: Optional[str]) -> dict:
+    """The card as JSON-serialisable data (schema ``dpllm.synthetic.card/1``)."""
+    from dpllm.checkpoint import library_versions
+    from dpllm.export import public_report
+
+    public = public_report(report).to_dict()
+    return {
+        "schema": "dpllm.synthetic.card/1",
+        "file": file,
+        "num_records": num_records,
+        "complete": complete,
+        "sha256": sha256,
+        "source": {"run": run_name, "privacy": {k: public.get(k) for k in PRIVACY_FIELDS if k in public},
+                   "releasable": refusal is None, "dp_guarantee": refusal is None and report.enabled,
+                   "refusal_overridden": refusal},
+        "generation": settings,
+        "statement": statement(report, refusal),
+        "versions": {k: v for k, v in library_versions().items() if k in ("dpllm", "torch", "transformers")},
+    }
+
+
+def card_markdown(card: dict) -> str:
+    """README-style view of the card."""
+    p, g = card["source"]["privacy"], card["generation"]
+    if p.get("enabled"):
+        guarantee = (f"(ε = {p['epsilon']:.3f}, δ = {p['delta']:g}) at the level of one {p['privacy_unit']} "
+                     f"({p['accountant']} accountant; σ = {p['noise_multiplier']:.4g}, q = {p['sample_rate']:.4g}, "
+                     f"{p['steps']} steps, C = {p['max_grad_norm']:g}, {p['num_records']:,} training records)")
+    else:
+        guarantee = "none (trained without DP)"
+    cond = (f"labels (control codes, uniformly in turn): {', '.join(g['labels'])}" if g.get("labels") else
+            f"{len(g['prompts'])} public prompt(s), in turn" if g.get("prompts") else "unconditional")
+    return f"""# Synthetic data: `{card['file']}`
+
+{card['statement']}
+
+| | |
+|---|---|
+| records | {card['num_records']:,}{'' if card['complete'] else ' (incomplete: generation was interrupted; rerun the command to finish)'} |
+| sha256 | `{card['sha256']}` |
+| source run | `{card['source']['run']}` |
+| source model's DP guarantee | {guarantee} |
+| releasable | {'yes' if card['source']['releasable'] else '**no**: ' + str(card['source']['refusal_overridden'])} |
+| conditioning | {cond} |
+| sampling | temperature {g['temperature']:g}, top-p {g['top_p']:g}, at most {g['max_new_tokens']} new tokens, batch {g['batch_size']}, sampling seed {g['seed']} |
+
+Each line of the file is one JSON object: `id`, `text`, and `label` (label conditioning) or `prompt`
+(prompt conditioning). The sampling seed seeds only the sampling, which reads nothing private; the DP
+training noise was secret (see `source.privacy.noise_secret` in the JSON card).
+
+Written by `dpllm synthesize` (dpllm {card['versions'].get('dpllm')}). The leakage and fidelity report that
+comes with it (`*.report.*`) is computed against the training records and stays with the data owner.
+"""

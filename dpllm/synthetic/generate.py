@@ -1,0 +1,219 @@
+"""Sample a synthetic data set from a run's checkpoint: batched, seeded, resumable, with its data card.
+
+Record ``i`` is conditioned on ``labels[i % L]`` (the control code ``[label] `` the model was trained
+with, ``data.label_column``), on ``prompts[i % P]``, or on nothing (the tokenizer's BOS token, else its
+EOS token as a start-of-text marker). Batch ``b`` holds records ``b·B … b·B + B - 1`` (always a full
+batch; records past ``num`` are dropped) and draws from its own generator seeded by ``(seed, b)``, so an
+interrupted run continued later, or a file extended to a larger ``num``, holds exactly the lines one
+uninterrupted run would have written: a rerun reads the file, keeps its complete lines, and samples
+only the batches still missing (the settings must be the same; the card records them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+from dpllm.io import write_json_atomic, write_text_atomic
+from dpllm.synthetic.card import card_markdown, card_paths, file_sha256, make_card
+
+
+class SynthesisError(ValueError):
+    """Settings or a run that cannot be sampled from as asked; the message says what to change."""
+
+
+def run_labels(run_dir: Path) -> Optional[list[str]]:
+    """The set of labels a run trained with (``data.label_column``), sorted; None for an unlabelled run.
+
+    The set (not the records, not their counts) is treated as public, as the control codes are.
+    """
+    from dpllm.config import load_config_file
+    from dpllm.data import load_records, split_control_code
+
+    cfg = load_config_file(run_dir / "config.yaml").data
+    if not cfg.label_column:
+        return None
+    return sorted({lab for lab, _ in map(split_control_code, load_records(cfg)) if lab is not None})
+
+
+def _existing(out: Path) -> int:
+    """Complete lines already in ``out``; a last line cut by a crash is removed."""
+    if not out.exists():
+        return 0
+    data = out.read_bytes()
+    keep = data[: data.rfind(b"\n") + 1]
+    if len(keep) != len(data):
+        with open(out, "r+b") as fh:
+            fh.truncate(len(keep))
+    return keep.count(b"\n")
+
+
+def _start_ids(tok) -> list[int]:
+    start = tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id
+    if start is None:
+        raise SynthesisError("the tokenizer has neither a BOS nor an EOS token to start unconditional samples; "
+                             "give --prompt or --prompts-file")
+    return [start]
+
+
+def _batch_seed(seed: int, batch: int) -> int:
+    import numpy as np
+
+    return int(np.random.SeedSequence([seed, batch]).generate_state(1)[0])
+
+
+def synthesize(run_dir: str | Path, *, num: int, out: str | Path, temperature: float = 1.0, top_p: float = 1.0,
+               max_new_tokens: int = 128, batch_size: int = 32, seed: int = 0,
+               prompts: Optional[Sequence[str]] = None, labels: Optional[Sequence[str]] = None,
+               allow_non_private: bool = False, allow_unreleasable: bool = False, progress: bool = True) -> dict:
+    """Write ``num`` synthetic records of ``run_dir``'s model to ``out`` (JSONL) and its card beside it.
+
+    Args:
+        run_dir: a finished dpllm run directory.
+        num: records wanted in ``out`` (already present ones are kept: resume).
+        out: the JSONL file; ``*.card.json`` and ``*.card.md`` are written beside it.
+        temperature, top_p, max_new_tokens: sampling controls (``model.generate``).
+        batch_size: records sampled together.
+        seed: seeds the sampling only (it reads nothing private).
+        prompts: public prompts, used in turn; exclusive with ``labels``.
+        labels: classes to condition on in turn; default: every label of a run trained with
+            ``data.label_column`` (unconditional otherwise).
+        allow_non_private: accept a run trained without DP (the card says there is no guarantee).
+        allow_unreleasable: accept a run that ``dpllm export`` refuses (seeded noise, a ledger that does not
+            verify, no DP without ``allow_non_private``); the card marks the file NOT RELEASABLE with the reason.
+        progress: show a tqdm bar.
+
+    Returns:
+        The card (as written to ``*.card.json``).
+
+    Raises:
+        SynthesisError: bad settings, a refused run, or an ``out`` written with other settings.
+    """
+    from dpllm.export import ExportError, check_releasable
+    from dpllm.privacy.report import PrivacyReport, ReportError
+
+    run_dir, out = Path(run_dir), Path(out)
+    refusal = None
+    try:
+        report = check_releasable(run_dir, allow_non_private=allow_non_private, what="synthesize from")
+    except ExportError as err:
+        try:
+            report = PrivacyReport.read(run_dir)
+        except ReportError:
+            report = None
+        if report is None or not (run_dir / "checkpoint").is_dir():
+            raise SynthesisError(str(err)) from None
+        if not allow_unreleasable:
+            raise SynthesisError(f"{err}; or pass --allow-unreleasable to sample anyway (the card will say the file "
+                                 "is not releasable)") from None
+        refusal = str(err).split(": ", 1)[-1]
+    if num < 1 or batch_size < 1 or max_new_tokens < 1:
+        raise SynthesisError(f"num={num}, batch_size={batch_size}, max_new_tokens={max_new_tokens}: each must be ≥ 1")
+    if not temperature > 0 or not 0 < top_p <= 1:
+        raise SynthesisError(f"temperature={temperature} must be > 0 and top_p={top_p} in (0, 1]")
+    if prompts and labels:
+        raise SynthesisError("give prompts or labels, not both")
+    trained_labels = run_labels(run_dir)
+    if labels and trained_labels is None:
+        raise SynthesisError(f"labels={list(labels)[:3]}: {run_dir} was trained without data.label_column, so its "
+                             "model knows no control codes; sample unconditionally or with prompts")
+    if labels:
+        unknown = sorted(set(labels) - set(trained_labels))
+        if unknown:
+            raise SynthesisError(f"labels {unknown} were not in the training data's label set {trained_labels}")
+    elif not prompts and trained_labels:
+        labels = trained_labels
+    settings = {"temperature": temperature, "top_p": top_p, "max_new_tokens": max_new_tokens,
+                "batch_size": batch_size, "seed": seed, "conditioning": "labels" if labels else
+                "prompts" if prompts else "unconditional", "labels": list(labels or []), "prompts": list(prompts or [])}
+    card_json, card_md = card_paths(out)
+    done = _check_resume(out, card_json, settings)
+
+    def write_card(n: int, complete: bool) -> dict:
+        card = make_card(run_name=run_dir.resolve().name, report=report, refusal=refusal, settings=settings,
+                         file=out.name, num_records=n, complete=complete,
+                         sha256=file_sha256(out) if out.exists() else None)
+        write_json_atomic(card_json, card)
+        write_text_atomic(card_md, card_markdown(card))
+        return card
+
+    write_card(min(done, num), done >= num)  # the settings are on disk before the first sample
+    if done < num:
+        _sample(run_dir, out, start=done, num=num, settings=settings, progress=progress)
+    return write_card(max(done, num), True)
+
+
+def _check_resume(out: Path, card_json: Path, settings: dict) -> int:
+    done = _existing(out)
+    if not done:
+        return 0
+    if not card_json.is_file():
+        raise SynthesisError(f"--out {out} exists with {done} lines but has no {card_json.name} beside it: not a "
+                             "dpllm synthesize file; pick a new --out")
+    old = json.loads(card_json.read_text()).get("generation", {})
+    diff = sorted(k for k in settings if old.get(k) != settings[k])
+    if diff:
+        raise SynthesisError(f"--out {out} was written with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)}"
+                             f"); resuming needs the same ones, or pick a new --out")
+    return done
+
+
+def _sample(run_dir: Path, out: Path, *, start: int, num: int, settings: dict, progress: bool) -> None:
+    import torch
+    from tqdm.auto import tqdm
+
+    from dpllm.checkpoint import load_model
+    from dpllm.data import control_code
+    from dpllm.models import context_length
+
+    model, tok = load_model(run_dir, merge=True)
+    labels, prompts = settings["labels"], settings["prompts"]
+    B, mnt = settings["batch_size"], settings["max_new_tokens"]
+
+    def condition(i: int) -> tuple[list[int], dict]:
+        if labels:
+            lab = labels[i % len(labels)]
+            return tok(control_code(lab), add_special_tokens=False)["input_ids"], {"label": lab}
+        if prompts:
+            p = prompts[i % len(prompts)]
+            return tok(p, add_special_tokens=False)["input_ids"] or _start_ids(tok), {"prompt": p}
+        return _start_ids(tok), {}
+
+    longest = max(len(condition(i)[0]) for i in range(min(num, max(len(labels), len(prompts), 1))))
+    limit = context_length(model)
+    if limit is not None and longest + mnt > limit:
+        raise SynthesisError(f"max_new_tokens={mnt} plus a {longest}-token prompt exceeds the model's context of "
+                             f"{limit} tokens; lower max_new_tokens")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batches = range(start // B, math.ceil(num / B))
+    bar = tqdm(total=num, initial=start, desc="synthesize", unit="rec", disable=not progress)
+    for b in batches:
+        # always a full batch (the draws of a row depend on its batch's shape), of which ids < num are kept
+        ids = range(b * B, (b + 1) * B)
+        conds = [condition(i) for i in ids]
+        T = max(len(c[0]) for c in conds)
+        # left padding: every row's prompt ends at the same position, where generation starts
+        input_ids = torch.tensor([[pad] * (T - len(c[0])) + c[0] for c in conds])
+        mask = torch.tensor([[0] * (T - len(c[0])) + [1] * len(c[0]) for c in conds])
+        with torch.random.fork_rng():  # the caller's global generator is left as it was
+            torch.manual_seed(_batch_seed(settings["seed"], b))
+            with torch.no_grad():
+                gen = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
+                                     do_sample=True, temperature=settings["temperature"], top_p=settings["top_p"],
+                                     top_k=0, max_new_tokens=mnt, pad_token_id=pad, eos_token_id=tok.eos_token_id)
+        lines = []
+        for i, (_, extra), row in zip(ids, conds, gen[:, T:].tolist()):
+            if i < start or i >= num:  # already on disk from an interrupted run (same seed: same sample), or extra
+                continue
+            text = tok.decode(row, skip_special_tokens=True)
+            text = extra["prompt"] + text.rstrip() if "prompt" in extra else text.strip()
+            lines.append(json.dumps({"id": i, "text": text, **extra}, ensure_ascii=False) + "\n")
+        with open(out, "a", encoding="utf-8") as fh:  # one append per batch, fsynced: a crash loses one batch
+            fh.write("".join(lines))
+            fh.flush()
+            os.fsync(fh.fileno())
+        bar.update(len(lines))
+    bar.close()

@@ -1,0 +1,200 @@
+"""dpllm synthesize: release checks, label control codes, seeded resumable sampling, card and report."""
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from dpllm.cli import main as dpllm_main
+from dpllm.config import parse_config
+from dpllm.data import DataError, load_records, pydoc_paragraphs, split_control_code
+from dpllm.io import read_jsonl
+from dpllm.synthetic import SynthesisError, evaluate, synthesize, write_report
+from dpllm.synthetic.fidelity import downstream, frechet_distance, ngram_js
+from dpllm.synthetic.leakage import canary_extraction, leakage
+from dpllm.train import train
+
+TOPICS = ("assert", "if", "while", "for", "try")
+FAST = ["--max_steps", "2", "--logical_batch_size", "16", "--physical_batch_size", "16", "--max_length", "48",
+        "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every", "0", "--eval_max_records", "8",
+        "--progress", "false", "--finetuning", "full", "--accountant", "rdp"]
+GEN = dict(temperature=1.0, top_p=0.9, max_new_tokens=12, batch_size=4, seed=3, progress=False)
+
+
+def labelled_file(path):
+    rows = [{"text": p, "topic": key} for key in TOPICS for p in pydoc_paragraphs(key) if len(p) >= 32][:80]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("synth")
+    data = labelled_file(base / "data.jsonl")
+    common = ["--dataset", str(data), "--label_column", "topic", "--num_canaries", "4", *FAST]
+    train(parse_config(["--output_dir", str(base / "dp"), "--target_epsilon", "4", *common]))
+    train(parse_config(["--output_dir", str(base / "nodp"), "--privacy.enabled", "false", *common]))
+    train(parse_config(["--output_dir", str(base / "plain"), "--target_epsilon", "4", "--max_records", "60", *FAST]))
+    return base
+
+
+def test_label_column_prefixes_a_control_code(tmp_path):
+    data = labelled_file(tmp_path / "d.jsonl")
+    cfg = parse_config(["--dataset", str(data), "--label_column", "topic"]).data
+    labels = [split_control_code(t)[0] for t in load_records(cfg)]
+    assert len(set(labels)) >= 3 and set(labels) <= set(TOPICS)
+    assert load_records(cfg)[0].startswith("[assert] ")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x" * 40, "topic": "a"}) + "\n"
+                                        + json.dumps({"text": "y" * 40}) + "\n")
+    with pytest.raises(DataError, match="record 2 has label None"):
+        load_records(parse_config(["--dataset", str(tmp_path / "bad.jsonl"), "--label_column", "topic"]).data)
+    (tmp_path / "d.csv").write_text("text,topic\n" + "".join(f"record number {i} of a csv file here,t{i % 2}\n"
+                                                               for i in range(4)))
+    csv = parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "topic"]).data
+    assert load_records(csv)[1] == "[t1] record number 1 of a csv file here"
+    with pytest.raises(DataError, match="no label column 'kind'"):
+        load_records(parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "kind"]).data)
+    with pytest.raises(DataError, match="needs a .jsonl"):
+        load_records(parse_config(["--dataset", "pydoc", "--label_column", "topic"]).data)
+
+
+def test_refuses_what_export_refuses(runs, tmp_path):
+    with pytest.raises(SynthesisError, match="trained without DP.*--allow-non-private"):
+        synthesize(runs / "nodp", num=2, out=tmp_path / "n.jsonl", **GEN)
+    assert not (tmp_path / "n.jsonl").exists()
+    card = synthesize(runs / "nodp", num=2, out=tmp_path / "n.jsonl", allow_non_private=True, **GEN)
+    assert "No differential-privacy guarantee" in card["statement"] and not card["source"]["privacy"]["enabled"]
+    assert not card["source"]["dp_guarantee"]
+    card = synthesize(runs / "nodp", num=2, out=tmp_path / "n2.jsonl", allow_unreleasable=True, **GEN)
+    assert card["statement"].startswith("NOT RELEASABLE") and "without DP" in card["source"]["refusal_overridden"]
+
+    seeded = tmp_path / "seeded"  # as a privacy.reproducible_noise run reports itself
+    shutil.copytree(runs / "dp", seeded)
+    for path in (seeded / "privacy_report.json", seeded / "checkpoint" / "privacy_report.json"):
+        path.write_text(json.dumps({**json.loads(path.read_text()), "noise_secret": False}))
+    with pytest.raises(SynthesisError, match="reproducible"):
+        synthesize(seeded, num=2, out=tmp_path / "s.jsonl", **GEN)
+    card = synthesize(seeded, num=2, out=tmp_path / "s.jsonl", allow_unreleasable=True, **GEN)
+    assert not card["source"]["releasable"] and card["statement"].startswith("NOT RELEASABLE")
+    assert "**no**" in (tmp_path / "s.card.md").read_text()
+
+    tampered = tmp_path / "tampered"
+    shutil.copytree(runs / "dp", tampered)
+    ledger = tampered / "privacy_ledger.jsonl"
+    lines = ledger.read_text().splitlines(keepends=True)
+    entry = json.loads(lines[-1])
+    entry["epsilon"] = entry["epsilon"] / 2  # a smaller ε than was spent
+    ledger.write_text("".join(lines[:-1]) + json.dumps(entry) + "\n")
+    with pytest.raises(SynthesisError, match="ledger does not verify"):
+        synthesize(tampered, num=2, out=tmp_path / "t.jsonl", **GEN)
+
+
+def test_labels_card_and_resume(runs, tmp_path):
+    whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
+    card = synthesize(runs / "dp", num=10, out=whole, **GEN)
+    rows = read_jsonl(whole)
+    labels = card["generation"]["labels"]
+    assert labels == sorted(labels) and set(labels) <= set(TOPICS) and len(labels) >= 3
+    assert [r["id"] for r in rows] == list(range(10))
+    assert [r["label"] for r in rows] == [labels[i % len(labels)] for i in range(10)]
+    report = json.loads((runs / "dp" / "privacy_report.json").read_text())
+    assert card["source"]["privacy"]["epsilon"] == report["epsilon"] and card["source"]["releasable"]
+    assert "post-processing" in card["statement"] and card["complete"] and card["num_records"] == 10
+    from dpllm.synthetic.card import file_sha256
+
+    assert card["sha256"] == file_sha256(whole) and str(runs) not in json.dumps(card) and card["source"]["dp_guarantee"]
+    assert f"ε = {report['epsilon']:.3f}" in (tmp_path / "whole.card.md").read_text()
+
+    # interrupted after 6 records (mid-batch) and a cut line: the rerun writes what one run would have
+    synthesize(runs / "dp", num=6, out=part, **GEN)
+    with open(part, "a") as fh:
+        fh.write('{"id": 6, "te')
+    synthesize(runs / "dp", num=10, out=part, **GEN)
+    assert part.read_text() == whole.read_text()
+    synthesize(runs / "dp", num=10, out=tmp_path / "other_seed.jsonl", **{**GEN, "seed": 4})
+    assert read_jsonl(tmp_path / "other_seed.jsonl") != rows
+    with pytest.raises(SynthesisError, match="other settings.*temperature"):
+        synthesize(runs / "dp", num=12, out=whole, **{**GEN, "temperature": 0.5})
+    with pytest.raises(SynthesisError, match="not in the training data's label set"):
+        synthesize(runs / "dp", num=2, out=tmp_path / "x.jsonl", labels=["nope"], **GEN)
+    with pytest.raises(SynthesisError, match="without data.label_column"):
+        synthesize(runs / "plain", num=2, out=tmp_path / "y.jsonl", labels=["if"], **GEN)
+
+
+def test_prompts_and_unconditional(runs, tmp_path):
+    synthesize(runs / "plain", num=3, out=tmp_path / "p.jsonl", prompts=["The ", "A "], **GEN)
+    rows = read_jsonl(tmp_path / "p.jsonl")
+    assert [r["prompt"] for r in rows] == ["The ", "A ", "The "] and rows[1]["text"].startswith("A ")
+    card = synthesize(runs / "plain", num=3, out=tmp_path / "u.jsonl", **GEN)
+    assert card["generation"]["conditioning"] == "unconditional" and len(read_jsonl(tmp_path / "u.jsonl")) == 3
+
+
+def test_cli_help_lists_synthesize(capsys):
+    assert dpllm_main(["--help"]) == 0 and "synthesize" in capsys.readouterr().out
+    assert dpllm_main(["synthesize", "--help"]) == 0 and "--allow-unreleasable" in capsys.readouterr().out
+
+
+def test_cli_writes_file_card_and_private_report(runs, tmp_path, capsys):
+    out = tmp_path / "cli" / "synth.jsonl"
+    out.parent.mkdir()
+    code = dpllm_main(["synthesize", str(runs / "dp"), "--num", "8", "--out", str(out), "--max-new-tokens", "16",
+                       "--batch-size", "8", "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    names = sorted(p.name for p in out.parent.iterdir())
+    assert names == ["synth.card.json", "synth.card.md", "synth.jsonl", "synth.report.json", "synth.report.md",
+                     "synth.report.png"]
+    rep = json.loads((out.parent / "synth.report.json").read_text())
+    assert rep["leakage"]["n"] == 8 and rep["leakage"]["canaries"]["canaries"] == 4
+    assert "downstream_accuracy" in rep["fidelity"]["synthetic"] and rep["fidelity"]["embedder"].startswith("lsa")
+    assert "PRIVATE" in (out.parent / "synth.report.md").read_text()
+    assert dpllm_main(["synthesize", str(runs / "nodp"), "--num", "1", "--out", str(tmp_path / "z.jsonl")]) == 1
+    assert "--allow-non-private" in capsys.readouterr().err
+
+
+def test_leakage_sees_copies_and_the_heldout_control():
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(400)]
+    rec = [" ".join(rng.choice(words, 16)) for _ in range(60)]
+    train, heldout = rec[:40], rec[40:]
+    fresh = [" ".join(rng.choice(words, 16)) for _ in range(10)]
+    copied = [t[:70] for t in train[:10]]  # a token budget cut them: prefixes still count
+    r = leakage(copied + fresh, train, heldout, min_chars=48)
+    assert r["verbatim"]["train_all"] == 0.5 and r["verbatim"]["heldout"] == 0.0
+    assert r["verbatim"]["distinct_train_records_copied"] == 10 and r["num_train_matched"] == 20
+    assert r["nn_distance"]["heldout"]["min"] > 0.5
+    # chunking does not change the answer
+    from dpllm.synthetic.leakage import nearest_neighbours
+
+    full, one = nearest_neighbours(copied + fresh, train), nearest_neighbours(copied + fresh, train, chunk=3)
+    assert np.array_equal(full[0], one[0]) and np.array_equal(full[1], one[1]) and (full[0][:10] > 0.5).all()
+    none = leakage(fresh, train, heldout)
+    assert none["verbatim"]["train_all"] == 0.0 and none["near"]["train"] == 0.0
+    assert 0.2 <= none["closer_to_train"] <= 0.8
+    canaries = [{"id": 0, "text": "c: abcdef", "prefix": "c: ", "included": True},
+                {"id": 1, "text": "c: ghijkl", "prefix": "c: ", "included": False},
+                {"id": 2, "text": "c: mnopqr", "prefix": "c: ", "included": True}]
+    got = canary_extraction(["xx abcdef yy", "ghijkl"], canaries)
+    assert (got["extracted_included"], got["extracted_excluded"], got["extracted_ids"]) == (1, 1, [0, 1])
+
+
+def test_fidelity_measures():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4000, 3))
+    assert frechet_distance(x, rng.normal(size=(4000, 3))) < 0.02
+    assert frechet_distance(x, rng.normal(size=(4000, 3)) + [2.0, 0, 0]) == pytest.approx(4.0, abs=0.15)
+    assert ngram_js(["a b", "c"], ["a b", "c"], n=2) == 0.0 and ngram_js(["a b"], ["c d"], n=1) == 1.0
+    train = ["def f(x): return x"] * 5 + ["the cat sat on the mat"] * 5
+    labels = ["code"] * 5 + ["prose"] * 5
+    assert downstream(train, labels, ["def g(y): return y", "a cat on a mat"], ["code", "prose"]) == 1.0
+    assert downstream(train[:5], labels[:5], ["x"], ["code"]) is None
+
+
+def test_module_examples():
+    import doctest
+
+    from dpllm.synthetic import fidelity as fidelity_module, leakage as leakage_module
+
+    for module in (leakage_module, fidelity_module):
+        result = doctest.testmod(module)
+        assert result.attempted > 0 and result.failed == 0, module.__name__
