@@ -191,6 +191,36 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
     Raises:
         DataError: as :func:`load_records`, or a missing user column.
     """
+    loaded = load_dataset(cfg)
+    return loaded.records, loaded.users
+
+
+@dataclass
+class Loaded:
+    """The records of a dataset, their users (or None), and what loading removed on the way."""
+
+    records: list[str]
+    users: Optional[list[str]]
+    read: int
+    too_short: int
+    duplicates: int
+
+    def notes(self, cfg: DataConfig) -> list[str]:
+        """Lines for the privacy plan's warnings: records removed as duplicates of a file's (none for the
+        built-in corpora, whose repeated paragraphs are known and documented)."""
+        if not self.duplicates or cfg.dataset in BUILTIN:
+            return []
+        return [f"dataset={cfg.dataset}: {self.duplicates:,} of {self.read:,} records read were exact duplicates of "
+                "an earlier record and were removed (a text trained on twice would be both member and non-member); N "
+                "counts unique records"]
+
+
+def load_dataset(cfg: DataConfig) -> Loaded:
+    """:func:`load_records_and_users` with the counts of records read, too short and duplicated.
+
+    Raises:
+        DataError: as :func:`load_records_and_users`.
+    """
     by_user = cfg.privacy_unit == "user"
     if cfg.dataset in BUILTIN:
         raw, raw_users = BUILTIN_USERS[cfg.dataset]() if by_user else (BUILTIN[cfg.dataset](), None)
@@ -203,14 +233,23 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
     seen: set[str] = set()
     records: list[str] = []
     users: list[str] = []
+    too_short = duplicates = 0
     for i, text in enumerate(raw):
         text = text.strip()
         # exact duplicates would be both member and non-member: keep the first only
-        if len(text) >= cfg.min_chars and text not in seen:
+        if len(text) < cfg.min_chars:
+            too_short += 1
+        elif text in seen:
+            duplicates += 1
+        else:
             seen.add(text)
             records.append(text)
             if raw_users is not None:
                 users.append(raw_users[i])
+    if duplicates:
+        log.log(logging.INFO if cfg.dataset in BUILTIN else logging.WARNING,
+                "dataset %s: %d of %d records read were exact duplicates and were removed", cfg.dataset, duplicates,
+                len(raw))
     if cfg.max_records is not None:
         records, users = records[: cfg.max_records], users[: cfg.max_records]
     if not records:
@@ -218,7 +257,8 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
             f"dataset={cfg.dataset}: no records left ({len(raw)} read, min_chars={cfg.min_chars}); "
             "check the file and text_column, or lower min_chars"
         )
-    return records, (users if by_user else None)
+    return Loaded(records=records, users=users if by_user else None, read=len(raw), too_short=too_short,
+                  duplicates=duplicates)
 
 
 def sha256(text: str) -> str:

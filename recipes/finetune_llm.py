@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> dict:
         report = PrivacyReport.read(summary["run_dir"])
         print(f"\nheld-out loss {summary['final_eval_loss']:.4f} (perplexity {summary['final_eval_ppl']:.2f})")
         print(report.summary() if not report.enabled else f"privacy: {report.summary()}")
+        for warning in report.warnings:  # logged when planned; repeated where the run ends, where people look
+            print(f"warning: {warning}")
         print(f"checkpoint: {summary['run_dir']}/checkpoint   report: {summary['run_dir']}/privacy_report.json")
     return summary
 
