@@ -365,15 +365,54 @@ def load_split_texts(run_dir: str | Path, split: str) -> list[str]:
     return texts
 
 
+def _longest_token_chars(tokenizer) -> int:
+    """The most characters one vocabulary entry spells (≥ the characters of text one token can cover)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def truncated_ids(texts: Sequence[str], tokenizer, max_length: int) -> tuple[list[list[int]], list[bool]]:
+    """Each record's first ``max_length`` token ids, and whether the record has more tokens than that.
+
+    Exactly ``tokenizer(text, truncation=True, max_length=max_length)``, without tokenizing all of a long record
+    (a 5 MB record took a minute): a record longer than W = 2·(max_length + 16)·(longest token in characters)
+    characters is tokenized in its first W and 2W characters; when both prefixes hold more than max_length + 16
+    tokens and agree on the first max_length, those are the record's (the cut changes only tokens near it, far
+    past max_length). Otherwise, the whole record is tokenized.
+    """
+    margin = 16
+    window = 2 * (max_length + margin) * max(1, _longest_token_chars(tokenizer))
+    short = [i for i, t in enumerate(texts) if len(t) <= window]
+    ids: list = [None] * len(texts)
+    over = [False] * len(texts)
+    if short:  # one pass; only the records over the limit are tokenized again, truncated (special tokens kept)
+        for i, f in zip(short, tokenizer([texts[i] for i in short], truncation=False)["input_ids"]):
+            ids[i], over[i] = f, len(f) > max_length
+        long = [i for i in short if over[i]]
+        if long:
+            for i, c in zip(long, tokenizer([texts[i] for i in long], truncation=True, max_length=max_length)[
+                    "input_ids"]):
+                ids[i] = c
+    for i, text in enumerate(texts):
+        if ids[i] is not None:
+            continue
+        heads = [tokenizer(text[:w], truncation=False)["input_ids"] for w in (window, 2 * window)]
+        cuts = [tokenizer(text[:w], truncation=True, max_length=max_length)["input_ids"] for w in (window, 2 * window)]
+        if min(len(h) for h in heads) > max_length + margin and cuts[0] == cuts[1]:
+            ids[i], over[i] = cuts[0], True
+        else:  # few tokens for many characters (a normalizer drops them): no shortcut is safe
+            ids[i] = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+            over[i] = len(tokenizer(text, truncation=False)["input_ids"]) > max_length
+    return ids, over
+
+
 class TokenizedRecords(Dataset):
     """One tokenized record per item (a 1-D LongTensor of at most ``max_length`` ids)."""
 
     def __init__(self, texts: Sequence[str], tokenizer, max_length: int):
         if not texts:
             raise DataError("no records to tokenize")
-        enc = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
-        full = tokenizer(list(texts[:512]), truncation=False)["input_ids"]
-        self.truncated_fraction_sample = sum(len(f) > max_length for f in full) / len(full)
+        enc, over = truncated_ids(texts, tokenizer, max_length)
+        self.truncated_fraction_sample = sum(over[:512]) / len(over[:512])
         self.items = [torch.tensor(ids, dtype=torch.long) for ids in enc]
         short = sum(len(x) < 2 for x in self.items)
         if short:

@@ -162,6 +162,11 @@ class Trainer:
                 self.start()
                 self.train_steps()
                 return self.finish()
+            except KeyboardInterrupt:  # Ctrl-C: the command prints where to resume from, not a traceback
+                raise resume.Interrupted(self.out, step=self.step, steps=getattr(self, "steps", None),
+                                         started=self.lock is not None or getattr(self, "resume_from", None)
+                                         is not None,
+                                         main=self.world.is_main if hasattr(self, "world") else True) from None
             finally:
                 if self.bar is not None:
                     self.bar.close()
