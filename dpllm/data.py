@@ -191,7 +191,7 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
     Raises:
         DataError: as :func:`load_records`, or a missing user column.
     """
-    loaded = load_dataset(cfg)
+    loaded = load_records_counted(cfg)
     return loaded.records, loaded.users
 
 
@@ -215,7 +215,7 @@ class Loaded:
                 "counts unique records"]
 
 
-def load_dataset(cfg: DataConfig) -> Loaded:
+def load_records_counted(cfg: DataConfig) -> Loaded:
     """:func:`load_records_and_users` with the counts of records read, too short and duplicated.
 
     Raises:
@@ -246,10 +246,9 @@ def load_dataset(cfg: DataConfig) -> Loaded:
             records.append(text)
             if raw_users is not None:
                 users.append(raw_users[i])
-    if duplicates:
-        log.log(logging.INFO if cfg.dataset in BUILTIN else logging.WARNING,
-                "dataset %s: %d of %d records read were exact duplicates and were removed", cfg.dataset, duplicates,
-                len(raw))
+    if duplicates:  # a file's count also goes into the plan's warnings (Loaded.notes)
+        log.info("dataset %s: %d of %d records read were exact duplicates and were removed", cfg.dataset, duplicates,
+                 len(raw))
     if cfg.max_records is not None:
         records, users = records[: cfg.max_records], users[: cfg.max_records]
     if not records:

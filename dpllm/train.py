@@ -193,7 +193,7 @@ class Trainer:
 
     def setup_data(self) -> None:
         d = self.cfg.data
-        loaded = data.load_dataset(d)
+        loaded = data.load_records_counted(d)
         self.records, self.users, self.data_notes = loaded.records, loaded.users, loaded.notes(d)
         try:
             self.splits = data.make_splits(len(self.records), d, self.users)

@@ -130,9 +130,10 @@ def _check_numbers(args, privacy: PrivacyArguments, no) -> None:
     """dpllm's own range checks (:func:`dpllm.config.validate`) on the numbers a run takes from these arguments,
     at construction: a negative learning rate would otherwise fail in torch's optimizer, inside ``train()``."""
     try:
-        validate(RunConfig(train=TrainConfig(
-            learning_rate=args.learning_rate, weight_decay=args.weight_decay, logical_batch_size=privacy.logical_batch_size, physical_batch_size=args.per_device_train_batch_size),
-            privacy=privacy.privacy_config()))
+        validate(RunConfig(train=TrainConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                                             logical_batch_size=privacy.logical_batch_size,
+                                             physical_batch_size=args.per_device_train_batch_size),
+                           privacy=privacy.privacy_config()))
     except ConfigError as err:
         no(f"{err}".replace("physical_batch_size", "per_device_train_batch_size"))
 
