@@ -342,7 +342,8 @@ def test_a_huge_record_is_cut_before_it_is_tokenized_and_duplicates_are_counted(
     data.write_text("".join(rows + rows[:30]) + json.dumps({"text": big}) + "\n")
     monkeypatch.setattr(ByT5Tokenizer, "__call__", spy)
     out = workspace / "run"
-    assert recipe.cli([*FAST, "--dataset", str(data), "--output_dir", str(out), "--max_records", "200"]) == 0
+    assert recipe.cli([*FAST, "--dataset", str(data), "--output_dir", str(out), "--max_records", "200", "--accountant",
+                       "rdp"]) == 0
     assert seen and max(seen) < 100_000
     assert json.loads((out / "splits.json").read_text())["num_records"] == 81
     assert any("30 of 111 records read were exact duplicates" in w for w in _report(out)["warnings"])
@@ -367,13 +368,13 @@ def test_ctrl_c_says_how_to_resume_and_the_command_resumes(tmp_path, capsys, mon
     import shlex
 
     out = tmp_path / "run"
-    argv = [*FAST, "--max_steps", "4", "--output_dir", str(out), "--save_every", "1"]
+    argv = [*FAST, "--max_steps", "3", "--output_dir", str(out), "--save_every", "2", "--accountant", "rdp"]
     _stop_at(monkeypatch, 2)
     assert recipe.cli(argv) == 130
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert len(lines) == 1 and "Traceback" not in err, err
-    assert (f"interrupted at step 2 of 4; the last resumable checkpoint is {out / 'checkpoints' / 'step-000002'} "
+    assert (f"interrupted at step 2 of 3; the last resumable checkpoint is {out / 'checkpoints' / 'step-000002'} "
             "(step 2); resume with: python ") in lines[0]
     command = shlex.split(lines[0].split("resume with: ", 1)[1])
     assert command[-2:] == ["--resume_from", "latest"] and command[2:-2] == argv
@@ -385,7 +386,7 @@ def test_ctrl_c_says_how_to_resume_and_the_command_resumes(tmp_path, capsys, mon
 def test_ctrl_c_without_checkpoints_says_what_save_every_does(tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
     _stop_at(monkeypatch, 1)
-    assert recipe.cli([*FAST, "--output_dir", str(out), "--overwrite_output_dir", "true"]) == 130
+    assert recipe.cli([*FAST, "--output_dir", str(out), "--overwrite_output_dir", "true", "--accountant", "rdp"]) == 130
     err = capsys.readouterr().err
     assert "interrupted at step 1 of 2; no resumable checkpoint was written (--save_every N writes one" in err
     assert err.rstrip().endswith("--overwrite_output_dir true") and err.count("--overwrite_output_dir") == 1
@@ -395,7 +396,7 @@ def test_sigint_mid_run_exits_130_with_one_line(tmp_path):
     """The real signal, in a real process: no traceback, exit 130, the checkpoint left intact."""
     out = tmp_path / "run"
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), *FAST, "--max_steps", "500",
-           "--output_dir", str(out), "--save_every", "1"]
+           "--output_dir", str(out), "--save_every", "1", "--accountant", "rdp"]  # rdp: calibrates in milliseconds
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     deadline = time.time() + 120
     while not (out / "checkpoints" / "latest").is_file():

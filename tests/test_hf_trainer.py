@@ -224,7 +224,7 @@ def test_save_steps_writes_resumable_checkpoints_and_resume_continues(tmp_path):
         model, tok = tiny_model(finetuning="lora")  # the same initial model every time (seeded)
         trainer = DPTrainer(model=model, args=_args(out, max_steps=4, save_steps=2, per_device_train_batch_size=4,
                                                     seed=3),
-                            privacy_args=PrivacyArguments(target_epsilon=None, noise_multiplier=0.8,
+                            privacy_args=PrivacyArguments(target_epsilon=None, noise_multiplier=0.8, accountant="rdp",
                                                           logical_batch_size=8, reproducible_noise=True),
                             train_dataset=_dataset(tok, texts), processing_class=tok, callbacks=list(callbacks))
         return trainer, trainer.train(resume_from_checkpoint=resume)

@@ -57,8 +57,8 @@ def noise_batch_warning(sigma: float, batch: float) -> Optional[str]:
     if sigma / batch <= NOISE_BATCH_WARN:
         return None
     return (f"noise leaves little signal: σ/B = {sigma:.4g}/{batch:.4g} = {sigma / batch:.3g} > {NOISE_BATCH_WARN} "
-            "(B = q·N, the expected batch; per-coordinate noise σ·C/B on the averaged gradient is over a tenth of its "
-            "largest possible norm C); raise target_epsilon, the logical batch or the number of records")
+            "(B = q·N, the expected batch; per-coordinate noise σ·C/B on the averaged gradient is over a tenth of "
+            "its largest possible norm C); raise target_epsilon, the logical batch or the number of records")
 
 
 def capped_batch_warning(num_records: int, batch: int) -> Optional[str]:
