@@ -377,6 +377,17 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(f"interrupted at step {step}")
         self.run_dir, self.step, self.steps, self.started, self.main = Path(run_dir), step, steps, started, main
 
+    def __str__(self) -> str:
+        """Where the run stopped and what a resume would continue from (what a ``DPTrainer`` script shows)."""
+        where = (f"at step {self.step} of {self.steps}" if self.steps is not None and self.started
+                 else "before training started")
+        latest = latest_checkpoint(self.run_dir) if self.started else None
+        if latest is not None:
+            return f"interrupted {where}; the last resumable checkpoint is {latest[0]} (step {latest[1]})"
+        if self.started:
+            return f"interrupted {where}; no resumable checkpoint was written"
+        return f"interrupted {where}; nothing was written to {self.run_dir}"
+
 
 def latest_checkpoint(run_dir: Path) -> Optional[tuple[Path, int]]:
     """``(checkpoint directory, its step)`` that ``--resume_from latest`` would resume, or None."""
@@ -436,15 +447,10 @@ def interrupted_message(err: Interrupted, *, program: str, argv: list[str]) -> s
     """
     import shlex
 
-    where = (f"at step {err.step} of {err.steps}" if err.steps is not None and err.started
-             else "before training started")
-    latest = latest_checkpoint(err.run_dir) if err.started else None
-    if latest is not None:
-        ckpt, step = latest
-        return (f"interrupted {where}; the last resumable checkpoint is {ckpt} (step {step}); resume with: "
-                f"{program} {shlex.join(resume_argv(argv))}")
+    if err.started and latest_checkpoint(err.run_dir) is not None:
+        return f"{err}; resume with: {program} {shlex.join(resume_argv(argv))}"
     if err.started:
         again = resume_argv(argv)[:-2] + ["--overwrite_output_dir", "true"]
-        return (f"interrupted {where}; no resumable checkpoint was written (--save_every N writes one every N steps, "
-                f"for --resume_from latest); start over with: {program} {shlex.join(again)}")
-    return f"interrupted {where}; nothing was written to {err.run_dir}"
+        return (f"{err} (--save_every N writes one every N steps, for --resume_from latest); start over with: "
+                f"{program} {shlex.join(again)}")
+    return str(err)

@@ -233,7 +233,7 @@ def test_save_steps_writes_resumable_checkpoints_and_resume_continues(tmp_path):
     whole, _ = run(out_dir)
     assert sorted(p.name for p in (out_dir / "checkpoints").glob("step-*")) == ["step-000002", "step-000004"]
     out_dir.rename(tmp_path / "whole")
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="at step 3 of 4; the last resumable checkpoint is .*step-000002"):
         run(out_dir, callbacks=[StopAt(3)])
     assert (out_dir / "checkpoints" / "latest").read_text().strip() == "step-000002"
     resumed, out = run(out_dir, resume=True)
