@@ -332,6 +332,7 @@ def validate(cfg: RunConfig) -> None:
         if value is not None and not math.isfinite(value):
             hint = "; for a run without DP set privacy.enabled=false" if name == "target_epsilon" else ""
             raise ConfigError(f"{name}={value} must be a finite number{hint}")
+    _check_numbers(cfg)
     if p.enabled:
         if p.max_grad_norm <= 0:
             raise ConfigError(f"max_grad_norm={p.max_grad_norm} must be positive")
@@ -347,3 +348,45 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(
                 "train_on=public trains on the public split, which needs no DP: set privacy.enabled=false"
             )
+
+
+# option → (lowest allowed, whether the lowest is allowed, highest (exclusive) or None, what the option does when
+# off or why the bound). Checked before anything loads: a negative learning rate otherwise fails in torch's
+# optimizer after the model has loaded (minutes on a large model).
+_RANGES: dict[str, tuple[float, bool, Optional[float], str]] = {
+    "learning_rate": (0, False, None, "the optimizer's step size, e.g. 1e-4 to 1e-3"),
+    "weight_decay": (0, True, None, "0 turns it off"),
+    "momentum": (0, True, 1, "0 turns it off"),
+    "warmup_steps": (0, True, None, "0 turns it off"),
+    "eval_every": (0, True, None, "0 evaluates only at the start and the end"),
+    "eval_max_records": (1, True, None, "unset it to use every held-out record"),
+    "log_every": (1, True, None, "1 logs every step"),
+    "save_every": (0, True, None, "0 or unset writes no resumable checkpoints"),
+    "max_records": (1, True, None, "unset it to use every record"),
+    "min_chars": (0, True, None, "0 keeps every non-empty record"),
+    "num_canaries": (0, True, None, "0 adds none"),
+    "lora_r": (1, True, None, "the adapter rank"),
+    "lora_alpha": (0, False, None, "the adapter scale"),
+    "lora_dropout": (0, True, 1, "0 turns it off"),
+    "tiny_hidden_size": (1, True, None, "a layer width"),
+    "tiny_num_layers": (1, True, None, "a layer count"),
+    "tiny_num_heads": (1, True, None, "a head count"),
+    "tiny_intermediate_size": (1, True, None, "a layer width"),
+    "tiny_max_positions": (2, True, None, "the context length"),
+    "clipping_r": (0, False, None, "the clipping function's stability constant"),
+    "clipping_s": (0, False, None, "the clipping function's scale"),
+}
+
+
+def _check_numbers(cfg: RunConfig) -> None:
+    """Refuse numeric options outside their range (:data:`_RANGES`), naming the value and the range."""
+    values = {k: v for section in SECTIONS for k, v in asdict(getattr(cfg, section)).items()}
+    for name, (low, low_ok, high, why) in _RANGES.items():
+        value = values[name]
+        if value is None:
+            continue
+        ok = (isinstance(value, (int, float)) and math.isfinite(value)
+              and (value >= low if low_ok else value > low) and (high is None or value < high))
+        if not ok:
+            bound = (f"≥ {low:g}" if low_ok else f"> {low:g}") + (f" and < {high:g}" if high is not None else "")
+            raise ConfigError(f"{name}={value} must be {bound} ({why})")

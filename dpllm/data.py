@@ -228,6 +228,36 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
     Raises:
         DataError: as :func:`load_records`, or a missing user column.
     """
+    loaded = load_records_counted(cfg)
+    return loaded.records, loaded.users
+
+
+@dataclass
+class Loaded:
+    """The records of a dataset, their users (or None), and what loading removed on the way."""
+
+    records: list[str]
+    users: Optional[list[str]]
+    read: int
+    too_short: int
+    duplicates: int
+
+    def notes(self, cfg: DataConfig) -> list[str]:
+        """Lines for the privacy plan's warnings: records removed as duplicates of a file's (none for the
+        built-in corpora, whose repeated paragraphs are known and documented)."""
+        if not self.duplicates or cfg.dataset in BUILTIN:
+            return []
+        return [f"dataset={cfg.dataset}: {self.duplicates:,} of {self.read:,} records read were exact duplicates of "
+                "an earlier record and were removed (a text trained on twice would be both member and non-member); N "
+                "counts unique records"]
+
+
+def load_records_counted(cfg: DataConfig) -> Loaded:
+    """:func:`load_records_and_users` with the counts of records read, too short and duplicated.
+
+    Raises:
+        DataError: as :func:`load_records_and_users`.
+    """
     by_user = cfg.privacy_unit == "user"
     if cfg.label_column and (cfg.dataset in BUILTIN or Path(cfg.dataset).suffix.lower() == ".txt"):
         raise DataError(f"label_column={cfg.label_column!r} needs a .jsonl/.json/.csv file or a Hub dataset with that "
@@ -243,14 +273,22 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
     seen: set[str] = set()
     records: list[str] = []
     users: list[str] = []
+    too_short = duplicates = 0
     for i, text in enumerate(raw):
         text = text.strip()
         # exact duplicates would be both member and non-member: keep the first only
-        if len(text) >= cfg.min_chars and text not in seen:
+        if len(text) < cfg.min_chars:
+            too_short += 1
+        elif text in seen:
+            duplicates += 1
+        else:
             seen.add(text)
             records.append(text)
             if raw_users is not None:
                 users.append(raw_users[i])
+    if duplicates:  # a file's count also goes into the plan's warnings (Loaded.notes)
+        log.info("dataset %s: %d of %d records read were exact duplicates and were removed", cfg.dataset, duplicates,
+                 len(raw))
     if cfg.max_records is not None:
         records, users = records[: cfg.max_records], users[: cfg.max_records]
     if not records:
@@ -258,7 +296,8 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
             f"dataset={cfg.dataset}: no records left ({len(raw)} read, min_chars={cfg.min_chars}); "
             "check the file and text_column, or lower min_chars"
         )
-    return records, (users if by_user else None)
+    return Loaded(records=records, users=users if by_user else None, read=len(raw), too_short=too_short,
+                  duplicates=duplicates)
 
 
 def sha256(text: str) -> str:
@@ -365,15 +404,54 @@ def load_split_texts(run_dir: str | Path, split: str) -> list[str]:
     return texts
 
 
+def _longest_token_chars(tokenizer) -> int:
+    """The most characters one vocabulary entry spells (≥ the characters of text one token can cover)."""
+    return max((len(t) for t in tokenizer.get_vocab()), default=1)
+
+
+def truncated_ids(texts: Sequence[str], tokenizer, max_length: int) -> tuple[list[list[int]], list[bool]]:
+    """Each record's first ``max_length`` token ids, and whether the record has more tokens than that.
+
+    Exactly ``tokenizer(text, truncation=True, max_length=max_length)``, without tokenizing all of a long record
+    (a 5 MB record took a minute): a record longer than W = 2·(max_length + 16)·(longest token in characters)
+    characters is tokenized in its first W and 2W characters; when both prefixes hold more than max_length + 16
+    tokens and agree on the first max_length, those are the record's (the cut changes only tokens near it, far
+    past max_length). Otherwise, the whole record is tokenized.
+    """
+    margin = 16
+    window = 2 * (max_length + margin) * max(1, _longest_token_chars(tokenizer))
+    short = [i for i, t in enumerate(texts) if len(t) <= window]
+    ids: list = [None] * len(texts)
+    over = [False] * len(texts)
+    if short:  # one pass; only the records over the limit are tokenized again, truncated (special tokens kept)
+        for i, f in zip(short, tokenizer([texts[i] for i in short], truncation=False)["input_ids"]):
+            ids[i], over[i] = f, len(f) > max_length
+        long = [i for i in short if over[i]]
+        if long:
+            for i, c in zip(long, tokenizer([texts[i] for i in long], truncation=True, max_length=max_length)[
+                    "input_ids"]):
+                ids[i] = c
+    for i, text in enumerate(texts):
+        if ids[i] is not None:
+            continue
+        heads = [tokenizer(text[:w], truncation=False)["input_ids"] for w in (window, 2 * window)]
+        cuts = [tokenizer(text[:w], truncation=True, max_length=max_length)["input_ids"] for w in (window, 2 * window)]
+        if min(len(h) for h in heads) > max_length + margin and cuts[0] == cuts[1]:
+            ids[i], over[i] = cuts[0], True
+        else:  # few tokens for many characters (a normalizer drops them): no shortcut is safe
+            ids[i] = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
+            over[i] = len(tokenizer(text, truncation=False)["input_ids"]) > max_length
+    return ids, over
+
+
 class TokenizedRecords(Dataset):
     """One tokenized record per item (a 1-D LongTensor of at most ``max_length`` ids)."""
 
     def __init__(self, texts: Sequence[str], tokenizer, max_length: int):
         if not texts:
             raise DataError("no records to tokenize")
-        enc = tokenizer(list(texts), truncation=True, max_length=max_length)["input_ids"]
-        full = tokenizer(list(texts[:512]), truncation=False)["input_ids"]
-        self.truncated_fraction_sample = sum(len(f) > max_length for f in full) / len(full)
+        enc, over = truncated_ids(texts, tokenizer, max_length)
+        self.truncated_fraction_sample = sum(over[:512]) / len(over[:512])
         self.items = [torch.tensor(ids, dtype=torch.long) for ids in enc]
         short = sum(len(x) < 2 for x in self.items)
         if short:

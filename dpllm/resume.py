@@ -361,3 +361,96 @@ def sync_ledger(run_dir: Path, ckpt: Path, *, step: int, privacy: dict) -> None:
     if not any(e.get("kind") == "checkpoint" and e.get("checkpoint_sha256") == digest for e in ledger.read(run_dir)):
         ledger.append(run_dir, kind="checkpoint", step=step, privacy=privacy, checkpoint=rel)
     ledger.append(run_dir, kind="resume", step=step, privacy=privacy, checkpoint=rel)
+
+
+# ---- Ctrl-C ---------------------------------------------------------------------------------------------
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C (SIGINT): where it was, for :func:`interrupted_message`.
+
+    Attributes:
+        run_dir: the run directory; step, steps: steps done and planned (None before the plan);
+        started: whether the run directory was (re)written; main: whether this is the process that reports.
+    """
+
+    def __init__(self, run_dir: Path, *, step: int, steps: Optional[int], started: bool, main: bool):
+        super().__init__(f"interrupted at step {step}")
+        self.run_dir, self.step, self.steps, self.started, self.main = Path(run_dir), step, steps, started, main
+
+    def __str__(self) -> str:
+        """Where the run stopped and what a resume would continue from (what a ``DPTrainer`` script shows)."""
+        where = (f"at step {self.step} of {self.steps}" if self.steps is not None and self.started
+                 else "before training started")
+        latest = latest_checkpoint(self.run_dir) if self.started else None
+        if latest is not None:
+            return f"interrupted {where}; the last resumable checkpoint is {latest[0]} (step {latest[1]})"
+        if self.started:
+            return f"interrupted {where}; no resumable checkpoint was written"
+        return f"interrupted {where}; nothing was written to {self.run_dir}"
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[tuple[Path, int]]:
+    """``(checkpoint directory, its step)`` that ``--resume_from latest`` would resume, or None."""
+    pointer = Path(run_dir) / CHECKPOINTS / "latest"
+    try:
+        ckpt = pointer.parent / pointer.read_text().strip()
+        return ckpt, int(json.loads((ckpt / "trainer_state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+_FLAGS_DROPPED = ("--resume_from", "--train.resume_from", "--overwrite_output_dir", "--train.overwrite_output_dir")
+_BOOL_WORDS = {"true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"}
+
+
+def resume_argv(argv: list[str]) -> list[str]:
+    """``argv`` with ``--resume_from latest`` in place of any resume or overwrite option (they contradict it).
+
+    >>> resume_argv(["--max_steps", "9", "--overwrite_output_dir", "true", "--resume_from=x"])
+    ['--max_steps', '9', '--resume_from', 'latest']
+    """
+    out, i = [], 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        if name in _FLAGS_DROPPED:
+            takes_value = "=" not in argv[i] and i + 1 < len(argv) and (
+                "resume_from" in name or argv[i + 1].lower() in _BOOL_WORDS)
+            i += 2 if takes_value else 1
+            continue
+        out.append(argv[i])
+        i += 1
+    return out + ["--resume_from", "latest"]
+
+
+def program_of(script: str) -> str:
+    """How ``script`` was started, as a person retypes it: ``python SCRIPT``, or under ``accelerate launch``
+    the launcher's own options (read from the parent process on Linux; else a placeholder for them)."""
+    import shlex
+
+    if "WORLD_SIZE" not in os.environ and "ACCELERATE_MIXED_PRECISION" not in os.environ:
+        return f"python {shlex.quote(script)}"
+    try:
+        parent = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+        start = parent.index("launch")
+        return shlex.join(["accelerate", *parent[start: parent.index(script, start) + 1]])
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"accelerate launch [your launch options] {shlex.quote(script)}"
+
+
+def interrupted_message(err: Interrupted, *, program: str, argv: list[str]) -> str:
+    """One line after Ctrl-C: the checkpoint a resume continues from and the command that does it.
+
+    Args:
+        err: the interruption.
+        program: how the command was started (``python recipes/finetune_llm.py``), as it is to be printed.
+        argv: its options as given.
+    """
+    import shlex
+
+    if err.started and latest_checkpoint(err.run_dir) is not None:
+        return f"{err}; resume with: {program} {shlex.join(resume_argv(argv))}"
+    if err.started:
+        again = resume_argv(argv)[:-2] + ["--overwrite_output_dir", "true"]
+        return (f"{err} (--save_every N writes one every N steps, for --resume_from latest); start over with: "
+                f"{program} {shlex.join(again)}")
+    return str(err)

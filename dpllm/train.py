@@ -137,6 +137,7 @@ class Trainer:
         self.plan: Optional[PrivacyPlan] = None
         self.private = None  # dpllm.privacy.engine.PrivateTraining under DP
         self.user_unit = False  # privacy_unit=user (set by setup_data; subclasses with their own data keep records)
+        self.data_notes: list[str] = []  # what loading removed, for the plan's warnings (set by setup_data)
         self.criterion = None
         self.step = self.start_step = self.tokens_seen = 0
         self.window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
@@ -161,6 +162,11 @@ class Trainer:
                 self.start()
                 self.train_steps()
                 return self.finish()
+            except KeyboardInterrupt:  # Ctrl-C: the command prints where to resume from, not a traceback
+                raise resume.Interrupted(self.out, step=self.step, steps=getattr(self, "steps", None),
+                                         started=self.lock is not None or getattr(self, "resume_from", None)
+                                         is not None,
+                                         main=self.world.is_main if hasattr(self, "world") else True) from None
             finally:
                 if self.bar is not None:
                     self.bar.close()
@@ -187,8 +193,13 @@ class Trainer:
 
     def setup_data(self) -> None:
         d = self.cfg.data
-        self.records, self.users = data.load_records_and_users(d)
-        self.splits = data.make_splits(len(self.records), d, self.users)
+        loaded = data.load_records_counted(d)
+        self.records, self.users, self.data_notes = loaded.records, loaded.users, loaded.notes(d)
+        try:
+            self.splits = data.make_splits(len(self.records), d, self.users)
+        except data.DataError as err:  # say why so few are left: duplicates are easy to miss in a file
+            raise data.DataError(f"{err}" + (f" ({loaded.duplicates:,} of {loaded.read:,} records read were exact "
+                                             "duplicates and were removed)" if loaded.duplicates else "")) from None
         if d.train_on == "public" and not self.splits.public:
             raise data.DataError("train_on=public but public_fraction=0 leaves no public records; raise public_fraction")
         train_ids = self.splits.public if d.train_on == "public" else self.splits.train
@@ -301,7 +312,8 @@ class Trainer:
         if self.dp:
             self.plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=self.steps,
                                      target_epsilon=target, delta=delta, accountant=p.accountant,
-                                     noise_multiplier=sigma, prior_history=self.lineage.history)
+                                     noise_multiplier=sigma, prior_history=self.lineage.history,
+                                     data_notes=self.data_notes)
         for note in self.lineage.notes:
             log.info("stages: %s", note)
 

@@ -32,11 +32,13 @@ privacy_ledger.jsonl and, with save_every, checkpoints/ (see docs/operations.md)
 
 from __future__ import annotations
 
+import os
 import sys
 
 from dpllm.config import parse_config
 from dpllm.logs import setup_logging
 from dpllm.privacy.report import PrivacyReport
+from dpllm.resume import Interrupted, interrupted_message, program_of
 from dpllm.train import TrainingError, train
 
 
@@ -48,14 +50,31 @@ def main(argv: list[str] | None = None) -> dict:
         report = PrivacyReport.read(summary["run_dir"])
         print(f"\nheld-out loss {summary['final_eval_loss']:.4f} (perplexity {summary['final_eval_ppl']:.2f})")
         print(report.summary() if not report.enabled else f"privacy: {report.summary()}")
+        for warning in report.warnings:  # logged when planned; repeated where the run ends, where people look
+            print(f"warning: {warning}")
         print(f"checkpoint: {summary['run_dir']}/checkpoint   report: {summary['run_dir']}/privacy_report.json")
     return summary
 
 
+def interrupted(err: KeyboardInterrupt, argv: list[str]) -> None:
+    """After Ctrl-C, one line (from the first process only): where to resume from, and the command that does it."""
+    main_process = err.main if isinstance(err, Interrupted) else int(os.environ.get("RANK", "0")) == 0
+    if not main_process:
+        return
+    if not isinstance(err, Interrupted):
+        print("error: interrupted outside training (nothing of a run was lost)", file=sys.stderr)
+        return
+    print(f"error: {interrupted_message(err, program=program_of(sys.argv[0]), argv=argv)}", file=sys.stderr)
+
+
 def cli(argv: list[str] | None = None) -> int:
-    """``main`` with the exit codes of a command: 0 done, 2 bad input (one line saying what to change), 1 failed."""
+    """``main`` with the exit codes of a command: 0 done, 2 bad input (one line saying what to change), 1 failed,
+    130 interrupted (Ctrl-C; one line saying where to resume from)."""
     try:
         main(argv)
+    except KeyboardInterrupt as err:
+        interrupted(err, list(sys.argv[1:] if argv is None else argv))
+        return 130
     except ValueError as err:  # config, data, model and privacy-plan errors all say what to change
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -5,6 +5,7 @@ The training cases go through the recipe's real command entry point (``recipes/f
 """
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -42,6 +43,7 @@ def workspace(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("my own notes")
     (tmp_path / "notes" / "data.jsonl").write_text(json.dumps(rows[0]) + "\n")
     (tmp_path / "cfg.yaml").write_text("train:\n  max_steps: 2\n")
+    (tmp_path / "data" / "same.jsonl").write_text(json.dumps(rows[0]) + "\n" * 1 + (json.dumps(rows[0]) + "\n") * 199)
     return tmp_path
 
 
@@ -70,10 +72,16 @@ def cases(w):
         ("delta at 1/N", ["--dataset", data, "--output_dir", out, "--target_delta", "0.05"], "must be in (0, 1/N)"),
         ("unreachable epsilon", ["--dataset", data, "--output_dir", out, "--target_epsilon", "1e-9", "--max_steps",
                                  "500", "--accountant", "rdp"], "cannot be met"),
+        ("negative learning rate", ["--dataset", data, "--output_dir", out, "--learning_rate=-1e-3"],
+         "learning_rate=-0.001 must be > 0"),
+        ("log_every 0", ["--dataset", data, "--output_dir", out, "--log_every", "0"], "log_every=0 must be ≥ 1"),
+        ("200 identical records", ["--dataset", str(w / "data" / "same.jsonl"), "--output_dir", out],
+         "leave no private training record after public_fraction=0.0 and heldout_fraction=0.2; use more data (199 of "
+         "200 records read were exact duplicates and were removed)"),
     ]
 
 
-@pytest.mark.parametrize("index", range(12))
+@pytest.mark.parametrize("index", range(15))
 def test_bad_training_input(workspace, capsys, index):
     name, argv, message = cases(workspace)[index]
     before = snapshot(workspace)
@@ -243,3 +251,161 @@ def test_a_full_disk_while_writing_the_checkpoint_is_one_clear_error(tmp_path, c
     err = capsys.readouterr().err
     assert "could not write the checkpoint" in err and "No space left" in err and "Free disk space" in err
     assert not (out / "checkpoint").exists() and not list(out.glob(".checkpoint*"))  # nothing half-written
+
+
+def test_numeric_options_are_refused_before_the_model_loads(workspace, capsys, monkeypatch):
+    import dpllm.train
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(dpllm.train, "load_base", never)
+    for option, value, message in (("--learning_rate", "-0.001", "learning_rate=-0.001 must be > 0"),
+                                   ("--momentum", "1", "momentum=1.0 must be ≥ 0 and < 1"),
+                                   ("--eval_max_records", "0", "eval_max_records=0 must be ≥ 1"),
+                                   ("--lora_dropout", "1.5", "lora_dropout=1.5 must be ≥ 0 and < 1")):
+        assert recipe.cli([*FAST, "--output_dir", str(workspace / "out"), f"{option}={value}"]) == 2
+        assert message in capsys.readouterr().err
+    assert not (workspace / "out").exists()
+
+
+# ---- tiny data, oversized batches, duplicates: the run goes ahead, and says so in the log and the report ----
+
+def _report(out):
+    return json.loads((out / "privacy_report.json").read_text())
+
+
+def test_two_records_train_on_one_with_loud_warnings(tmp_path, capsys, caplog, recwarn):
+    data = tmp_path / "two.jsonl"
+    data.write_text("".join(json.dumps({"text": f"record {i} says something about the python language"}) + "\n"
+                            for i in range(2)))
+    out = tmp_path / "run"
+    assert recipe.cli([*FAST, "--dataset", str(data), "--output_dir", str(out)]) == 0
+    report = _report(out)
+    assert report["num_records"] == 1 and report["sample_rate"] == 1.0 and report["expected_batch_size"] == 1
+    capped, noise = report["warnings"]
+    assert "logical_batch_size=16 ≥ the 1 private training record(s)" in capped and "q = 1" in capped
+    assert f"σ/B = {report['noise_multiplier']:.4g}/1 = " in noise  # the batch the run has (1), not 16
+    assert capped in caplog.text and noise in caplog.text  # logged when planned
+    assert f"warning: {capped}" in capsys.readouterr().out  # and repeated where the run ends
+    assert not [w for w in recwarn if "divide by zero" in str(w.message)]  # PRV at q = 1 (see accounting)
+
+
+def test_prv_at_sample_rate_one_is_the_gaussian_mechanism_without_numpy_warnings():
+    """q = 1: T Gaussian steps at σ are one Gaussian at σ/√T, whose exact ε (Balle & Wang 2018) PRV bounds."""
+    import warnings
+
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    from dpllm.privacy.accounting import compute_epsilon
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        eps = compute_epsilon(noise_multiplier=6.0, sample_rate=1.0, steps=100, delta=1e-5, accountant="prv")
+    mu = 100 ** 0.5 / 6.0
+    exact = brentq(lambda e: norm.cdf(-e / mu + mu / 2) - math.exp(e) * norm.cdf(-e / mu - mu / 2) - 1e-5, 0, 50)
+    assert exact <= eps <= exact * 1.01  # 8.0037 ≤ 8.014
+
+
+def test_a_logical_batch_over_the_data_is_capped_and_said(tmp_path):
+    out = tmp_path / "run"
+    assert recipe.cli([*FAST, "--output_dir", str(out), "--logical_batch_size", "100000"]) == 0
+    report = _report(out)
+    n = report["num_records"]
+    assert report["sample_rate"] == 1.0 and report["expected_batch_size"] == n
+    assert any(f"logical_batch_size=100,000 ≥ the {n:,} private training record(s)" in w and
+               f"expected batch {n:,}, not 100,000" in w for w in report["warnings"])
+
+
+def test_a_huge_record_is_cut_before_it_is_tokenized_and_duplicates_are_counted(workspace, monkeypatch):
+    """A 3 MB record trains on its first max_length tokens, and the tokenizer never sees more than a window of
+    it; the 30 duplicated lines of the same file are counted in the report."""
+    from transformers import ByT5Tokenizer
+
+    from dpllm.data import truncated_ids
+    from dpllm.models import byte_tokenizer
+
+    seen = []
+    call = ByT5Tokenizer.__call__
+
+    def spy(self, text, *a, **k):
+        seen.append(max(len(t) for t in ([text] if isinstance(text, str) else text)))
+        return call(self, text, *a, **k)
+
+    big = " ".join(f"word{i} ünïcödé" for i in range(200_000))  # 3.2 MB
+    tok = byte_tokenizer()
+    assert truncated_ids([big], tok, 32) == ([call(tok, big[:5000], truncation=True, max_length=32)["input_ids"]],
+                                             [True])
+    rows = (workspace / "data" / "train.jsonl").read_text().splitlines(keepends=True)
+    data = workspace / "data" / "big.jsonl"
+    data.write_text("".join(rows + rows[:30]) + json.dumps({"text": big}) + "\n")
+    monkeypatch.setattr(ByT5Tokenizer, "__call__", spy)
+    out = workspace / "run"
+    assert recipe.cli([*FAST, "--dataset", str(data), "--output_dir", str(out), "--max_records", "200", "--accountant",
+                       "rdp"]) == 0
+    assert seen and max(seen) < 100_000
+    assert json.loads((out / "splits.json").read_text())["num_records"] == 81
+    assert any("30 of 111 records read were exact duplicates" in w for w in _report(out)["warnings"])
+
+
+# ---- Ctrl-C: one line saying where to resume from, exit 130, checkpoints intact --------------------------------
+
+def _stop_at(monkeypatch, step):
+    import dpllm.train
+
+    after = dpllm.train.Trainer.after_step
+
+    def stop(self):
+        after(self)
+        if self.step == step:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(dpllm.train.Trainer, "after_step", stop)
+
+
+def test_ctrl_c_says_how_to_resume_and_the_command_resumes(tmp_path, capsys, monkeypatch):
+    import shlex
+
+    out = tmp_path / "run"
+    argv = [*FAST, "--max_steps", "3", "--output_dir", str(out), "--save_every", "2", "--accountant", "rdp"]
+    _stop_at(monkeypatch, 2)
+    assert recipe.cli(argv) == 130
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert (f"interrupted at step 2 of 3; the last resumable checkpoint is {out / 'checkpoints' / 'step-000002'} "
+            "(step 2); resume with: python ") in lines[0]
+    command = shlex.split(lines[0].split("resume with: ", 1)[1])
+    assert command[-2:] == ["--resume_from", "latest"] and command[2:-2] == argv
+    monkeypatch.undo()
+    assert recipe.cli(command[2:]) == 0  # the printed command, as printed
+    assert json.loads((out / "run_summary.json").read_text())["resumed_from_step"] == 2
+
+
+def test_ctrl_c_without_checkpoints_says_what_save_every_does(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "run"
+    _stop_at(monkeypatch, 1)
+    assert recipe.cli([*FAST, "--output_dir", str(out), "--overwrite_output_dir", "true", "--accountant", "rdp"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted at step 1 of 2; no resumable checkpoint was written (--save_every N writes one" in err
+    assert err.rstrip().endswith("--overwrite_output_dir true") and err.count("--overwrite_output_dir") == 1
+
+
+def test_sigint_mid_run_exits_130_with_one_line(tmp_path):
+    """The real signal, in a real process: no traceback, exit 130, the checkpoint left intact."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), *FAST, "--max_steps", "500",
+           "--output_dir", str(out), "--save_every", "1", "--accountant", "rdp"]  # rdp: calibrates in milliseconds
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.time() + 120
+    while not (out / "checkpoints" / "latest").is_file():
+        assert time.time() < deadline and proc.poll() is None, "no checkpoint appeared"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    line = next(x for x in err.splitlines() if x.startswith("error: interrupted at step"))
+    ckpt = line.split("the last resumable checkpoint is ", 1)[1].split(" (step", 1)[0]
+    assert (out / "checkpoints" / "latest").read_text().strip() == os.path.basename(ckpt)
+    assert (tmp_path / "run" / "checkpoints" / os.path.basename(ckpt) / "trainer_state.json").is_file()

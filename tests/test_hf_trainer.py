@@ -187,7 +187,11 @@ def test_unsafe_trainer_inputs_are_refused(tmp_path, tiny):
     with pytest.raises(ConfigError, match="looks like packed data"):
         make(train_dataset=blocks).train()
     with pytest.raises(ConfigError, match="resume_from_checkpoint"):
-        make().train(resume_from_checkpoint=True)
+        make(args=_args(tmp_path / "run", resume_from_checkpoint="somewhere"))
+    with pytest.raises(ConfigError, match=r"learning_rate=-0.001 must be > 0"):
+        make(args=_args(tmp_path / "run", learning_rate=-1e-3))  # at construction, not in torch's optimizer
+    with pytest.raises(ConfigError, match="save_strategy='best'"):
+        make(args=_args(tmp_path / "run", save_strategy="best", metric_for_best_model="loss"))
     with pytest.raises(ConfigError, match="optim='adafactor'"):
         make(args=_args(tmp_path / "run", optim="adafactor")).train()
 
@@ -198,6 +202,46 @@ def test_unsafe_trainer_inputs_are_refused(tmp_path, tiny):
     with pytest.raises(ConfigError, match="overrides compute_loss"):
         OwnLoss(model=model, args=_args(tmp_path / "run"), train_dataset=ds, processing_class=tok).train()
     assert not any((tmp_path / "run").iterdir())  # the Trainer's constructor makes output_dir; nothing is in it
+
+
+# ---- save_steps: resumable checkpoints, and train(resume_from_checkpoint=True) continues from them ----------
+
+class StopAt(TrainerCallback):
+    """Ctrl-C after optimizer step ``step`` (after its checkpoint, as a kill between steps would be)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kw):
+        if state.global_step == self.step:
+            raise KeyboardInterrupt
+
+
+def test_save_steps_writes_resumable_checkpoints_and_resume_continues(tmp_path):
+    texts = [f"{t} (record {i})" for i in range(4) for t in TEXTS]
+
+    def run(out, *, callbacks=(), resume=None):
+        model, tok = tiny_model(finetuning="lora")  # the same initial model every time (seeded)
+        trainer = DPTrainer(model=model, args=_args(out, max_steps=4, save_steps=2, per_device_train_batch_size=4,
+                                                    seed=3),
+                            privacy_args=PrivacyArguments(target_epsilon=None, noise_multiplier=0.8, accountant="rdp",
+                                                          logical_batch_size=8, reproducible_noise=True),
+                            train_dataset=_dataset(tok, texts), processing_class=tok, callbacks=list(callbacks))
+        return trainer, trainer.train(resume_from_checkpoint=resume)
+
+    out_dir = tmp_path / "run"  # both runs in the same place: the records' path is part of the seeded stream
+    whole, _ = run(out_dir)
+    assert sorted(p.name for p in (out_dir / "checkpoints").glob("step-*")) == ["step-000002", "step-000004"]
+    out_dir.rename(tmp_path / "whole")
+    with pytest.raises(KeyboardInterrupt, match="at step 3 of 4; the last resumable checkpoint is .*step-000002"):
+        run(out_dir, callbacks=[StopAt(3)])
+    assert (out_dir / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    resumed, out = run(out_dir, resume=True)
+    assert out.global_step == 4 and resumed.dp_run.start_step == 2
+    mine, theirs = dict(resumed.model.named_parameters()), dict(whole.model.named_parameters())
+    for name, p in theirs.items():  # same batches and noise as the uninterrupted run
+        torch.testing.assert_close(mine[name].detach(), p.detach())
+    assert resumed.privacy_report.history == whole.privacy_report.history == [[0.8, 1 / 3, 4]]
 
 
 # ---- the example script vs recipes/finetune_llm.py -----------------------------------------------------------

@@ -109,17 +109,33 @@ def refuse_unsafe(args, privacy: PrivacyArguments, *, data_collator=None, comput
     if args.load_best_model_at_end:
         no("load_best_model_at_end=True is not supported; DPTrainer writes the final model to OUTPUT_DIR/checkpoint")
     if args.resume_from_checkpoint:
-        no("resume_from_checkpoint is not supported by DPTrainer yet; start a new run (or use "
-           "recipes/finetune_llm.py --resume_from latest)")
+        no("TrainingArguments resume_from_checkpoint is read by scripts, not by a Trainer; pass it to "
+           "trainer.train(resume_from_checkpoint=True) (the run's latest resumable checkpoint) and unset it here")
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
+        no("save_strategy='best' is not supported; use 'steps' (resumable checkpoints every save_steps steps, "
+           "under OUTPUT_DIR/checkpoints/) or 'no'")
     if privacy.privacy_unit != "record":
         no(f"privacy_unit={privacy.privacy_unit!r}: only 'record' (one row of train_dataset) is supported")
     if compute_loss_func is not None:
         no("compute_loss_func replaces the per-record loss that Opacus clips; drop it (labels of -100 already "
            "mask tokens out of the loss)")
+    _check_numbers(args, privacy, no)
     _check_collator(data_collator, no)
     if train_dataset is not None and not (hasattr(train_dataset, "__len__") and hasattr(train_dataset, "__getitem__")):
         no(f"train_dataset of type {type(train_dataset).__name__} has no length or random access; Poisson "
            "sampling draws from the whole dataset: pass a datasets.Dataset (not streaming) or a map-style Dataset")
+
+
+def _check_numbers(args, privacy: PrivacyArguments, no) -> None:
+    """dpllm's own range checks (:func:`dpllm.config.validate`) on the numbers a run takes from these arguments,
+    at construction: a negative learning rate would otherwise fail in torch's optimizer, inside ``train()``."""
+    try:
+        validate(RunConfig(train=TrainConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay,
+                                             logical_batch_size=privacy.logical_batch_size,
+                                             physical_batch_size=args.per_device_train_batch_size),
+                           privacy=privacy.privacy_config()))
+    except ConfigError as err:
+        no(f"{err}".replace("physical_batch_size", "per_device_train_batch_size"))
 
 
 def _check_collator(collator, no) -> None:
@@ -180,6 +196,7 @@ def run_config(args, privacy: PrivacyArguments, *, model_name: str, finetuning: 
         return 0
 
     log_every = every(args.logging_strategy, args.logging_steps) or steps
+    save_every = every(args.save_strategy, args.save_steps)  # the Trainer's checkpoint-N, as resumable checkpoints
     eval_every = every(args.eval_strategy, args.eval_steps or args.logging_steps) if has_eval else 0
     cfg = RunConfig(
         model=ModelConfig(model_name_or_path=model_name, finetuning=finetuning),
@@ -192,7 +209,8 @@ def run_config(args, privacy: PrivacyArguments, *, model_name: str, finetuning: 
                           warmup_steps=int(args.get_warmup_steps(steps)), eval_every=eval_every,
                           eval_max_records=None, log_every=log_every, seed=args.seed,
                           mixed_precision="bf16" if args.bf16 else "no",
-                          gradient_checkpointing=bool(args.gradient_checkpointing), progress=False),
+                          gradient_checkpointing=bool(args.gradient_checkpointing), progress=False,
+                          save_every=save_every or None),
         privacy=privacy.privacy_config())
     validate(cfg)
     return cfg

@@ -7,7 +7,10 @@ batches of ``per_device_train_batch_size``, Opacus's clipping and noise, the acc
 dpllm run directory in ``output_dir`` (config.yaml, splits.json, records.jsonl, metrics.jsonl, checkpoint/,
 privacy_report.json, privacy_ledger.jsonl) that ``dpllm report``, ``dpllm export`` and
 ``python -m mia audit`` read. The Trainer's optimizer (``optim``, ``learning_rate``, ``weight_decay``...),
-scheduler and callbacks are used; callbacks see ``epsilon`` in every ``on_log``.
+scheduler and callbacks are used; callbacks see ``epsilon`` in every ``on_log``. ``save_steps`` (with the
+default ``save_strategy="steps"``) writes dpllm's resumable checkpoints (:mod:`dpllm.resume`) under
+``OUTPUT_DIR/checkpoints/``, and ``trainer.train(resume_from_checkpoint=True)`` continues from the newest one
+with the same batches, noise and accountant as an uninterrupted run.
 
 After training ``trainer.model`` is the plain model again (Opacus's hooks removed), so
 ``trainer.model.generate(...)`` works as on any transformers model.
@@ -25,7 +28,7 @@ from typing import Optional
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput
 
-from dpllm import data, rundir
+from dpllm import data, resume, rundir
 from dpllm.config import ConfigError, RunConfig
 from dpllm.distributed import barrier, check_parallelism, world_of, wrap_model
 from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
@@ -81,9 +84,14 @@ class DPTrainer(Trainer):
 
         ``metrics`` holds ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and the final held-out
         loss; ``trainer.privacy_report`` is the :class:`~dpllm.privacy.report.PrivacyReport`.
+
+        Args:
+            resume_from_checkpoint: True continues from ``OUTPUT_DIR/checkpoints/latest`` (a new run if
+                ``output_dir`` holds no run yet); a path names one resumable checkpoint of this run. The
+                arguments, model and datasets must be those of the interrupted run.
         """
-        if resume_from_checkpoint or trial is not None:
-            raise ConfigError("DPTrainer.train: resume_from_checkpoint and trial are not supported; start a new run")
+        if trial is not None:
+            raise ConfigError("DPTrainer.train: trial (hyperparameter search) is not supported; start a new run")
         if self.dp_run is not None:
             raise ConfigError("DPTrainer.train was already called; a further stage is a new DPTrainer over the "
                               "trained model (its ε composes through the run directory)")
@@ -91,6 +99,8 @@ class DPTrainer(Trainer):
             raise ConfigError(f"{type(self).__name__} overrides compute_loss; DP training uses dpllm's per-record "
                               "loss through Opacus's criterion (labels of -100 mask tokens out)")
         self.dp_run = run = HFRun.from_trainer(self)
+        if resume_from_checkpoint:  # True: the run's latest resumable checkpoint (save_steps writes them)
+            run.cfg.train.resume_from = "latest" if resume_from_checkpoint is True else str(resume_from_checkpoint)
         self.is_in_train = True
         try:
             summary = run.run()
@@ -163,8 +173,10 @@ class HFRun(RunTrainer):
                               "accelerate forms a gloo process group")
         check_parallelism(self.p, self.world.kind, world_size=self.world.size,
                           logical_batch_size=self.t.logical_batch_size)
-        self.resume_from = None
-        if self.world.is_main:  # the data and model live in memory: no path in output_dir to protect
+        self.resume_from = resume.resolve(self.cfg)
+        if self.resume_from is not None:
+            resume.check_config(self.resume_from, self.cfg)
+        elif self.world.is_main:  # the data and model live in memory: no path in output_dir to protect
             rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir)
 
     def setup_data(self) -> None:
@@ -214,13 +226,19 @@ class HFRun(RunTrainer):
 
     def setup_run_dir(self) -> None:
         """As dpllm's, plus records.jsonl: the texts splits.json indexes (members and held-out)."""
-        if self.world.is_main:
+        if self.world.is_main and self.resume_from is not None:
+            self.lock = rundir.RunLock(self.out).acquire()
+            if (self.out / RECORDS).read_text() != _records_jsonl(self.records):
+                raise ConfigError(f"cannot resume {self.out}: train_dataset / eval_dataset differ from the run's "
+                                  f"{RECORDS}; resume with the same data, or start a new run")
+            resume.clean_partial_writes(self.out)
+        elif self.world.is_main:
             self.lock = rundir.RunLock(self.out).acquire()
             rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir)
             rundir.clear(self.out)
             rundir.mark(self.out)
             write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
-            write_text_atomic(self.out / RECORDS, "".join(json.dumps({"text": t}) + "\n" for t in self.records))
+            write_text_atomic(self.out / RECORDS, _records_jsonl(self.records))
             splits = self.splits.to_json(self.records, self.cfg.data)
             splits["trained_sha256"] = sorted(self.trained_hashes)
             write_json_atomic(self.out / "splits.json", splits)
@@ -239,6 +257,7 @@ class HFRun(RunTrainer):
         hf.optimizer, hf.lr_scheduler = self.optimizer, self.scheduler
         hf.control = handler.on_train_begin(hf.args, hf.state, hf.control)
         super().start()
+        hf.state.global_step = self.step  # a resumed run starts where its checkpoint left off
 
     def optimizer_step(self, ids: list[int]) -> None:
         hf = self.hf
@@ -278,6 +297,10 @@ class HFRun(RunTrainer):
 
 
 IN_MEMORY = "(in-memory model)"
+
+
+def _records_jsonl(texts) -> str:
+    return "".join(json.dumps({"text": t}) + "\n" for t in texts)
 
 
 def _model_name(model) -> str:

@@ -17,6 +17,7 @@ import math
 import warnings
 from typing import Callable, Iterable, Sequence
 
+import numpy as np
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 
@@ -68,6 +69,11 @@ def _epsilon_of(accountant: str, history: History, delta: float) -> float:
     acc.history = [(float(s), float(q), int(t)) for s, q, t in history if int(t) > 0]
     if not acc.history:
         return 0.0
+    if accountant == "prv" and any(q >= 1 for _, q, _ in acc.history):
+        # q = 1 (a batch of every record): Opacus's subsampled-Gaussian PRV takes log(1 - q) = -inf, the exact
+        # limit its formula needs (it then is the plain Gaussian's), and numpy warns once per evaluation.
+        with np.errstate(divide="ignore"):
+            return float(acc.get_epsilon(delta=delta))
     return float(acc.get_epsilon(delta=delta))
 
 

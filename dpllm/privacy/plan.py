@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from dpllm.privacy import accounting
 from dpllm.privacy.accounting import PrivacyPlanError
@@ -46,13 +46,37 @@ def check_finite_positive(name: str, value: Optional[float]) -> None:
                                   and value == math.inf else ""))
 
 
-def noise_batch_warning(sigma: float, batch: int) -> Optional[str]:
-    """The warning for σ/B above :data:`NOISE_BATCH_WARN` (None below it)."""
+def noise_batch_warning(sigma: float, batch: float) -> Optional[str]:
+    """The warning for σ/B above :data:`NOISE_BATCH_WARN` (None below it).
+
+    Args:
+        sigma: the noise multiplier σ.
+        batch: the batch the run really has: the expected batch q·N (:func:`expected_batch`), not the
+            configured logical batch, which q = 1/⌈N/B⌉ can cut (to N when B > N).
+    """
     if sigma / batch <= NOISE_BATCH_WARN:
         return None
-    return (f"noise leaves little signal: σ/B = {sigma:.4g}/{batch} = {sigma / batch:.3g} > {NOISE_BATCH_WARN} "
-            "(per-coordinate noise σ·C/B on the averaged gradient is over a tenth of its largest possible norm C); "
-            "raise target_epsilon, the logical batch or the number of records")
+    return (f"noise leaves little signal: σ/B = {sigma:.4g}/{batch:.4g} = {sigma / batch:.3g} > {NOISE_BATCH_WARN} "
+            "(B = q·N, the expected batch; per-coordinate noise σ·C/B on the averaged gradient is over a tenth of "
+            "its largest possible norm C); raise target_epsilon, the logical batch or the number of records")
+
+
+def capped_batch_warning(num_records: int, batch: int) -> Optional[str]:
+    """The warning for a logical batch B ≥ N: every step then uses every record (q = 1); None for B < N.
+
+    Such a run is legal (full-batch DP-GD) and its ε is exact, but it is rarely what was meant: sampling
+    amplifies nothing, an epoch is one step, and with a handful of records the model learns only noise.
+    """
+    if batch < num_records or num_records < 1:
+        return None
+    return (f"logical_batch_size={batch:,} ≥ the {num_records:,} private training record(s): every step trains on "
+            f"all of them (q = 1, expected batch {num_records:,}, not {batch:,}), so sampling gives no privacy "
+            "amplification and an epoch is one step; use more records or a logical_batch_size below N")
+
+
+def expected_batch(num_records: int, batch: int) -> float:
+    """q·N = N/⌈N/B⌉: the records an optimizer step averages over, on average (≤ B, and ≤ N)."""
+    return num_records * sample_rate_for(num_records, batch)
 
 
 def batches_per_epoch(num_records: int, batch: int) -> int:
@@ -124,7 +148,7 @@ class PrivacyPlan:
 
 def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, target_epsilon: Optional[float],
                  delta: float, accountant: str, noise_multiplier: Optional[float] = None,
-                 prior_history: Optional[list] = None) -> PrivacyPlan:
+                 prior_history: Optional[list] = None, data_notes: Sequence[str] = ()) -> PrivacyPlan:
     """Check δ and ε, pick or check σ, and return the plan. Cheap: run it before loading any model.
 
     Args:
@@ -136,6 +160,8 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
         accountant: ``prv``, ``rdp`` or ``gdp``.
         noise_multiplier: use this σ instead of calibrating (its ε must not exceed ``target_epsilon``).
         prior_history: ``(σ, q, steps)`` of earlier stages that trained on some of these records.
+        data_notes: what loading the data changed that the reader of the report should know (records
+            removed as duplicates, ...); recorded first among the plan's warnings.
 
     Raises:
         PrivacyPlanError: δ ≥ 1/N, a non-finite ε or δ, an unreachable ε, or a given σ over the target.
@@ -157,7 +183,9 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
     else:
         sigma = float(noise_multiplier)
     expected = int(num_records * q)
-    notes = [w for w in (noise_batch_warning(sigma, logical_batch_size),) if w]
+    notes = list(data_notes) + [w for w in (capped_batch_warning(num_records, logical_batch_size),
+                                            noise_batch_warning(sigma, expected_batch(num_records, logical_batch_size)))
+                                if w]
     plan = PrivacyPlan(num_records=num_records, sample_rate=q, steps=steps, noise_multiplier=sigma, delta=delta,
                        accountant=accountant, expected_batch_size=expected, prior_history=prior,
                        warnings=tuple(notes))

@@ -32,7 +32,8 @@ import warnings
 from typing import Any, Sequence
 
 from dpllm.privacy.accounting import ACCOUNTANTS, PrivacyPlanError, calibrate_noise, check_delta, compute_epsilon
-from dpllm.privacy.plan import check_finite_positive, noise_batch_warning, sample_rate_for, steps_for
+from dpllm.privacy.plan import (check_finite_positive, expected_batch, noise_batch_warning, sample_rate_for,
+                                steps_for)
 
 DEFAULT_EPSILONS = (1.0, 2.0, 4.0, 8.0, 10.0)
 SIGMA_DIGITS = 4
@@ -300,7 +301,8 @@ def cli_main(argv: list[str]) -> int:
         return 2
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     t = plan["target"] or plan["given_noise"]
-    warning = noise_batch_warning(t["noise_multiplier"], args.batch) if t else None
+    units = plan["num_users"] if plan.get("sampling") == "uls" else plan["num_records"]  # what a step samples
+    warning = noise_batch_warning(t["noise_multiplier"], expected_batch(units, plan["batch"])) if t else None
     if warning:
         print(f"warning: {warning}", file=sys.stderr)
     for msg in sorted({str(w.message) for w in caught}):  # once each, not once per bisection step
