@@ -133,7 +133,7 @@ class PrivacyReport:
             how = (f"tight group privacy over k = {u['group_size']} records (mixture accounting); record-level ε = "
                    f"{u['record_epsilon']:.3f} at δ = {u['record_delta']:.3g}" if "record_delta" in u
                    else "user-level sampling" if u.get("sampling") == "uls" else
-                   f"record-level DP; by group privacy over k = {u['group_size']} the user-level ε is "
+                   f"record-level DP; by group privacy over k = {u['group_size'] or 'any number of'} records the user-level ε is "
                    + ("UNBOUNDED" if u.get("user_epsilon") is None else f"{u['user_epsilon']:.3f}")
                    if u.get("sampling") == "record" else "k = 1")
             secret = (f"; USER-LEVEL: U = {u['num_users']:,} users, k = {u['max_records_per_user']}, "

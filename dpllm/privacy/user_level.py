@@ -47,6 +47,8 @@ from dpllm.sampling import PoissonBatchSampler
 GROUP_PRIVACY = ("tight group privacy of at most k records under Poisson sampling: each step a mixture of "
                  "Gaussians N(J·C, σ²C²), J ~ Bin(k, q), against N(0, σ²C²) (Ganesh 2024), composed by "
                  "dp-accounting's PLD accountant with pessimistic discretisation")
+UNCAPPED = ("no max_records_per_user: a user may hold any number of records, so no user-level ε follows from the "
+            "record-level one (user_epsilon = null, unbounded); set max_records_per_user to bound it")
 ULS_UNIT = "user-level sampling: the accountant's unit is the user (one clipped mean gradient per sampled user)"
 # The PLD's grid: 1e-2 keeps one step's PLD under 3 s at k = 16 and moves ε by ~0.1% from 1e-3; always an upper bound.
 MIXTURE_DISCRETIZATION = 1e-2
