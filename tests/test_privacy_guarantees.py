@@ -269,3 +269,52 @@ def test_noise_never_comes_from_the_seeded_global_generator(mode):
     pt.optimizer.step()
     assert torch.equal(before, torch.get_rng_state())  # noise drawn from our generator only
     assert pt.engine.accountant.history == [(1.0, 1.0, 1)]
+
+
+def _export_from(tmp_path, name, texts, **kw):
+    from dpllm.export import export
+
+    data = tmp_path / name / "data.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    run(tmp_path / name, "run", "--dataset", str(data), "--max_records", "1000", "--target_epsilon", "3",
+        "--target_delta", "1e-3")
+    return tmp_path / name / "run", export(tmp_path / name / "run", tmp_path / name / "bundle", **kw)
+
+
+def test_bundles_of_neighbouring_datasets_are_equal_apart_from_the_weights(tmp_path, records):
+    """Add/remove one record: every exported file but the weights is byte-equal (issue #21, item 2).
+
+    Before: the report carried records_sha256 (anyone who knows all records but one recomputes it for each
+    candidate), num_records and the local dataset path.
+    """
+    from dpllm import ledger
+    from dpllm.checkpoint import cli_main as report_main
+    from dpllm.export import export
+
+    texts = [json.loads(x)["text"] for x in records.read_text().splitlines()][:51]
+    # 40 and 41 training records at B = 16: the same q = 1/3, steps and σ (see the model card on ⌈N/B⌉)
+    run_a, a = _export_from(tmp_path, "without", texts[:50])
+    run_b, b = _export_from(tmp_path, "with", texts)
+    ra, rb = report_of(run_a), report_of(run_b)
+    assert (ra["num_records"], rb["num_records"]) == (40, 41) and ra["sample_rate"] == rb["sample_rate"] == 1 / 3
+    assert ra["stages"][-1]["records_sha256"] != rb["stages"][-1]["records_sha256"]  # private: kept in the run
+    files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for name in files:
+        if not name.endswith(".safetensors"):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    released = json.loads((a / "privacy_report.json").read_text())
+    assert released["num_records"] is None and released["expected_batch_size"] is None
+    assert released["stages"][-1]["dataset"] == "a local file (name withheld)"
+    assert released["release"]["neighbouring_relation"] == "add or remove one record"
+    text = json.dumps(released) + (a / "README.md").read_text()
+    assert "records_sha256" not in text and str(tmp_path) not in text and "40" not in text.replace("0.40", "")
+    # the private run keeps everything; ledger and report still read it
+    assert ledger.verify(run_a).ok and report_main([str(run_a)]) == 0
+    # a publisher may declare N public: then it is released exactly and the card says so
+    declared = export(run_a, tmp_path / "declared", declare_public=["num_records"])
+    assert json.loads((declared / "privacy_report.json").read_text())["num_records"] == 40
+    assert "N = 40 records was declared public" in (declared / "README.md").read_text()
+    with pytest.raises(ValueError, match="not a fact"):
+        export(run_a, tmp_path / "bad", declare_public=["records_sha256"])

@@ -498,6 +498,16 @@ def test_els_accounts_for_the_declared_cap_not_the_largest_user_found(tmp_path):
                            epsilons=[])
     assert plan["given_noise"]["epsilon"] == pytest.approx(report.epsilon, rel=1e-9)
     assert ledger.verify(run).ok
+    # a release states the cap and the relation, and withholds the counts found in the private data
+    from dpllm.export import model_card, release_report
+
+    released = release_report(report)
+    assert released.user_level == {k: u[k] for k in ("unit", "sampling", "max_records_per_user", "group_size",
+                                                     "users_per_batch", "group_privacy", "record_epsilon",
+                                                     "record_delta")}
+    card = model_card(released, lora=False, has_base=False)
+    assert "add or remove one user (with at most 8 records)" in card and "at most 8 records per user" in card
+    assert f"{u['num_users']} users" not in card and released.num_records is None
 
 
 def test_els_without_a_cap_is_refused_and_record_without_one_is_unbounded(tmp_path):
