@@ -546,7 +546,8 @@ class Trainer:
                       device=self.device, world=self.world)
         if self.world.is_main:
             append_jsonl(self.metrics_path, {"step": self.step, "split": "eval", **ev})
-            msg = f"eval step {self.step}: held-out loss {ev['loss']:.4f} (perplexity {ev['ppl']:.2f})"
+            # held-out records are private and their loss is un-noised: it stays in metrics.jsonl, never in a log line
+            msg = f"eval step {self.step}: held-out loss written to {self.metrics_path} (private)"
             (self.bar.write if self.bar is not None and not final else log.info)(msg)
         return ev
 
