@@ -318,3 +318,30 @@ def test_bundles_of_neighbouring_datasets_are_equal_apart_from_the_weights(tmp_p
     assert "N = 40 records was declared public" in (declared / "README.md").read_text()
     with pytest.raises(ValueError, match="not a fact"):
         export(run_a, tmp_path / "bad", declare_public=["records_sha256"])
+
+
+def test_composition_after_a_non_private_warm_up(tmp_path, records):
+    """Public warm-up without DP → DP stage → DP stage on the same records (issue #21, item 5): the warm-up
+    is listed but spends nothing, the second DP stage composes the first, and the bundle says so without
+    digests or counts."""
+    from dpllm import ledger
+    from dpllm.export import export
+
+    data = ["--dataset", str(records), "--public_fraction", "0.3", "--target_delta", "1e-3"]
+    run(tmp_path, "warm", *data, "--privacy.enabled", "false", "--train_on", "public")
+    run(tmp_path, "dp1", *data, "--model_name_or_path", str(tmp_path / "warm"), "--target_epsilon", "2")
+    run(tmp_path, "dp2", *data, "--model_name_or_path", str(tmp_path / "dp1"), "--target_epsilon", "4")
+    dp1, dp2 = report_of(tmp_path / "dp1"), report_of(tmp_path / "dp2")
+    assert [s["enabled"] for s in dp1["stages"]] == [False, True] and len(dp1["history"]) == 1
+    assert dp1["composition"] == "single stage"  # checked disjoint from the private records, nothing composed
+    assert dp1["epsilon"] <= 2.0 and dp1["epsilon"] == pytest.approx(accounting.compute_epsilon_history(
+        history=dp1["history"], delta=1e-3, accountant="rdp"))  # the warm-up adds nothing
+    assert [s["enabled"] for s in dp2["stages"]] == [False, True, True]
+    assert dp2["history"][0] == dp1["history"][0] and len(dp2["history"]) == 2
+    assert dp1["epsilon"] < dp2["epsilon"] <= 4.0 and dp2["epsilon"] == pytest.approx(
+        accounting.compute_epsilon_history(history=dp2["history"], delta=1e-3, accountant="rdp"))
+    assert ledger.verify(tmp_path / "dp2").ok
+    released = json.loads((export(tmp_path / "dp2", tmp_path / "bundle") / "privacy_report.json").read_text())
+    assert [s["enabled"] for s in released["stages"]] == [False, True, True]
+    assert released["history"] == dp2["history"] and released["composition"].startswith("2 (σ, q, steps)")
+    assert not any("records_sha256" in s or "num_records" in s for s in released["stages"])
