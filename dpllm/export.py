@@ -21,7 +21,8 @@ at most ``max_records_per_user`` records). That is the relation Opacus's RDP and
 Poisson-sampled DP-SGD and the one dp-accounting's PLD uses for the user-level mixture. Under it the dataset
 size N is itself private (N and N + 1 are neighbours: publishing N exactly tells whether a record is in),
 so N is released only when the user declares it public. q = 1/⌈N/B⌉ and ``steps`` are released (ε cannot
-be checked without them); they reveal ⌈N/B⌉, i.e. N to within B records, and like every DP-SGD report
+be checked without them); they reveal ⌈N/B⌉, i.e. N to within B records (under ULS q = 1/⌈U/B_u⌉ with
+B_u = round(B·U/N) users per step: U and U/N likewise to within a batch), and like every DP-SGD report
 they are treated as fixed public parameters of the mechanism. A neighbour that moves ⌈N/B⌉ (N within one
 record of a multiple of B) would publish another q; the guarantee is for neighbours with the same q and
 steps, and the model card says so.
@@ -51,7 +52,7 @@ RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensor
 RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_size", "privacy_unit", "epsilon", "delta",
                    "accountant", "target_epsilon", "noise_multiplier", "sample_rate", "max_grad_norm", "clipping",
                    "sensitivity", "grad_sample_mode", "poisson_sampling", "secure_mode", "noise_secret", "history",
-                   "model_adjustments", "versions", "warnings", "note")
+                   "model_adjustments", "versions", "warnings")  # not "note": free text, could say anything
 RELEASED_STAGE_FIELDS = ("name", "enabled", "train_on", "steps", "history")
 # user_level: the declared cap and how ε became user-level; never counts of users or records
 RELEASED_USER_FIELDS = ("unit", "sampling", "max_records_per_user", "group_size", "users_per_batch", "group_privacy",
@@ -148,13 +149,16 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool) -> str:
                         f"): {user['group_privacy']}." if user else ""))
         size = ("" if report.num_records is None else f" N = {report.num_records:,} records was declared public by the "
                 "publisher; an adversary learns it exactly, which is only harmless if it was public already.")
+        rate = (f"q = 1/⌈N/B⌉ (logical batch B = {report.logical_batch_size})" if user.get("sampling") != "uls" else
+                f"q = 1/⌈U/B_u⌉ over U users with B_u = round(B·U/N) = {user.get('users_per_batch')} users per step "
+                f"(B = {report.logical_batch_size} records)")
         params = ("\n\nWhat follows for the dataset's size: under add/remove neighbours the exact number of training "
-                  "records is private (it would tell whether one record was in), so it is not released unless the "
-                  f"publisher declares it public.{size} q = 1/⌈N/B⌉ (logical batch B = {report.logical_batch_size}) "
-                  "and the step count were derived from N and are released because ε cannot be checked without them: "
-                  "they reveal ⌈N/B⌉, i.e. N to within B records. Like every DP-SGD guarantee, this one treats σ, q, "
-                  "steps and C as fixed public parameters of the mechanism, so it holds for neighbours that give the "
-                  "same q and steps.")
+                  "records (and users) is private (it would tell whether one was in), so it is not released unless "
+                  f"the publisher declares it public.{size} {rate} and the step count were derived from the data's "
+                  "size and are released because ε cannot be checked without them: they reveal the number of "
+                  "batches per epoch, i.e. the size to within one batch. Like every DP-SGD guarantee, this one treats "
+                  "σ, q, steps and C as fixed public parameters of the mechanism, so it holds for neighbours that "
+                  "give the same q and steps.")
     else:
         guarantee, params = "**No differential-privacy guarantee**: this model was trained without DP.", ""
     stages = "\n".join(f"- `{s.get('name')}`: {'DP' if s.get('enabled') else 'no DP'}, `{s.get('dataset')}` "

@@ -224,10 +224,16 @@ def test_an_empty_share_is_a_counted_step_that_adds_nothing(mode, how):
     assert pt.engine.accountant.history == [(0.0, 0.5, 2)]
 
 
+# Plain SGD makes the update the noised clipped sum itself (AdamW's per-coordinate normalisation would hide
+# a noise scaled by a constant): noise added on both processes, or a process's clipped share lost, moves the
+# weights by ~lr·σC/B ≈ 0.03 per coordinate, far above the comparison's 1e-5.
+SGD = ("--optimizer", "sgd", "--learning_rate", "0.5")
+
+
 def test_bookkeeping_under_ddp_matches_one_process(tmp_path):
     """grad_sample_mode=bk on 2 gloo processes (Opacus's distributed ghost optimizer all-reduces bk's clipped
-    sums): same history and ε as one process, weights equal up to summation order."""
-    same = ("--reproducible_noise", "true", "--grad_sample_mode", "bk", "--finetuning", "full")
+    sums, rank 0 adds the noise once): same history and ε as one process, weights equal up to summation order."""
+    same = ("--reproducible_noise", "true", "--grad_sample_mode", "bk", "--finetuning", "full", *SGD)
     two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=same)
     one = _launch(tmp_path / "one", "--cpu", "--num_processes", "1", extra=same)
     _finish(one)
