@@ -90,8 +90,9 @@ class DataConfig:
     canary_records_per_user: int = _f(1, "privacy_unit=user: each canary is a user who writes its canary text in "
                                          "this many records (all in or all out by one coin); ≤ max_records_per_user.")
     max_records_per_user: Optional[int] = _f(None, "k: keep at most this many records of each user (chosen at random "
-                                                   "with secret randomness); None keeps all (ELS then pays group "
-                                                   "privacy for the largest user).")
+                                                   "with secret randomness); the k of ELS and record group privacy, "
+                                                   "so required by user_sampling: els. None keeps all records "
+                                                   "(record: user-level ε unbounded).")
 
 
 @dataclass
@@ -305,6 +306,10 @@ def validate(cfg: RunConfig) -> None:
     if d.max_records_per_user is not None and d.canary_records_per_user > d.max_records_per_user:
         raise ConfigError(f"canary_records_per_user={d.canary_records_per_user} > max_records_per_user="
                           f"{d.max_records_per_user}: a canary user would break the contribution bound; lower it")
+    if d.privacy_unit == "user" and p.enabled and p.user_sampling == "els" and d.max_records_per_user is None:
+        # k of the group privacy is the declared cap, never the data's largest user (a neighbour may add any user)
+        raise ConfigError("user_sampling=els accounts for users of at most max_records_per_user records, and none is "
+                          "set: set max_records_per_user (e.g. 8), or use user_sampling: uls")
     if d.privacy_unit == "user" and p.enabled and p.user_sampling == "uls":
         if p.grad_sample_mode in ("ghost", "ghost_fsdp"):
             raise ConfigError(

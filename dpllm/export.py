@@ -1,11 +1,31 @@
 """``dpllm export RUN_DIR --out DIR``: the part of a run that may be published, and nothing else.
 
 A run directory holds files that are not private-safe: ``splits.json`` lists the members, ``metrics.jsonl``
-has un-noised training losses, ``config.yaml`` names the data and the split seed, and ``checkpoints/`` holds
-the secret state of the noise generators. The bundle gets only:
+has un-noised training and held-out losses, ``config.yaml`` names the data and the split seed, and
+``checkpoints/`` holds the secret state of the noise generators. The bundle gets only:
 
     model weights or LoRA adapter (+ base_model/ when the base has no public name), tokenizer,
-    privacy_report.json (local paths removed), README.md (a model card)
+    privacy_report.json (the public fields only, :func:`release_report`), README.md (a model card built
+    from that released report, :func:`model_card`)
+
+**What the released report may say** is decided here, by allow-lists (:data:`RELEASED_FIELDS`,
+:data:`RELEASED_STAGE_FIELDS`, :data:`RELEASED_USER_FIELDS`): the mechanism's public parameters (σ, q,
+steps, C, B, clipping, accountant, δ), ε, the composed history, the engine and library versions, and facts
+the user declares public (:data:`PUBLIC_FACTS`, ``--declare-public``). Everything else in the private
+report stays in the run directory: content digests (``records_sha256``, a set digest anyone who knows all
+records but one can recompute for each candidate), exact record and user counts, per-user statistics
+(largest user, users trimmed, records dropped), local paths, and ``expected_batch_size`` (⌊q·N⌋).
+
+**Neighbouring relation: add or remove one unit** (a record, or under ``privacy_unit: user`` one user with
+at most ``max_records_per_user`` records). That is the relation Opacus's RDP and PRV accountants bound for
+Poisson-sampled DP-SGD and the one dp-accounting's PLD uses for the user-level mixture. Under it the dataset
+size N is itself private (N and N + 1 are neighbours: publishing N exactly tells whether a record is in),
+so N is released only when the user declares it public. q = 1/⌈N/B⌉ and ``steps`` are released (ε cannot
+be checked without them); they reveal ⌈N/B⌉, i.e. N to within B records (under ULS q = 1/⌈U/B_u⌉ with
+B_u = round(B·U/N) users per step: U and U/N likewise to within a batch), and like every DP-SGD report
+they are treated as fixed public parameters of the mechanism. A neighbour that moves ⌈N/B⌉ (N within one
+record of a multiple of B) would publish another q; the guarantee is for neighbours with the same q and
+steps, and the model card says so.
 
 It refuses a run whose ledger does not verify, a run whose noise was not secret
 (``privacy.reproducible_noise: true``), and a non-private run unless ``--allow-non-private`` is given
@@ -19,14 +39,31 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
+from typing import Sequence
 
-from dpllm.io import atomic_directory, write_text_atomic
+from dpllm.io import atomic_directory, looks_local, write_text_atomic
 from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError
 
 # What save_pretrained writes for a model, an adapter or a tokenizer; nothing else leaves the run.
 RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
                      "adapter_config.json", "adapter_model*.safetensors", "tokenizer*", "special_tokens_map.json",
                      "vocab*", "merges.txt", "*.model", "added_tokens.json", "chat_template*")
+
+# The privacy report's fields a bundle carries: the mechanism's public parameters, ε and how it was computed.
+RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_size", "privacy_unit", "epsilon", "delta",
+                   "accountant", "target_epsilon", "noise_multiplier", "sample_rate", "max_grad_norm", "clipping",
+                   "sensitivity", "grad_sample_mode", "poisson_sampling", "secure_mode", "noise_secret", "history",
+                   "model_adjustments", "versions", "warnings")  # not "note": free text, could say anything
+RELEASED_STAGE_FIELDS = ("name", "enabled", "train_on", "steps", "history")
+# user_level: the declared cap and how ε became user-level; never counts of users or records
+RELEASED_USER_FIELDS = ("unit", "sampling", "max_records_per_user", "group_size", "users_per_batch", "group_privacy",
+                        "record_epsilon", "record_delta", "user_epsilon", "user_delta")
+# Facts computed from the private data that the user may declare public (they then appear exactly).
+PUBLIC_FACTS = {"num_records": "N, the number of records the last stage trained on",
+                "num_users": "U, the number of users the last stage trained on (privacy_unit: user)",
+                "dataset": "the dataset's name or local path, per stage"}
+WITHHELD = ("exact record and user counts (unless declared public), content digests of the training set, per-user "
+            "statistics, local paths, un-noised losses, the member list and the generators' state")
 
 
 class ExportError(ValueError):
@@ -38,39 +75,95 @@ def _released_files(src: Path) -> list[Path]:
     return sorted(files)
 
 
-def public_report(report: PrivacyReport) -> PrivacyReport:
-    """The report without local file-system paths (run directories, the base model's path)."""
-    data = report.to_dict()
-    data["stages"] = [{k: v for k, v in s.items() if k != "run_dir"} for s in data["stages"]]
-    base = dict(data.get("base_model") or {})
-    if "path" in base:
-        base["path"] = Path(str(base["path"])).name if base.get("kind") != "pretrained" else base["path"]
+def neighbouring_relation(report: PrivacyReport) -> str:
+    """The relation the released ε is for, in words."""
+    user = report.user_level or {}
+    if report.privacy_unit == "user":
+        cap = user.get("max_records_per_user")
+        return ("add or remove one user" + (f" (with at most {cap} records)" if cap else "")
+                + ("" if user.get("sampling") == "uls" else "; a user is a group of at most that many records"))
+    return "add or remove one record"
+
+
+def _dataset_name(name, *, public: bool):
+    from dpllm.data import BUILTIN
+
+    if name is None or public or name in BUILTIN or not looks_local(str(name)):
+        return name  # a built-in corpus or a Hub id is public; a local path only when declared so
+    return "a local file (name withheld)"
+
+
+def release_report(report: PrivacyReport, *, declare_public: Sequence[str] = ()) -> PrivacyReport:
+    """The report a bundle carries: only :data:`RELEASED_FIELDS` (and the declared :data:`PUBLIC_FACTS`).
+
+    Raises:
+        ExportError: a fact that is not one of :data:`PUBLIC_FACTS`, or ``num_users`` for a record-level run.
+    """
+    unknown = sorted(set(declare_public) - set(PUBLIC_FACTS))
+    if unknown:
+        raise ExportError(f"--declare-public {', '.join(unknown)}: not a fact dpllm can release; choose from "
+                          f"{', '.join(PUBLIC_FACTS)}")
+    private = report.to_dict()
+    if "num_users" in declare_public and not private.get("user_level"):
+        raise ExportError("--declare-public num_users: this run has no users (privacy_unit: record)")
+    data = {k: private[k] for k in RELEASED_FIELDS if k in private}
+    data["num_records"] = report.num_records if "num_records" in declare_public else None
+    data["stages"] = [dict({k: s[k] for k in RELEASED_STAGE_FIELDS if k in s},
+                           dataset=_dataset_name(s.get("dataset"), public="dataset" in declare_public))
+                      for s in report.stages]
+    if report.user_level:
+        user = {k: v for k, v in report.user_level.items() if k in RELEASED_USER_FIELDS}
+        if "num_users" in declare_public:
+            user["num_users"] = report.user_level.get("num_users")
+        data["user_level"] = user
+    data["composition"] = ("single stage" if len(report.history) <= 1 else
+                           f"{len(report.history)} (σ, q, steps) entries composed: earlier private stages that "
+                           "trained on these records, then this one") if report.enabled else None
+    base = dict(report.base_model or {})
+    if base.get("path") and (base.get("kind") != "pretrained" or looks_local(str(base["path"]))):
+        base["path"] = Path(str(base["path"])).name
     data["base_model"] = base
+    data["release"] = {"neighbouring_relation": neighbouring_relation(report) if report.enabled else None,
+                       "declared_public": sorted(set(declare_public)), "withheld": WITHHELD}
     return PrivacyReport.from_dict(data)
 
 
 def model_card(report: PrivacyReport, *, lora: bool, has_base: bool) -> str:
-    """README.md for the bundle: the guarantee, how it was computed, the data, how to load the model."""
+    """README.md for the bundle, written from the *released* report (:func:`release_report`) only: the
+    guarantee, its neighbouring relation, how it was computed, the training stages, how to load the model."""
+    release = report.release or {}
     if report.enabled:
         user = report.user_level or {}
         clipped = "user (the mean of its records' gradients)" if user.get("sampling") == "uls" else "record"
         source = ("the tight user-level mixture-of-Gaussians accounting (dp-accounting's PLD)" if "record_delta" in user
                   else f"the {report.accountant} accountant (Opacus)")
+        cap = user.get("max_records_per_user")
         guarantee = (f"**(ε = {report.epsilon:.3f}, δ = {report.delta:g})-differential privacy** at the level of one "
-                     f"**{report.privacy_unit}**, from {source} over the full "
+                     f"**{report.privacy_unit}**, for neighbouring datasets that **{release.get('neighbouring_relation')}"
+                     f"**, from {source} over the full "
                      f"training history: noise multiplier σ = {report.noise_multiplier:.4g}, Poisson sampling rate "
                      f"q = {report.sample_rate:.4g}, {report.steps} steps, per-{clipped} clipping norm "
                      f"C = {report.max_grad_norm:g} ({report.clipping}). Noise and sampling randomness came from "
                      "the operating system's entropy and were never written to disk outside the private run "
                      "directory."
-                     + (f" User level ({user['num_users']:,} users, at most "
-                        f"{user['max_records_per_user'] or user['group_size']} records each): {user['group_privacy']}."
-                        if user else ""))
+                     + (f" User level ({'at most ' + str(cap) + ' records per user' if cap else 'no cap on records per user'}"
+                        f"): {user['group_privacy']}." if user else ""))
+        size = ("" if report.num_records is None else f" N = {report.num_records:,} records was declared public by the "
+                "publisher; an adversary learns it exactly, which is only harmless if it was public already.")
+        rate = (f"q = 1/⌈N/B⌉ (logical batch B = {report.logical_batch_size})" if user.get("sampling") != "uls" else
+                f"q = 1/⌈U/B_u⌉ over U users with B_u = round(B·U/N) = {user.get('users_per_batch')} users per step "
+                f"(B = {report.logical_batch_size} records)")
+        params = ("\n\nWhat follows for the dataset's size: under add/remove neighbours the exact number of training "
+                  "records (and users) is private (it would tell whether one was in), so it is not released unless "
+                  f"the publisher declares it public.{size} {rate} and the step count were derived from the data's "
+                  "size and are released because ε cannot be checked without them: they reveal the number of "
+                  "batches per epoch, i.e. the size to within one batch. Like every DP-SGD guarantee, this one treats "
+                  "σ, q, steps and C as fixed public parameters of the mechanism, so it holds for neighbours that "
+                  "give the same q and steps.")
     else:
-        guarantee = "**No differential-privacy guarantee**: this model was trained without DP."
-    stages = "\n".join(f"- `{s.get('name')}`: {'DP' if s.get('enabled') else 'no DP'}, {s.get('num_records')} "
-                       f"records of `{s.get('dataset')}` ({s.get('train_on')} split), {s.get('steps')} steps"
-                       for s in report.stages)
+        guarantee, params = "**No differential-privacy guarantee**: this model was trained without DP.", ""
+    stages = "\n".join(f"- `{s.get('name')}`: {'DP' if s.get('enabled') else 'no DP'}, `{s.get('dataset')}` "
+                       f"({s.get('train_on')} split), {s.get('steps')} steps" for s in report.stages)
     if lora:
         base = "AutoModelForCausalLM.from_pretrained(\"THIS_DIR/base_model\")" if has_base else (
             f"AutoModelForCausalLM.from_pretrained(\"{report.base_model.get('path', 'BASE_MODEL')}\")")
@@ -81,29 +174,31 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool) -> str:
         load = ("from transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
                 "model = AutoModelForCausalLM.from_pretrained(\"THIS_DIR\")\n"
                 "tokenizer = AutoTokenizer.from_pretrained(\"THIS_DIR\")")
+    declared = ", ".join(release.get("declared_public") or []) or "nothing"
     return f"""# Model trained with dpllm
 
 ## Privacy guarantee
-{guarantee}
+{guarantee}{params}
 
 Every stage of this model's training that touched the private records is composed into that ε
-(see `privacy_report.json`, field `composition`). The guarantee covers the released weights and anything
-computed from them; it does not cover files that are not in this bundle.
+(see `privacy_report.json`, fields `history` and `composition`). The guarantee covers the released weights
+and anything computed from them; it does not cover files that are not in this bundle.
 
 ## Training
 {stages}
 
-Records: {report.num_records:,} in the last stage's training set; logical batch {report.logical_batch_size}.
+Logical batch B = {report.logical_batch_size} (expected records per step).
+
+## What is not here, on purpose
+Withheld: {release.get('withheld', WITHHELD)}. Declared public by the publisher: {declared}. The member list
+(`splits.json`), un-noised training and held-out metrics, the run configuration (it names the data and its
+split) and the resumable checkpoints (they hold the noise generators' secret state) stay in the private run
+directory.
 
 ## How to load
 ```python
 {load}
 ```
-
-## What is not here, on purpose
-The member list (`splits.json`), un-noised training metrics, the run configuration (it names the data and
-its split) and the resumable checkpoints (they hold the noise generators' secret state) stay in the private
-run directory.
 """
 
 
@@ -143,18 +238,26 @@ def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, wh
     return report
 
 
-def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = False) -> Path:
+def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = False,
+           declare_public: Sequence[str] = ()) -> Path:
     """Write the release bundle of ``run_dir`` to ``out`` (atomically).
+
+    Args:
+        run_dir: a finished dpllm run directory.
+        out: a new (or empty) directory for the bundle.
+        allow_non_private: export a run trained without DP (the card says there is no guarantee).
+        declare_public: facts of :data:`PUBLIC_FACTS` the publisher declares public (released exactly).
 
     Raises:
         ExportError: no finished run, a ledger that fails to verify, seeded noise, a non-private run
-            (without ``allow_non_private``), or an ``out`` that is not empty.
+            (without ``allow_non_private``), an unknown fact, or an ``out`` that is not empty.
     """
     run_dir, out = Path(run_dir), Path(out)
     ckpt = run_dir / "checkpoint"
     report = check_releasable(run_dir, allow_non_private=allow_non_private)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not empty; pick a new directory")
+    released = release_report(report, declare_public=declare_public)
     lora = (ckpt / "adapter_config.json").is_file()
     has_base = (ckpt / "base_model").is_dir()
     with atomic_directory(out) as tmp:
@@ -164,23 +267,28 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
             (tmp / "base_model").mkdir()
             for f in _released_files(ckpt / "base_model"):
                 shutil.copy2(f, tmp / "base_model" / f.name)
-        public_report(report).write(tmp / "privacy_report.json")
-        write_text_atomic(tmp / "README.md", model_card(report, lora=lora, has_base=has_base))
+        released.write(tmp / "privacy_report.json")
+        write_text_atomic(tmp / "README.md", model_card(released, lora=lora, has_base=has_base))
     return out
 
 
 def cli_main(argv: list[str]) -> int:
-    """``dpllm export RUN_DIR --out DIR [--allow-non-private]``; 0 on success, 1 when refused."""
+    """``dpllm export RUN_DIR --out DIR [--allow-non-private] [--declare-public FACT ...]``; 0, or 1 when refused."""
     ap = argparse.ArgumentParser(prog="dpllm export", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a finished dpllm run directory")
     ap.add_argument("--out", required=True, help="new directory for the release bundle")
     ap.add_argument("--allow-non-private", action="store_true", help="export a run trained without DP")
+    ap.add_argument("--declare-public", action="append", default=[], choices=sorted(PUBLIC_FACTS), metavar="FACT",
+                    help="release this fact exactly, declaring it public (repeatable): "
+                         + "; ".join(f"{k}: {v}" for k, v in PUBLIC_FACTS.items())
+                         + ". Under add/remove neighbours N is private unless it was public already")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
     try:
-        path = export(args.run_dir, args.out, allow_non_private=args.allow_non_private)
+        path = export(args.run_dir, args.out, allow_non_private=args.allow_non_private,
+                      declare_public=args.declare_public)
     except ExportError as err:
         print(f"dpllm export: {err}", file=sys.stderr)
         return 1

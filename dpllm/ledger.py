@@ -212,6 +212,10 @@ def _check_epsilons(entries: list[dict]) -> int:
             raise LedgerError(f"line {i}: ε={eps} without the (σ, q, steps) history it was computed from")
         key = (json.dumps(history), e.get("delta"), e.get("accountant"))
         user = e.get("user_level") or {}
+        if user.get("sampling") in ("els", "record") and user.get("group_size") != user.get("max_records_per_user"):
+            raise LedgerError(f"line {i}: user-level ε over groups of k={user.get('group_size')} records, but the declared "
+                              f"cap is max_records_per_user={user.get('max_records_per_user')}; k must be the cap (a "
+                              "neighbour may add a user of that many records): retrain with a current dpllm")
         group = user.get("group_size", 1) if "record_delta" in user else 1
         if group > 1:  # ELS: the user-level ε of the record-level history, users of k records (mixture accounting)
             key += (group,)

@@ -269,10 +269,12 @@ class Trainer:
         return self.dp and self.user_unit and self.p.user_sampling == "els"
 
     @property
-    def group_size(self) -> int:
-        """k of the group-privacy accounting: the most records any user keeps (1 under ULS or per record)."""
+    def group_size(self) -> Optional[int]:
+        """k of the group-privacy accounting (ELS, record): the declared cap ``max_records_per_user``, never a
+        statistic of the data (a neighbour may add a user of k records, whatever the largest user here keeps).
+        None for ``record`` without a cap (unbounded; ELS without one is refused by the config); 1 otherwise."""
         if self.dp and self.user_unit and self.p.user_sampling in ("els", "record"):
-            return max(len(r) for r in self.user_records)
+            return self.cfg.data.max_records_per_user
         return 1
 
     def setup_plan(self) -> None:
@@ -556,7 +558,8 @@ class Trainer:
                       device=self.device, world=self.world)
         if self.world.is_main:
             append_jsonl(self.metrics_path, {"step": self.step, "split": "eval", **ev})
-            msg = f"eval step {self.step}: held-out loss {ev['loss']:.4f} (perplexity {ev['ppl']:.2f})"
+            # held-out records are private and their loss is un-noised: it stays in metrics.jsonl, never in a log line
+            msg = f"eval step {self.step}: held-out loss written to {self.metrics_path} (private)"
             (self.bar.write if self.bar is not None and not final else log.info)(msg)
         return ev
 
@@ -580,13 +583,14 @@ class Trainer:
                 "largest_user_records": cap["largest_user"], "users_trimmed": cap["users_trimmed"],
                 "users_dropped": cap["users_dropped"], "records_dropped": cap["records_dropped"],
                 "user_column": None if self.cfg.data.dataset in data.BUILTIN else self.cfg.data.user_column,
-                "group_privacy": user_level.GROUP_PRIVACY if k > 1 else user_level.ULS_UNIT
-                if self.uls else "k = 1: the user-level guarantee is the record-level one"}
+                "group_privacy": user_level.ULS_UNIT if self.uls else
+                "k = 1: the user-level guarantee is the record-level one" if k == 1 else user_level.GROUP_PRIVACY}
         if self.p.user_sampling == "record":  # the guarantee is per record; the user level only by group privacy
-            eps_u = user_level.mixture_epsilon(history=self.private.history(), delta=self.p.target_delta, group_size=k)
+            eps_u = (math.inf if k is None else
+                     user_level.mixture_epsilon(history=self.private.history(), delta=self.p.target_delta, group_size=k))
             info.update(user_epsilon=eps_u if math.isfinite(eps_u) else None, user_delta=self.p.target_delta,
-                        group_privacy=user_level.GROUP_PRIVACY + ("" if math.isfinite(eps_u) else
-                                                                  "; unbounded at this δ (user_epsilon = null)"))
+                        group_privacy=user_level.UNCAPPED if k is None else user_level.GROUP_PRIVACY + (
+                            "" if math.isfinite(eps_u) else "; unbounded at this δ (user_epsilon = null)"))
         elif k > 1:  # ELS: the record-level ε at δ/k, for comparison only (the guarantee is the user-level one)
             info.update(record_epsilon=self.private.epsilon(), record_delta=self.plan.delta)
         return info

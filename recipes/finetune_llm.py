@@ -43,12 +43,14 @@ from dpllm.train import TrainingError, train
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Train as configured; print the held-out loss and the privacy report. Returns the run summary."""
+    """Train as configured; print the privacy report and where the (private) held-out loss is. Returns the run
+    summary."""
     setup_logging()
     summary = train(parse_config(argv))
     if summary:
         report = PrivacyReport.read(summary["run_dir"])
-        print(f"\nheld-out loss {summary['final_eval_loss']:.4f} (perplexity {summary['final_eval_ppl']:.2f})")
+        # un-noised losses on private held-out records stay in the run directory, not in what a job prints
+        print(f"\nheld-out loss and perplexity: {summary['run_dir']}/run_summary.json (private)")
         print(report.summary() if not report.enabled else f"privacy: {report.summary()}")
         for warning in report.warnings:  # logged when planned; repeated where the run ends, where people look
             print(f"warning: {warning}")

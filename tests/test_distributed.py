@@ -224,10 +224,16 @@ def test_an_empty_share_is_a_counted_step_that_adds_nothing(mode, how):
     assert pt.engine.accountant.history == [(0.0, 0.5, 2)]
 
 
+# Plain SGD makes the update the noised clipped sum itself (AdamW's per-coordinate normalisation would hide
+# a noise scaled by a constant): noise added on both processes, or a process's clipped share lost, moves the
+# weights by ~lr·σC/B ≈ 0.03 per coordinate, far above the comparison's 1e-5.
+SGD = ("--optimizer", "sgd", "--learning_rate", "0.5")
+
+
 def test_bookkeeping_under_ddp_matches_one_process(tmp_path):
     """grad_sample_mode=bk on 2 gloo processes (Opacus's distributed ghost optimizer all-reduces bk's clipped
-    sums): same history and ε as one process, weights equal up to summation order."""
-    same = ("--reproducible_noise", "true", "--grad_sample_mode", "bk", "--finetuning", "full")
+    sums, rank 0 adds the noise once): same history and ε as one process, weights equal up to summation order."""
+    same = ("--reproducible_noise", "true", "--grad_sample_mode", "bk", "--finetuning", "full", *SGD)
     two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=same)
     one = _launch(tmp_path / "one", "--cpu", "--num_processes", "1", extra=same)
     _finish(one)
@@ -240,3 +246,53 @@ def test_bookkeeping_under_ddp_matches_one_process(tmp_path):
     p1, p2 = (load_file(str(tmp_path / n / "checkpoint" / "model.safetensors")) for n in ("one", "two"))
     for name in p1:
         assert torch.allclose(p1[name], p2[name], atol=1e-5), name
+
+
+def test_a_two_process_run_resumed_on_one_process_draws_fresh_noise_and_keeps_counting(tmp_path, monkeypatch):
+    """Killed on 2 processes after its step-2 checkpoint, resumed on 1 (issue #21, item 5): the accountant
+    continues from the checkpoint (every step counted once, the ledger verifies), and the resumed process's
+    noise generator starts from none of the saved noise states (secret noise: nothing is replayed)."""
+    import signal
+    import time
+
+    from dpllm import ledger, resume
+    from dpllm.config import parse_config
+    from dpllm.privacy.accounting import compute_epsilon_history
+    from dpllm.train import train
+
+    out, args = tmp_path / "run", ["--save_every", "2", "--finetuning", "full", "--eval_every", "0"]
+    proc = subprocess.Popen([ACCELERATE, "launch", "--main_process_port", str(_free_port()), "--multi_gpu",
+                             "--num_processes", "2", os.path.join(ROOT, "recipes", "finetune_llm.py"), *TINY,
+                             "--output_dir", str(out), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            cwd=ROOT, start_new_session=True)
+    latest, deadline = out / "checkpoints" / "latest", time.time() + 300
+    while not (latest.is_file() and latest.read_text().strip() >= "step-000002"):
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # accelerate launch and both workers
+    proc.wait()
+    proc.stderr.close()
+    assert not (out / "privacy_report.json").exists()
+    ckpt = out / "checkpoints" / latest.read_text().strip()
+    saved = torch.load(ckpt / "rng_state.pt", weights_only=True)
+    assert len(saved) == 2 and json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 2
+
+    started = []
+    real = resume._set_rng_state
+
+    def spy(state, generators):
+        real(state, generators)
+        started.append(generators["noise"].get_state())
+
+    monkeypatch.setattr(resume, "_set_rng_state", spy)
+    summary = train(parse_config([*TINY, "--output_dir", str(out), *args, "--resume_from", "latest"]))
+    assert summary["world_size"] == 1 and summary["resumed_from_step"] >= 2 and summary["steps"] == 6
+    assert len(started) == 1 and not any(torch.equal(started[0], s["noise"]) for s in saved)
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert report["history"] == [[report["noise_multiplier"], report["sample_rate"], 6]]
+    assert report["epsilon"] == pytest.approx(compute_epsilon_history(history=report["history"],
+                                                                      delta=report["delta"], accountant="prv"))
+    kinds = [e["kind"] for e in ledger.read(out)]
+    assert kinds.count("resume") == 1 and kinds[-1] == "final"
+    assert ledger.verify(out).ok, ledger.verify(out).message

@@ -311,3 +311,49 @@ def test_example_script_under_accelerate_launch(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     assert json.loads((tmp_path / "run" / "run_summary.json").read_text())["world_size"] == 2
     assert ledger.verify(tmp_path / "run").ok
+
+
+class Everything(TrainerCallback):
+    """Whatever a report_to integration would upload: every on_log and on_evaluate payload."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        self.seen.append(dict(logs or {}))
+
+    def on_evaluate(self, args, state, control, metrics=None, **kw):
+        self.seen.append(dict(metrics or {}))
+
+
+def test_held_out_losses_stay_in_the_private_run_directory(tmp_path, caplog, capsys):
+    """Held-out records are private and their losses un-noised (issue #21, item 5): callbacks, log lines,
+    printed output, the returned metrics and the export carry none of them; metrics.jsonl keeps them."""
+    import logging
+
+    from dpllm.export import export
+
+    model, tok = tiny_model()
+    texts = [f"{t} (record {i})" for i in range(4) for t in TEXTS]
+    cb = Everything()
+    caplog.set_level(logging.INFO)
+    trainer = DPTrainer(model=model, args=_args(tmp_path / "run", max_steps=2, eval_strategy="steps", eval_steps=1,
+                                                logging_steps=1, per_device_train_batch_size=8),
+                        privacy_args=PrivacyArguments(target_epsilon=8, logical_batch_size=8),
+                        train_dataset=_dataset(tok, texts[:16]), eval_dataset=_dataset(tok, texts[16:]),
+                        processing_class=tok, callbacks=[cb])
+    out = trainer.train()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if r["split"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all(r["loss"] > 0 for r in evals)
+    bundle = export(tmp_path / "run", tmp_path / "bundle")
+    private = {v for r in evals for v in (r["loss"], r["ppl"])}
+    assert any("epsilon" in s for s in cb.seen) and any(s.get("eval_records") == 8 for s in cb.seen)
+    for payload in cb.seen + [out.metrics]:  # what callbacks and the caller's metrics logging would upload
+        assert not {k for k in payload if k.startswith("eval_")} - {"eval_records"}, payload
+        assert not private & {v for v in payload.values() if isinstance(v, float)}, payload
+    text = caplog.text + "".join(capsys.readouterr())
+    text += "".join(p.read_text(errors="ignore") for p in bundle.iterdir() if not p.name.endswith(".safetensors"))
+    for r in evals:  # full precision, or as the log line used to show it
+        for shown in (repr(r["loss"]), repr(r["ppl"]), f"held-out loss {r['loss']:.4f}"):
+            assert shown not in text, shown

@@ -269,3 +269,79 @@ def test_noise_never_comes_from_the_seeded_global_generator(mode):
     pt.optimizer.step()
     assert torch.equal(before, torch.get_rng_state())  # noise drawn from our generator only
     assert pt.engine.accountant.history == [(1.0, 1.0, 1)]
+
+
+def _export_from(tmp_path, name, texts, **kw):
+    from dpllm.export import export
+
+    data = tmp_path / name / "data.jsonl"
+    data.parent.mkdir()
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    run(tmp_path / name, "run", "--dataset", str(data), "--max_records", "1000", "--target_epsilon", "3",
+        "--target_delta", "1e-3")
+    return tmp_path / name / "run", export(tmp_path / name / "run", tmp_path / name / "bundle", **kw)
+
+
+def test_bundles_of_neighbouring_datasets_are_equal_apart_from_the_weights(tmp_path, records):
+    """Add/remove one record: every exported file but the weights is byte-equal (issue #21, item 2).
+
+    Before: the report carried records_sha256 (anyone who knows all records but one recomputes it for each
+    candidate), num_records and the local dataset path.
+    """
+    from dpllm import ledger
+    from dpllm.checkpoint import cli_main as report_main
+    from dpllm.export import export
+
+    texts = [json.loads(x)["text"] for x in records.read_text().splitlines()][:51]
+    # 40 and 41 training records at B = 16: the same q = 1/3, steps and σ (see the model card on ⌈N/B⌉)
+    run_a, a = _export_from(tmp_path, "without", texts[:50])
+    run_b, b = _export_from(tmp_path, "with", texts)
+    ra, rb = report_of(run_a), report_of(run_b)
+    assert (ra["num_records"], rb["num_records"]) == (40, 41) and ra["sample_rate"] == rb["sample_rate"] == 1 / 3
+    assert ra["stages"][-1]["records_sha256"] != rb["stages"][-1]["records_sha256"]  # private: kept in the run
+    files = sorted(p.relative_to(a).as_posix() for p in a.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(b).as_posix() for p in b.rglob("*") if p.is_file())
+    for name in files:
+        if not name.endswith(".safetensors"):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    released = json.loads((a / "privacy_report.json").read_text())
+    assert released["num_records"] is None and released["expected_batch_size"] is None
+    assert released["stages"][-1]["dataset"] == "a local file (name withheld)"
+    assert released["release"]["neighbouring_relation"] == "add or remove one record"
+    text = json.dumps(released) + (a / "README.md").read_text()
+    assert "records_sha256" not in text and str(tmp_path) not in text and "40" not in text.replace("0.40", "")
+    # the private run keeps everything; ledger and report still read it
+    assert ledger.verify(run_a).ok and report_main([str(run_a)]) == 0
+    # a publisher may declare N public: then it is released exactly and the card says so
+    declared = export(run_a, tmp_path / "declared", declare_public=["num_records"])
+    assert json.loads((declared / "privacy_report.json").read_text())["num_records"] == 40
+    assert "N = 40 records was declared public" in (declared / "README.md").read_text()
+    with pytest.raises(ValueError, match="not a fact"):
+        export(run_a, tmp_path / "bad", declare_public=["records_sha256"])
+
+
+def test_composition_after_a_non_private_warm_up(tmp_path, records):
+    """Public warm-up without DP → DP stage → DP stage on the same records (issue #21, item 5): the warm-up
+    is listed but spends nothing, the second DP stage composes the first, and the bundle says so without
+    digests or counts."""
+    from dpllm import ledger
+    from dpllm.export import export
+
+    data = ["--dataset", str(records), "--public_fraction", "0.3", "--target_delta", "1e-3"]
+    run(tmp_path, "warm", *data, "--privacy.enabled", "false", "--train_on", "public")
+    run(tmp_path, "dp1", *data, "--model_name_or_path", str(tmp_path / "warm"), "--target_epsilon", "2")
+    run(tmp_path, "dp2", *data, "--model_name_or_path", str(tmp_path / "dp1"), "--target_epsilon", "4")
+    dp1, dp2 = report_of(tmp_path / "dp1"), report_of(tmp_path / "dp2")
+    assert [s["enabled"] for s in dp1["stages"]] == [False, True] and len(dp1["history"]) == 1
+    assert dp1["composition"] == "single stage"  # checked disjoint from the private records, nothing composed
+    assert dp1["epsilon"] <= 2.0 and dp1["epsilon"] == pytest.approx(accounting.compute_epsilon_history(
+        history=dp1["history"], delta=1e-3, accountant="rdp"))  # the warm-up adds nothing
+    assert [s["enabled"] for s in dp2["stages"]] == [False, True, True]
+    assert dp2["history"][0] == dp1["history"][0] and len(dp2["history"]) == 2
+    assert dp1["epsilon"] < dp2["epsilon"] <= 4.0 and dp2["epsilon"] == pytest.approx(
+        accounting.compute_epsilon_history(history=dp2["history"], delta=1e-3, accountant="rdp"))
+    assert ledger.verify(tmp_path / "dp2").ok
+    released = json.loads((export(tmp_path / "dp2", tmp_path / "bundle") / "privacy_report.json").read_text())
+    assert [s["enabled"] for s in released["stages"]] == [False, True, True]
+    assert released["history"] == dp2["history"] and released["composition"].startswith("2 (σ, q, steps)")
+    assert not any("records_sha256" in s or "num_records" in s for s in released["stages"])

@@ -292,7 +292,8 @@ def test_uls_refuses_opacus_ghost_with_the_fix():
             parse_config(["--privacy_unit", "user", "--user_sampling", "uls", "--grad_sample_mode", mode])
     for mode in ("bk", "auto", "hooks"):
         parse_config(["--privacy_unit", "user", "--user_sampling", "uls", "--grad_sample_mode", mode])
-    parse_config(["--privacy_unit", "user", "--user_sampling", "els", "--grad_sample_mode", "ghost"])
+    parse_config(["--privacy_unit", "user", "--user_sampling", "els", "--grad_sample_mode", "ghost",
+                  "--max_records_per_user", "4"])
 
 
 def test_pydoc_users_split_by_user(tmp_path):
@@ -328,7 +329,10 @@ def _run(tmp_path, sampling, mode="hooks", **extra):
             "--eval_max_records", "8", "--target_delta", "1e-3", "--output_dir", str(tmp_path / sampling),
             "--progress", "false", "--reproducible_noise", "true"]
     for k, v in extra.items():
-        args += [f"--{k}", str(v)]
+        if v is None:  # unset an option set above
+            del args[args.index(f"--{k}"):args.index(f"--{k}") + 2]
+        else:
+            args += [f"--{k}", str(v)]
     train(parse_config(args))
     return tmp_path / sampling
 
@@ -457,3 +461,75 @@ def test_the_cap_choice_is_secret_unless_reproducible():
 
     assert draw(False) != draw(False)  # fresh OS entropy each run, whatever train.seed says
     assert draw(True) == draw(True)
+
+
+# ---- the group size is the declared cap, never the data's largest user (issue #21, item 3) ----------------
+
+def _two_record_users(tmp_path, users=40):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps({"text": f"user {u} wrote ticket {j} about the printer on floor {u % 7}",
+                                        "user": f"u{u}"}) + "\n" for u in range(users) for j in range(2)))
+    return path
+
+
+def test_els_accounts_for_the_declared_cap_not_the_largest_user_found(tmp_path):
+    """Cap 8, every user holds 2 records: a neighbour may still add a user of 8 records, so k = 8.
+
+    Before the fix the run reported the mixture ε of k = 2 (the data's largest user), here 6× too low
+    (5.25 instead of 32.19 at σ = 1, q = 1/4, 3 steps, δ = 1e-3).
+    """
+    from dpllm import ledger
+    from dpllm.privacy.planning import user_plan_table
+    from dpllm.privacy.report import PrivacyReport
+
+    run = _run(tmp_path, "els", dataset=_two_record_users(tmp_path), max_records_per_user=8, max_records=1000,
+               noise_multiplier=1.0, target_epsilon=100)
+    report = PrivacyReport.read(run)
+    u = report.user_level
+    assert u["group_size"] == 8 and u["largest_user_records"] == 2 and u["max_records_per_user"] == 8
+    assert report.history == [[1.0, 0.25, 3]] and report.delta == 1e-3  # 32 users × 2 records, batch 16
+    eps_cap = user_level.mixture_epsilon(history=report.history, delta=1e-3, group_size=8)
+    eps_found = user_level.mixture_epsilon(history=report.history, delta=1e-3, group_size=2)
+    assert report.epsilon == pytest.approx(eps_cap, rel=1e-9)
+    assert eps_cap == pytest.approx(32.188, abs=1e-3) and eps_found == pytest.approx(5.246, abs=1e-3)
+    # the plan CLI's numbers for the same cap are the report's; the ledger recomputes the same ε from k = the cap
+    plan = user_plan_table(sampling="els", num_users=u["num_users"], records_per_user=8,
+                           num_records=report.num_records, batch=16, steps=3, delta=1e-3, noise_multiplier=1.0,
+                           epsilons=[])
+    assert plan["given_noise"]["epsilon"] == pytest.approx(report.epsilon, rel=1e-9)
+    assert ledger.verify(run).ok
+    # a release states the cap and the relation, and withholds the counts found in the private data
+    from dpllm.export import model_card, release_report
+
+    released = release_report(report)
+    assert released.user_level == {k: u[k] for k in ("unit", "sampling", "max_records_per_user", "group_size",
+                                                     "users_per_batch", "group_privacy", "record_epsilon",
+                                                     "record_delta")}
+    card = model_card(released, lora=False, has_base=False)
+    assert "add or remove one user (with at most 8 records)" in card and "at most 8 records per user" in card
+    assert f"{u['num_users']} users" not in card and released.num_records is None
+
+
+def test_els_without_a_cap_is_refused_and_record_without_one_is_unbounded(tmp_path):
+    from dpllm import ledger
+    from dpllm.privacy.report import PrivacyReport
+
+    with pytest.raises(ConfigError, match="set max_records_per_user"):
+        parse_config(["--privacy_unit", "user", "--user_sampling", "els"])
+    # record-level DP with splits by user: without a cap no user-level ε follows, whatever the data holds
+    run = _run(tmp_path, "record", dataset=_two_record_users(tmp_path), max_records_per_user=None,
+               max_records=1000)
+    report = PrivacyReport.read(run)
+    u = report.user_level
+    assert u["group_size"] is None and u["user_epsilon"] is None and u["largest_user_records"] == 2
+    assert "max_records_per_user" in u["group_privacy"] and "UNBOUNDED" in report.summary()
+    assert ledger.verify(run).ok
+
+
+def test_the_ledger_refuses_a_group_size_other_than_the_cap():
+    from dpllm.ledger import LedgerError, _check_epsilons
+
+    line = {"epsilon": 1.0, "history": [[1.0, 0.25, 3]], "delta": 1e-3, "accountant": "prv",
+            "user_level": {"sampling": "els", "group_size": 2, "max_records_per_user": 8, "record_delta": 5e-4}}
+    with pytest.raises(LedgerError, match="max_records_per_user=8"):
+        _check_epsilons([line])

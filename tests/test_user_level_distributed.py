@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from tests.test_distributed import _finish, _launch, _trainable
+from tests.test_distributed import SGD, _finish, _launch, _trainable
 
 ULS = ("--reproducible_noise", "true", "--privacy_unit", "user", "--user_sampling", "uls",
        "--max_records_per_user", "3", "--target_delta", "1e-3")
@@ -18,7 +18,7 @@ ULS = ("--reproducible_noise", "true", "--privacy_unit", "user", "--user_samplin
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["hooks", "bk"])
 def test_uls_one_and_two_processes_train_the_same_run(tmp_path, mode):
-    extra = ULS + ("--grad_sample_mode", mode)
+    extra = ULS + ("--grad_sample_mode", mode) + SGD
     two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=extra)
     one = _launch(tmp_path / "one", "--cpu", "--num_processes", "1", extra=extra)
     _finish(one)

@@ -7,10 +7,11 @@ batches of ``per_device_train_batch_size``, Opacus's clipping and noise, the acc
 dpllm run directory in ``output_dir`` (config.yaml, splits.json, records.jsonl, metrics.jsonl, checkpoint/,
 privacy_report.json, privacy_ledger.jsonl) that ``dpllm report``, ``dpllm export`` and
 ``python -m mia audit`` read. The Trainer's optimizer (``optim``, ``learning_rate``, ``weight_decay``...),
-scheduler and callbacks are used; callbacks see ``epsilon`` in every ``on_log``. ``save_steps`` (with the
-default ``save_strategy="steps"``) writes dpllm's resumable checkpoints (:mod:`dpllm.resume`) under
-``OUTPUT_DIR/checkpoints/``, and ``trainer.train(resume_from_checkpoint=True)`` continues from the newest one
-with the same batches, noise and accountant as an uninterrupted run.
+scheduler and callbacks are used; callbacks see ``epsilon`` in every ``on_log``, and ``on_evaluate`` without
+the held-out loss (un-noised, on private records: it stays in the run directory's ``metrics.jsonl``).
+``save_steps`` (with the default ``save_strategy="steps"``) writes dpllm's resumable checkpoints
+(:mod:`dpllm.resume`) under ``OUTPUT_DIR/checkpoints/``, and ``trainer.train(resume_from_checkpoint=True)``
+continues from the newest one with the same batches, noise and accountant as an uninterrupted run.
 
 After training ``trainer.model`` is the plain model again (Opacus's hooks removed), so
 ``trainer.model.generate(...)`` works as on any transformers model.
@@ -82,8 +83,9 @@ class DPTrainer(Trainer):
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs) -> TrainOutput:
         """Run DP training as a dpllm run in ``args.output_dir``; returns the Trainer's ``TrainOutput``.
 
-        ``metrics`` holds ``epsilon``, ``delta``, ``noise_multiplier``, ``sample_rate`` and the final held-out
-        loss; ``trainer.privacy_report`` is the :class:`~dpllm.privacy.report.PrivacyReport`.
+        ``metrics`` holds ``epsilon``, ``delta``, ``noise_multiplier`` and ``sample_rate``; the held-out loss is
+        in the private ``run_summary.json`` and ``metrics.jsonl`` only. ``trainer.privacy_report`` is the
+        :class:`~dpllm.privacy.report.PrivacyReport`.
 
         Args:
             resume_from_checkpoint: True continues from ``OUTPUT_DIR/checkpoints/latest`` (a new run if
@@ -109,8 +111,9 @@ class DPTrainer(Trainer):
             self.model = self.model_wrapped = release(run.model) if run.model is not None else self.model
         from dpllm.privacy.report import PrivacyReport
 
-        metrics = {"train_runtime": summary.get("wall_time_s"), "train_loss": run.train_loss,
-                   "eval_loss": summary.get("final_eval_loss")}
+        # the held-out loss is un-noised and computed on private records: it stays in the run directory
+        # (metrics.jsonl, run_summary.json), not in what scripts log or push
+        metrics = {"train_runtime": summary.get("wall_time_s"), "train_loss": run.train_loss}
         if summary:
             self.privacy_report = PrivacyReport.read(run.out)
             metrics.update(epsilon=summary["epsilon"], delta=summary["delta"],
@@ -289,9 +292,9 @@ class HFRun(RunTrainer):
             return {"loss": None, "ppl": None, "tokens": 0}
         ev = super().evaluate(final)
         hf = self.hf
-        metrics = {"eval_loss": ev["loss"], "eval_perplexity": ev["ppl"]}
-        if self.world.is_main:
-            hf.log(dict(metrics))
+        # Callbacks (report_to integrations, printers) carry what they see out of the run directory: they learn
+        # that an evaluation happened, never the un-noised loss of the private held-out records (metrics.jsonl).
+        metrics = {"eval_records": len(self.eval_ds)}
         hf.control = hf.callback_handler.on_evaluate(hf.args, hf.state, hf.control, metrics=metrics)
         return ev
 

@@ -152,7 +152,8 @@ def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, bat
     Args:
         sampling: ``uls`` or ``els``.
         num_users: U, training users (δ must be < 1/U).
-        records_per_user: k, the cap (for ELS: the most records any user keeps).
+        records_per_user: k, the declared cap ``max_records_per_user`` (the group size of ELS's accounting,
+            never the largest user found in the data).
         num_records: records after the cap (default U·k).
         users_per_batch: ULS users per step (default round(batch·U/N)).
         Other arguments as for :func:`plan_table` (``batch`` counts records).

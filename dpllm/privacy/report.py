@@ -33,7 +33,7 @@ class PrivacyReport:
     """What a run spent and how; written beside the run and inside its ``checkpoint/``."""
 
     enabled: bool
-    num_records: int
+    num_records: Optional[int]  # None in a release bundle unless declared public (dpllm.export: add/remove one)
     steps: int
     logical_batch_size: int
     physical_batch_size: int
@@ -61,10 +61,12 @@ class PrivacyReport:
     warnings: list = field(default_factory=list)
     note: Optional[str] = None
     # privacy_unit=user: {"unit", "sampling" (uls|els), "num_users", "max_records_per_user", "group_size" (k of the
-    # group-privacy accounting; 1 for ULS), "users_trimmed", "users_dropped", "records_dropped", "group_privacy"
+    # group-privacy accounting: the declared cap; 1 for ULS; None for record sampling without a cap), "users_trimmed", "users_dropped", "records_dropped", "group_privacy"
     # (which accounting), for ELS "record_epsilon", "record_delta" (record level at δ/k, for comparison), for
     # record sampling "user_epsilon", "user_delta"}: dpllm.privacy.user_level
     user_level: Optional[dict] = None
+    # release bundles only (dpllm.export): {"neighbouring_relation", "declared_public", "withheld"}
+    release: Optional[dict] = None
 
     @property
     def releasable(self) -> bool:
@@ -73,7 +75,7 @@ class PrivacyReport:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for key in ("note", "user_level"):
+        for key in ("note", "user_level", "release"):
             if out[key] is None:
                 del out[key]
         return out
@@ -133,18 +135,22 @@ class PrivacyReport:
             how = (f"tight group privacy over k = {u['group_size']} records (mixture accounting); record-level ε = "
                    f"{u['record_epsilon']:.3f} at δ = {u['record_delta']:.3g}" if "record_delta" in u
                    else "user-level sampling" if u.get("sampling") == "uls" else
-                   f"record-level DP; by group privacy over k = {u['group_size']} the user-level ε is "
+                   f"record-level DP; by group privacy over k = {u['group_size'] or 'any number of'} records the "
+                   "user-level ε is "
                    + ("UNBOUNDED" if u.get("user_epsilon") is None else f"{u['user_epsilon']:.3f}")
                    if u.get("sampling") == "record" else "k = 1")
-            secret = (f"; USER-LEVEL: U = {u['num_users']:,} users, k = {u['max_records_per_user']}, "
-                      f"{u['sampling']} ({how}); {u['users_trimmed']} users trimmed, {u['records_dropped']} records "
-                      f"dropped" + secret)
+            counts = ("" if "users_trimmed" not in u else  # a release bundle withholds per-user counts
+                      f"; {u['users_trimmed']} users trimmed, {u['records_dropped']} records dropped")
+            users = f"U = {u['num_users']:,} users, " if u.get("num_users") is not None else ""
+            secret = (f"; USER-LEVEL: {users}k = {u['max_records_per_user']}, {u['sampling']} ({how}){counts}"
+                      + secret)
         via = (f"the user-level mixture accounting (dp-accounting PLD; records: {self.accountant})"
                if u and "record_delta" in u else f"{self.accountant} accountant")
         return (f"(ε = {self.epsilon:.3f}, δ = {self.delta:g}) via {via}; "
                 f"σ = {self.noise_multiplier:.4g}, q = {self.sample_rate:.4g}, steps = {self.steps}, "
-                f"C = {self.max_grad_norm:g}, clipping = {self.clipping}, N = {self.num_records:,} records "
-                f"(unit: {self.privacy_unit}){secret}")
+                f"C = {self.max_grad_norm:g}, clipping = {self.clipping}, "
+                + (f"N = {self.num_records:,} records " if self.num_records is not None else "N not released ")
+                + f"(unit: {self.privacy_unit}){secret}")
 
     def as_ledger_privacy(self) -> dict[str, Any]:
         """The fields a ledger line records."""

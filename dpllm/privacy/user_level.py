@@ -19,6 +19,9 @@ Two ways to train, both behind :func:`dpllm.privacy.engine.make_private`:
   (ε, δ) group-privacy conversion (k·ε_r, k·e^{(k−1)ε_r}·δ_r) (Dwork & Roth 2014; Vadhan 2017, Lemma 2.2)
   is also rigorous but looser: 1.0–1.3× the mixture's ε in our tests, and unbounded for large k·ε_r,
   where the mixture stays finite. The ``record`` sampling reports its user-level ε the same way.
+  k is always the declared cap ``max_records_per_user``, never the largest user found in the data: the
+  neighbour adds or removes one user, who may hold up to k records whatever this dataset's users hold. ELS
+  without a cap is refused; ``record`` without one reports an unbounded user-level ε (:data:`UNCAPPED`).
 
 Contribution bounding (:func:`cap_users`) keeps at most k records of each user, chosen by a generator
 seeded with secret randomness, and counts the users trimmed.
@@ -47,6 +50,8 @@ from dpllm.sampling import PoissonBatchSampler
 GROUP_PRIVACY = ("tight group privacy of at most k records under Poisson sampling: each step a mixture of "
                  "Gaussians N(J·C, σ²C²), J ~ Bin(k, q), against N(0, σ²C²) (Ganesh 2024), composed by "
                  "dp-accounting's PLD accountant with pessimistic discretisation")
+UNCAPPED = ("no max_records_per_user: a user may hold any number of records, so no user-level ε follows from the "
+            "record-level one (user_epsilon = null, unbounded); set max_records_per_user to bound it")
 ULS_UNIT = "user-level sampling: the accountant's unit is the user (one clipped mean gradient per sampled user)"
 # The PLD's grid: 1e-2 keeps one step's PLD under 3 s at k = 16 and moves ε by ~0.1% from 1e-3; always an upper bound.
 MIXTURE_DISCRETIZATION = 1e-2
