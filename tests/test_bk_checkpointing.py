@@ -1,38 +1,111 @@
-"""Book-keeping clipping under gradient checkpointing (use_reentrant=False) and with a chunked loss.
+"""Book-keeping clipping under gradient checkpointing (reentrant or not) and with a chunked loss.
 
 Layers run twice (forward, then recomputation in backward) but record once: activations are read from
 the autograd function's saved tensors in backward, which checkpointing fills by recomputing them. The
 clipped sum and the per-sample norms must equal those of the same step without checkpointing.
+
+Reentrant checkpointing differentiates each segment in a backward pass of its own, nested in the outer
+one; bk must still clip once, at the end of the outer pass (on 061ec7a a LoRA model's one record came out
+at √2·C: each of its two segments was clipped to C), or refuse where it cannot.
 """
 
 import pytest
 import torch
 
+from dpllm.models import activation_checkpointing
 from dpllm.privacy.bk import BookKeepingModule
 from dpllm.train import forward_loss
-from tests.helpers import batch_of, tiny_model
+from tests.helpers import TEXTS, batch_of, tiny_model
 
 
-def bk_step(kind, finetuning, checkpointing):
+def bk_step(kind, finetuning, checkpointing, *, reentrant=False, texts=TEXTS, clip_weights=None):
     model, tok = tiny_model(kind, finetuning)
     model = model.double()
     if checkpointing:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         assert base.is_gradient_checkpointing
+        assert activation_checkpointing(model) == ("reentrant" if reentrant else "non-reentrant")
     model.train()
-    bk = BookKeepingModule(model, clip_weights=lambda n: 1.0 / (n + 0.1))
-    forward_loss(bk, batch_of(tok)).backward()
+    bk = BookKeepingModule(model, clip_weights=clip_weights or (lambda n: 1.0 / (n + 0.1)))
+    forward_loss(bk, batch_of(tok, texts)).backward()
     return bk.last_norms, [p.grad for p in model.parameters() if p.requires_grad]
 
 
+@pytest.mark.parametrize("reentrant", [False, True])
 @pytest.mark.parametrize("kind, finetuning", [("tiny-llama", "full"), ("tiny-llama", "lora"), ("tiny-gpt2", "full")])
-def test_checkpointing_records_once_and_matches(kind, finetuning):
+def test_checkpointing_records_once_and_matches(kind, finetuning, reentrant):
     norms, grads = bk_step(kind, finetuning, checkpointing=False)
-    norms_ckpt, grads_ckpt = bk_step(kind, finetuning, checkpointing=True)
+    norms_ckpt, grads_ckpt = bk_step(kind, finetuning, checkpointing=True, reentrant=reentrant)
     torch.testing.assert_close(norms_ckpt, norms)  # recording twice would double explicit sums
     for a, b in zip(grads_ckpt, grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("reentrant", [None, False, True])
+@pytest.mark.parametrize("finetuning", ["full", "lora"])
+def test_one_record_is_clipped_to_exactly_C(finetuning, reentrant):
+    """B = 1, no noise, C below the raw norm: the gradient bk leaves is the record's, scaled to norm C."""
+    C = 1e-3
+    flat = lambda n: (C / n).clamp(max=1.0)  # noqa: E731
+    raw, _ = bk_step("tiny-llama", finetuning, checkpointing=False, texts=TEXTS[:1], clip_weights=flat)
+    norms, grads = bk_step("tiny-llama", finetuning, checkpointing=reentrant is not None,
+                           reentrant=bool(reentrant), texts=TEXTS[:1], clip_weights=flat)
+    assert float(raw) > 100 * C  # the clipping is active
+    torch.testing.assert_close(norms, raw)
+    total = torch.sqrt(sum(g.pow(2).sum() for g in grads))
+    assert float(total) == pytest.approx(C, rel=1e-6)
+
+
+class _OwnBackward(torch.autograd.Function):
+    """Runs ``inner`` on a graph of its own, built in forward, and differentiates it by a backward pass
+    called from inside this node's backward: a nested pass whose graph was not built during a backward."""
+
+    @staticmethod
+    def forward(ctx, x, inner):
+        with torch.enable_grad():
+            xd = x.detach().requires_grad_()
+            ctx.xd, ctx.out = xd, inner(xd)
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        torch.autograd.backward(ctx.out, g)
+        return ctx.xd.grad, None
+
+
+class _Detour(torch.nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return _OwnBackward.apply(x, self.inner)
+
+
+@pytest.mark.parametrize("head_trainable", [False, True])
+def test_clipping_at_the_end_of_a_nested_pass_is_refused_or_deferred(head_trainable):
+    """With a trainable layer in the outer pass, bk clips once at its end (norms equal the plain model's);
+    with none, the only bk layer is differentiated by a nested pass and bk refuses, naming the fix."""
+    torch.manual_seed(0)
+    body, head = torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 1).double()
+    head.requires_grad_(head_trainable)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)  # a frozen head still passes gradients
+    ref = BookKeepingModule(torch.nn.Sequential(body, head), clip_weights=lambda n: 1.0 / (n + 0.1))
+    ref(x).pow(2).mean().backward()
+    expected = (ref.last_norms.clone(), body.weight.grad.clone())
+    ref.detach()
+    body.zero_grad(set_to_none=True)
+    head.zero_grad(set_to_none=True)
+    bk = BookKeepingModule(torch.nn.Sequential(_Detour(body), head), clip_weights=lambda n: 1.0 / (n + 0.1))
+    if head_trainable:
+        bk(x).pow(2).mean().backward()
+        torch.testing.assert_close(bk.last_norms, expected[0])
+        torch.testing.assert_close(body.weight.grad, expected[1])
+    else:
+        with pytest.raises(RuntimeError, match="runs inside another one.*use_reentrant': False"):
+            bk(x).pow(2).mean().backward()
+        assert body.weight.grad is None  # nothing was clipped or written
 
 
 @pytest.mark.parametrize("kind, finetuning", [("tiny-llama", "full"), ("tiny-gpt2", "lora")])
