@@ -146,3 +146,53 @@ def test_bf16_autocast_runs_and_stays_close_to_fp32():
     assert ((n16 - n32).abs() / n32).max() < 0.05
     for a, b in zip(g16, g32):
         assert (a - b).norm() <= 0.05 * b.norm() + 1e-6
+
+
+def _dptrainer_step(out, *, checkpointing, grad_sample_mode="bk"):
+    """One DPTrainer step (SGD, lr 1, reproducible batch and noise) of a LoRA model; the parameter change.
+
+    The batch and noise derive from the seed and the run's config, which names the output directory's
+    records file: runs to compare use the same directory.
+    """
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from dpllm.hf import DPTrainer, PrivacyArguments
+
+    model, tok = tiny_model("tiny-llama", "lora")
+    if checkpointing:  # the user's own call, as peft's prepare_model_for_kbit_training makes it
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        assert activation_checkpointing(model) == "reentrant"
+    texts = [f"{t} (record {i})" for i in range(4) for t in TEXTS]
+    ds = Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"], truncation=True, max_length=48), batched=True)
+    args = TrainingArguments(output_dir=str(out), max_grad_norm=0.0, report_to="none", disable_tqdm=True,
+                             use_cpu=True, max_steps=1, optim="sgd", learning_rate=1.0, lr_scheduler_type="constant",
+                             per_device_train_batch_size=4, seed=3, gradient_checkpointing=False)
+    privacy = PrivacyArguments(target_epsilon=None, noise_multiplier=0.7, per_sample_max_grad_norm=0.1,
+                               logical_batch_size=8, reproducible_noise=True, grad_sample_mode=grad_sample_mode,
+                               overwrite_output_dir=True)
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    trainer = DPTrainer(model=model, args=args, privacy_args=privacy, train_dataset=ds, processing_class=tok)
+    trainer.train()
+    assert trainer.privacy_report.grad_sample_mode == grad_sample_mode
+    return torch.cat([(p.detach() - before[n]).flatten() for n, p in model.named_parameters() if n in before])
+
+
+def test_dptrainer_with_reentrant_checkpointing_turned_on_in_the_model(tmp_path):
+    """The issue's path: the model's own reentrant checkpointing, TrainingArguments.gradient_checkpointing=False.
+
+    Same batch and noise, C = 0.1 below every record's norm: the update equals the update without
+    checkpointing (on 061ec7a each of the two segments was clipped to C separately: the updates differed).
+    """
+    plain = _dptrainer_step(tmp_path / "run", checkpointing=False)
+    ckpt = _dptrainer_step(tmp_path / "run", checkpointing=True)
+    assert plain.norm() > 1e-3
+    torch.testing.assert_close(ckpt, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_dptrainer_refuses_model_checkpointing_under_opacus_modes(tmp_path):
+    from dpllm.models import ModelError
+
+    with pytest.raises(ModelError, match="reentrant gradient checkpointing enabled.*grad_sample_mode: bk"):
+        _dptrainer_step(tmp_path / "ghost", checkpointing=True, grad_sample_mode="ghost")
+    assert not any((tmp_path / "ghost").rglob("*"))  # refused before anything was written
