@@ -196,3 +196,28 @@ def test_dptrainer_refuses_model_checkpointing_under_opacus_modes(tmp_path):
     with pytest.raises(ModelError, match="reentrant gradient checkpointing enabled.*grad_sample_mode: bk"):
         _dptrainer_step(tmp_path / "ghost", checkpointing=True, grad_sample_mode="ghost")
     assert not any((tmp_path / "ghost").rglob("*"))  # refused before anything was written
+
+
+@pytest.mark.parametrize("mode, reentrant", [("ghost", False), ("hooks", True), ("bk", True)])
+def test_make_private_reads_checkpointing_from_the_model(mode, reentrant):
+    """The library path: whoever turned checkpointing on, make_private refuses it outside bk."""
+    from dpllm.config import PrivacyConfig
+    from dpllm.data import TokenizedRecords, make_collate
+    from dpllm.models import ModelError
+    from dpllm.privacy.engine import make_private
+    from dpllm.privacy.plan import plan_privacy
+
+    model, tok = tiny_model("tiny-llama", "lora")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    cfg = PrivacyConfig(target_epsilon=None, noise_multiplier=1.0, grad_sample_mode=mode)
+    plan = plan_privacy(num_records=len(TEXTS), logical_batch_size=2, steps=1, target_epsilon=None, delta=1e-5,
+                        accountant="prv", noise_multiplier=1.0)
+    kw = dict(model=model.train(), optimizer=torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1),
+              dataset=TokenizedRecords(TEXTS, tok, 48), collate_fn=make_collate(tok.pad_token_id), cfg=cfg, plan=plan,
+              logical_batch_size=2)
+    if mode != "bk":
+        kind = "reentrant" if reentrant else "non-reentrant"
+        with pytest.raises(ModelError, match=f"has {kind} gradient checkpointing enabled.*grad_sample_mode: {mode}"):
+            make_private(**kw)
+    else:
+        assert make_private(**kw).grad_sample_mode == "bk"
