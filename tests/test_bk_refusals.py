@@ -131,3 +131,14 @@ def test_chunked_loss_tells_bk_the_records_it_bypasses():
     bk.expect_rows(1)  # stale from elsewhere: the loss must replace it with the batch's own count
     causal_lm_chunked_loss(bk, batch, position_ids_for(batch["input_ids"]), chunk_tokens=7).backward()
     assert bk.last_norms.shape == (len(batch["input_ids"]),)
+
+
+def test_a_gradient_left_from_before_wrapping_is_refused():
+    torch.manual_seed(0)
+    model = MLP("batch-first").double()
+    x = torch.randn(B, T, D, dtype=torch.float64)
+    _record_losses(model(x)).mean().backward()  # a plain backward pass: raw, unclipped gradients
+    with pytest.raises(ValueError, match=r"a\.weight, a\.bias, b\.weight already hold a gradient bk did not write"):
+        BookKeepingModule(model, clip_weights=_clip)
+    model.zero_grad(set_to_none=False)  # zeros are harmless: nothing is added
+    BookKeepingModule(model, clip_weights=_clip)

@@ -25,7 +25,8 @@ Why each record is clipped exactly once per backward pass (everything rests on t
   gradient, so autograd accumulates into a trainable ``p.grad`` only when the parameter is used outside its
   own layer (``F.linear(h, emb.weight)``, ``h @ lin.weight.T``); a hook on every trainable parameter
   refuses that before the gradient reaches ``p.grad`` (the backward pass fails), since bk would add its
-  clipped sum to an unclipped gradient.
+  clipped sum to an unclipped gradient. A non-zero gradient already there when bk wraps the model is
+  refused too.
 - *One callback per backward pass, at its very end.* The callback is queued once, on the first bk event of
   the pass: a layer's backward, or a layer's forward re-run inside the pass (checkpointing recomputes
   there). Under reentrant checkpointing each segment is differentiated by a *nested* backward pass started
@@ -37,9 +38,9 @@ Why each record is clipped exactly once per backward pass (everything rests on t
   of the model.
 - *One norm and one weight per record.* Every layer's rows must be the batch's records: each layer's
   dimension 0 must equal the number of rows the module was called with (sequence-first ``(T, B, d)`` or
-  flattened ``(B·T, d)`` inputs are refused); the squared norms of all layers and all calls add into one
-  norm per record, one weight cᵢ is computed from it, and Σᵢ cᵢ·gᵢ is written once, after which the
-  records are cleared.
+  flattened ``(B·T, d)`` inputs are refused, unless T happens to equal B: a shape cannot tell those apart);
+  the squared norms of all layers and all calls add into one norm per record, one weight cᵢ is computed
+  from it, and Σᵢ cᵢ·gᵢ is written once, after which the records are cleared.
 
 Example:
     >>> import torch
@@ -102,6 +103,7 @@ class BookKeepingModule(nn.Module):
 
     Raises:
         NotImplementedError: a trainable layer without a rule, or a parameter shared by two layers.
+        ValueError: a trainable parameter that already holds a non-zero gradient.
         RuntimeError: in backward, a use bk cannot clip: a trainable parameter used outside its layer, a layer
             whose rows are not the batch's records, or clipping that would end a nested backward pass.
     """
@@ -132,6 +134,11 @@ class BookKeepingModule(nn.Module):
             m.forward = functools.partial(self._layer_forward, rule.forward, m, record)
             self._records.append(record)
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        stale = [n for n, p in named if p.grad is not None and bool(p.grad.detach().ne(0).any())]
+        if stale:  # bk adds its clipped sum to p.grad: a gradient already there would go out unclipped
+            raise ValueError(f"grad_sample_mode=bk: trainable parameters {', '.join(stale[:3])} already hold a "
+                             "gradient bk did not write (a backward pass before wrapping); clear it first with "
+                             "model.zero_grad(set_to_none=True)")
         self._params = [p for _, p in named]
         # Autograd never brings these a gradient (the rules return none) unless a parameter is used outside
         # its layer; the hook sees it before it reaches p.grad and refuses.
@@ -264,7 +271,12 @@ def _rows_of(args, kwargs) -> Optional[int]:
 
 
 def resolve_mode(requested: str, model: nn.Module) -> str:
-    """``auto`` → ``bk`` where every trainable layer has a rule, else Opacus's ghost (``ghost_fsdp`` under FSDP)."""
+    """``auto`` → ``bk`` where every trainable layer has a rule, else Opacus's ghost (``ghost_fsdp`` under FSDP).
+
+    A weight used outside its layer or a layer fed sequence-first rows shows only when the model runs; bk
+    then refuses at the first backward pass. Falling back to ghost would not help: Opacus's ghost norms miss
+    such a use too, while its second backward pass includes it unclipped.
+    """
     if requested != "auto":
         return requested
     from torch.distributed.fsdp import FSDPModule
