@@ -25,8 +25,8 @@ Why each record is clipped exactly once per backward pass (everything rests on t
   gradient, so autograd accumulates into a trainable ``p.grad`` only when the parameter is used outside its
   own layer (``F.linear(h, emb.weight)``, ``h @ lin.weight.T``); a hook on every trainable parameter
   refuses that before the gradient reaches ``p.grad`` (the backward pass fails), since bk would add its
-  clipped sum to an unclipped gradient. A non-zero gradient already there when bk wraps the model is
-  refused too.
+  clipped sum to an unclipped gradient. Gradients already there when bk wraps the model are dropped
+  (with a warning).
 - *One callback per backward pass, at its very end.* The callback is queued once, on the first bk event of
   the pass: a layer's backward, or a layer's forward re-run inside the pass (checkpointing recomputes
   there). Under reentrant checkpointing each segment is differentiated by a *nested* backward pass started
@@ -55,12 +55,15 @@ Example:
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from dpllm.privacy.bk.layers import Record, Units, rule_for
+
+log = logging.getLogger(__name__)
 
 # -1 outside a backward pass, else the id of the pass running on this thread (as torch's FSDP tests it)
 _graph_task = torch._C._current_graph_task_id
@@ -103,7 +106,6 @@ class BookKeepingModule(nn.Module):
 
     Raises:
         NotImplementedError: a trainable layer without a rule, or a parameter shared by two layers.
-        ValueError: a trainable parameter that already holds a non-zero gradient.
         RuntimeError: in backward, a use bk cannot clip: a trainable parameter used outside its layer, a layer
             whose rows are not the batch's records, or clipping that would end a nested backward pass.
     """
@@ -136,9 +138,10 @@ class BookKeepingModule(nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         stale = [n for n, p in named if p.grad is not None and bool(p.grad.detach().ne(0).any())]
         if stale:  # bk adds its clipped sum to p.grad: a gradient already there would go out unclipped
-            raise ValueError(f"grad_sample_mode=bk: trainable parameters {', '.join(stale[:3])} already hold a "
-                             "gradient bk did not write (a backward pass before wrapping); clear it first with "
-                             "model.zero_grad(set_to_none=True)")
+            log.warning("bk: dropped the gradients that %d trainable parameters (%s...) held from before wrapping; "
+                        "only clipped sums may reach p.grad", len(stale), ", ".join(stale[:3]))
+            for _, p in named:
+                p.grad = None
         self._params = [p for _, p in named]
         # Autograd never brings these a gradient (the rules return none) unless a parameter is used outside
         # its layer; the hook sees it before it reaches p.grad and refuses.
