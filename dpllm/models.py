@@ -207,6 +207,46 @@ def check_dp_layers(model: nn.Module) -> None:
         )
 
 
+def activation_checkpointing(model: nn.Module) -> Optional[str]:
+    """How the model's own layers recompute activations in backward, read from the model itself.
+
+    transformers' ``gradient_checkpointing_enable`` (and peft's ``prepare_model_for_kbit_training``) mark
+    each checkpointed module with ``gradient_checkpointing = True`` and a ``_gradient_checkpointing_func``
+    that is ``torch.utils.checkpoint.checkpoint`` with the caller's keyword arguments; torch's default is
+    reentrant when ``use_reentrant`` is not given.
+
+    Returns:
+        None (no checkpointing), ``"non-reentrant"``, or ``"reentrant"`` (if any module is).
+    """
+    found = None
+    for m in model.modules():
+        if getattr(m, "gradient_checkpointing", False) is True:
+            keywords = getattr(getattr(m, "_gradient_checkpointing_func", None), "keywords", None) or {}
+            if keywords.get("use_reentrant", True) is not False:
+                return "reentrant"
+            found = "non-reentrant"
+    return found
+
+
+def check_checkpointing(model: nn.Module, grad_sample_mode: str) -> None:
+    """Refuse activation checkpointing (however it was turned on) under a mode whose norms it corrupts.
+
+    Opacus's ghost and hooks modes capture activations with forward hooks, which recomputation runs again.
+    Book-keeping reads activations from autograd's saved tensors and clips once at the end of the outermost
+    backward pass, under either kind of checkpointing (:mod:`dpllm.privacy.bk`).
+
+    Raises:
+        ModelError: checkpointing on, under a mode other than ``bk``.
+    """
+    kind = activation_checkpointing(model)
+    if kind is not None and grad_sample_mode != "bk":
+        raise ModelError(
+            f"the model has {kind} gradient checkpointing enabled, which corrupts Opacus's per-sample norms under "
+            f"grad_sample_mode: {grad_sample_mode} (recomputed activations re-run its forward hooks); use "
+            "grad_sample_mode: bk (or auto on a model bk fully supports), or turn it off "
+            "(model.gradient_checkpointing_disable())")
+
+
 def count_parameters(model: nn.Module) -> tuple[int, int]:
     """(total, trainable) parameter counts."""
     total = sum(p.numel() for p in model.parameters())

@@ -40,7 +40,7 @@ from dpllm.distributed import (World, all_max, all_sum, barrier, check_paralleli
                                is_sharded, make_accelerator, params_digest, reshard, world_of, wrap_model)
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
 from dpllm.logs import known_warnings_silenced
-from dpllm.models import (check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
+from dpllm.models import (check_checkpointing, check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
                           prepare_model, source_of)
 from dpllm.privacy import clipping, user_level
 from dpllm.privacy.composition import Lineage, lineage, set_digest
@@ -344,6 +344,10 @@ class Trainer:
                     "and corrupt per-sample norms; switch the mode, or turn checkpointing off")
             # non-reentrant: book-keeping reads activations from autograd's saved tensors, recorded once
             unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if self.dp:  # however checkpointing got turned on (a model's own code may): only bk clips under it
+            from dpllm.privacy.bk import resolve_mode
+
+            check_checkpointing(model, resolve_mode(self.p.grad_sample_mode, model))
         model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
         if self.dp:
             check_dp_layers(model)

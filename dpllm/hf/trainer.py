@@ -35,7 +35,7 @@ from dpllm.distributed import barrier, check_parallelism, world_of, wrap_model
 from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
 from dpllm.hf.records import PadRecords, Rows, rows_of
 from dpllm.io import looks_local, write_json_atomic, write_text_atomic
-from dpllm.models import check_dp_layers, count_parameters, untie_output_embeddings
+from dpllm.models import check_checkpointing, check_dp_layers, count_parameters, untie_output_embeddings
 from dpllm.train import Trainer as RunTrainer
 from dpllm.train import seed_everything
 
@@ -216,6 +216,10 @@ class HFRun(RunTrainer):
                                   f"(not {self.p.grad_sample_mode}): recomputed activations corrupt Opacus's "
                                   "per-sample norms; switch the mode or turn checkpointing off")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from dpllm.privacy.bk import resolve_mode
+
+        # read from the model: the user (or peft's prepare_model_for_kbit_training) may have turned it on
+        check_checkpointing(model, resolve_mode(self.p.grad_sample_mode, model))
         model.to(self.device).train()
         check_dp_layers(model)
         self.n_params = count_parameters(model)

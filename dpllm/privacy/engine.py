@@ -109,9 +109,13 @@ def make_private(
     Returns:
         A :class:`PrivateTraining` whose ``sampler`` (and ``data_loader`` over it) never ends: one
         Poisson batch per step, so the caller stops at the planned step count.
+
+    Raises:
+        dpllm.models.ModelError: gradient checkpointing turned on in the model under a mode other than bk.
     """
     from opacus import PrivacyEngine
 
+    from dpllm.models import check_checkpointing
     from dpllm.privacy import bk, clipping
     from dpllm.sampling import PoissonBatchSampler
 
@@ -133,6 +137,7 @@ def make_private(
     criterion = nn.CrossEntropyLoss(ignore_index=-100)
     fn = clipping.get(cfg.clipping)
     mode = bk.resolve_mode(cfg.grad_sample_mode, model)
+    check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
             engine=engine, model=model, optimizer=optimizer, clip_weights=lambda n: fn.weights(n, cfg),

@@ -19,6 +19,29 @@ as for ghost clipping. Unlike Opacus's ghost clipping there is no second backwar
 criterion: ``loss.backward()`` on the mean over records of each record's loss is all it takes
 (Opacus's ``loss_reduction="mean"`` convention: gradients are scaled back by the number of rows).
 
+Why each record is clipped exactly once per backward pass (everything rests on this):
+
+- *Only bk writes a trainable parameter's gradient.* Every rule's autograd function returns no weight
+  gradient, so autograd accumulates into a trainable ``p.grad`` only when the parameter is used outside its
+  own layer (``F.linear(h, emb.weight)``, ``h @ lin.weight.T``); a hook on every trainable parameter
+  refuses that before the gradient reaches ``p.grad`` (the backward pass fails), since bk would add its
+  clipped sum to an unclipped gradient. Gradients already there when bk wraps the model are dropped
+  (with a warning).
+- *One callback per backward pass, at its very end.* The callback is queued once, on the first bk event of
+  the pass: a layer's backward, or a layer's forward re-run inside the pass (checkpointing recomputes
+  there). Under reentrant checkpointing each segment is differentiated by a *nested* backward pass started
+  from a node of the outer one, after the segment's forward was re-run inside the outer pass; so the first
+  event is always in the outermost pass, and ``queue_callback`` attaches the callback to it, which runs
+  after every nested pass has returned. Should the callback still land on a nested pass (a graph built
+  outside backward and differentiated by a backward called from inside a node, with no bk layer in the
+  outer pass before it), it finds an autograd node still executing and refuses instead of clipping part
+  of the model.
+- *One norm and one weight per record.* Every layer's rows must be the batch's records: each layer's
+  dimension 0 must equal the number of rows the module was called with (sequence-first ``(T, B, d)`` or
+  flattened ``(B·T, d)`` inputs are refused, unless T happens to equal B: a shape cannot tell those apart);
+  the squared norms of all layers and all calls add into one norm per record, one weight cᵢ is computed
+  from it, and Σᵢ cᵢ·gᵢ is written once, after which the records are cleared.
+
 Example:
     >>> import torch
     >>> from torch import nn
@@ -32,12 +55,23 @@ Example:
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 
 from dpllm.privacy.bk.layers import Record, Units, rule_for
+
+log = logging.getLogger(__name__)
+
+# -1 outside a backward pass, else the id of the pass running on this thread (as torch's FSDP tests it)
+_graph_task = torch._C._current_graph_task_id
+# the autograd node executing on this thread: not None inside a backward pass started from a node's backward
+_autograd_node = torch._C._current_autograd_node
+
+NESTED_FIX = ("use non-reentrant checkpointing: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+              "{'use_reentrant': False}), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
 
 __all__ = ["BookKeepingModule", "make_private_bk", "resolve_mode", "unsupported_layers"]
 
@@ -72,6 +106,8 @@ class BookKeepingModule(nn.Module):
 
     Raises:
         NotImplementedError: a trainable layer without a rule, or a parameter shared by two layers.
+        RuntimeError: in backward, a use bk cannot clip: a trainable parameter used outside its layer, a layer
+            whose rows are not the batch's records, or clipping that would end a nested backward pass.
     """
 
     def __init__(self, module: nn.Module, *, clip_weights: Callable[[torch.Tensor], torch.Tensor],
@@ -92,13 +128,24 @@ class BookKeepingModule(nn.Module):
         self._units: Optional[Units] = None
         self._records: list[Record] = []
         self._queued = False
+        self._rows: Optional[int] = None  # records in the batch of the last forward pass, when it can be told
         for _, m in _trainable_modules(module):
             rule = rule_for(m)
             record = Record(rule, m, self._on_layer_backward)
             # The layer runs through the rule's autograd function while attached (undone by detach()).
-            m.forward = functools.partial(rule.forward, m, record)
+            m.forward = functools.partial(self._layer_forward, rule.forward, m, record)
             self._records.append(record)
-        self._params = [p for p in module.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        stale = [n for n, p in named if p.grad is not None and bool(p.grad.detach().ne(0).any())]
+        if stale:  # bk adds its clipped sum to p.grad: a gradient already there would go out unclipped
+            log.warning("bk: dropped the gradients that %d trainable parameters (%s...) held from before wrapping; "
+                        "only clipped sums may reach p.grad", len(stale), ", ".join(stale[:3]))
+            for _, p in named:
+                p.grad = None
+        self._params = [p for _, p in named]
+        # Autograd never brings these a gradient (the rules return none) unless a parameter is used outside
+        # its layer; the hook sees it before it reaches p.grad and refuses.
+        self._hooks = [p.register_hook(functools.partial(_refuse_raw_gradient, n)) for n, p in named]
 
     def set_policy(self, policy: str) -> None:
         """Per-sample norms of Linear/Conv1D weights: "auto" (the cheaper), "ghost" or "explicit" everywhere."""
@@ -116,21 +163,48 @@ class BookKeepingModule(nn.Module):
             r.rows_per_unit = max(1, self._units.largest)
 
     def forward(self, *args, **kwargs):
-        for r in self._records:  # left over only if an earlier backward pass failed half-way
-            r.clear()
+        if _graph_task() == -1:  # a new forward pass, not a recomputation inside backward
+            self._reset()  # anything left over is from a backward pass that failed half-way
+            if torch.is_grad_enabled():
+                self._rows = _rows_of(args, kwargs)
         return self._module(*args, **kwargs)
 
+    def expect_rows(self, rows: int) -> None:
+        """The number of records of the next backward pass, for a loss that calls the inner layers directly
+        (:func:`dpllm.privacy.bk.loss.causal_lm_chunked_loss`) instead of this module's forward."""
+        self._reset()
+        self._rows = int(rows)
+
     def detach(self) -> nn.Module:
-        """Restore the layers' own forward methods and return the bare module."""
+        """Restore the layers' own forward methods, remove bk's hooks and return the bare module."""
         for r in self._records:
             r.module.__dict__.pop("forward", None)
-        self._records = []
+        for h in self._hooks:
+            h.remove()
+        self._records, self._hooks = [], []
         return self._module
+
+    def _reset(self) -> None:
+        for r in self._records:
+            r.clear()
+        self._queued, self._rows = False, None
+
+    def _layer_forward(self, forward, module, record, *args, **kwargs):
+        if _graph_task() != -1 and torch.is_grad_enabled():
+            # Recomputation inside a backward pass (checkpointing): this pass, or a pass nested in it
+            # (reentrant checkpointing), will differentiate the layer; clip at the end of this one.
+            self._on_layer_backward()
+        return forward(module, record, *args, **kwargs)
 
     def _on_layer_backward(self) -> None:
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _refuse(self, message: str):
+        self._reset()
+        self._units = None
+        return RuntimeError(f"grad_sample_mode=bk: {message}")
 
     @torch.no_grad()
     def _finish_backward(self) -> None:
@@ -138,10 +212,21 @@ class BookKeepingModule(nn.Module):
         active = [r for r in self._records if r.batch_size() is not None]
         if not active:
             return
+        if _autograd_node() is not None:  # this pass was started from inside another pass's node
+            raise self._refuse("the backward pass that ends here runs inside another one (reentrant gradient "
+                               "checkpointing, or a custom autograd function that calls backward), so clipping "
+                               "now would clip part of the model separately; " + NESTED_FIX)
         sizes = {r.batch_size() for r in active}
-        if len(sizes) != 1:
-            raise RuntimeError(f"layers saw different batch sizes {sorted(sizes)}; bk needs batch-first inputs")
-        B = sizes.pop()
+        rows, B = self._rows, max(sizes)
+        if len(sizes) != 1 or (rows is not None and B != rows):
+            seen = ", ".join(sorted({f"{type(r.module).__name__}: {r.batch_size()}" for r in active}))
+            batch = f"a batch of {rows} records" if rows is not None else "one batch"
+            raise self._refuse(
+                f"{batch}, but the trainable layers saw rows ({seen}) in dimension 0: a layer whose input is "
+                "sequence-first (T, B, d) or flattened (B·T, d) gets one norm per position, not per record. Keep "
+                "every trainable layer's input batch-first (B, ..., d): batch_first=True, or reshape (B·T, d) back "
+                "to (B, T, d) before the layer")
+        self._rows = None
         units, self._units = self._units, None
         if self.per_user and (units is None or len(units.inverse) != B):
             raise RuntimeError(f"user-level bk got {B} rows but set_users() gave "
@@ -167,8 +252,34 @@ class BookKeepingModule(nn.Module):
         self.last_norms = norms
 
 
+def _refuse_raw_gradient(name: str, grad: Optional[torch.Tensor]) -> None:
+    if grad is None:  # what every rule gives its parameters
+        return
+    raise RuntimeError(
+        f"grad_sample_mode=bk: trainable parameter {name} got a gradient from a use outside its own layer (e.g. "
+        "F.linear(h, emb.weight) or h @ lin.weight.T); bk clips only what runs through the layer's forward and "
+        "would add an unclipped gradient. Call the layer itself (emb(ids), lin(h)), give the other use its own "
+        "layer (untie the weights), or freeze the parameter")
+
+
+def _rows_of(args, kwargs) -> Optional[int]:
+    """Records in a batch: dimension 0 of ``input_ids``, ``inputs_embeds`` or the first tensor argument."""
+    for key in ("input_ids", "inputs_embeds"):
+        if isinstance(kwargs.get(key), torch.Tensor):
+            return kwargs[key].shape[0]
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return v.shape[0]
+    return None
+
+
 def resolve_mode(requested: str, model: nn.Module) -> str:
-    """``auto`` → ``bk`` where every trainable layer has a rule, else Opacus's ghost (``ghost_fsdp`` under FSDP)."""
+    """``auto`` → ``bk`` where every trainable layer has a rule, else Opacus's ghost (``ghost_fsdp`` under FSDP).
+
+    A weight used outside its layer or a layer fed sequence-first rows shows only when the model runs; bk
+    then refuses at the first backward pass. Falling back to ghost would not help: Opacus's ghost norms miss
+    such a use too, while its second backward pass includes it unclipped.
+    """
     if requested != "auto":
         return requested
     from torch.distributed.fsdp import FSDPModule

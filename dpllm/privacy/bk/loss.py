@@ -54,6 +54,8 @@ def causal_lm_chunked_loss(model: nn.Module, batch: dict, position_ids: torch.Te
     """:func:`chunked_sequence_loss` for an HF causal LM (PEFT-wrapped or not, BK-wrapped or not)."""
     inner = model
     while hasattr(inner, "_module"):
+        if hasattr(inner, "expect_rows"):  # bk: its forward is bypassed, so tell it the batch's records
+            inner.expect_rows(batch["input_ids"].shape[0])
         inner = inner._module
     base = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
     out = base.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
