@@ -85,8 +85,11 @@ class DataConfig:
                                   "built-in corpora have their own grouping (pydoc: topic chunks; pystdlib: file).")
     label_column: Optional[str] = _f(None, "Column holding each record's class label (JSONL/JSON/CSV/Hub). Opt-in: "
                                            "the label is prefixed to the text as a control code '[label] ' (Yue et "
-                                           "al. 2023), so `dpllm synthesize` can ask for a class; the set of labels "
-                                           "is treated as public.")
+                                           "al. 2023), so `dpllm synthesize` can ask for a class. Needs label_values.")
+    label_values: Optional[str] = _f(None, "With label_column: the comma-separated classes, declared public (the card "
+                                           "of a synthetic set lists them). Declared, never read from the data: a "
+                                           "class only one record has would otherwise reveal that record; a record "
+                                           "whose label is not listed is refused.")
     canary_records_per_user: int = _f(1, "privacy_unit=user: each canary is a user who writes its canary text in "
                                          "this many records (all in or all out by one coin); ≤ max_records_per_user.")
     max_records_per_user: Optional[int] = _f(None, "k: keep at most this many records of each user (chosen at random "

@@ -107,7 +107,8 @@ def _file_records(path: Path, cfg: DataConfig) -> tuple[list[str], Optional[list
                             f"{sorted(rows[missing - 1])}): set text_column to one of them")
         texts = [str(r[cfg.text_column]) if r[cfg.text_column] is not None else "" for r in rows]
         if cfg.label_column:
-            texts = with_control_codes(texts, [r.get(cfg.label_column) for r in rows], cfg.label_column, str(path))
+            texts = with_control_codes(texts, [r.get(cfg.label_column) for r in rows], cfg.label_column, str(path),
+                                       allowed=declared_labels(cfg))
         if cfg.privacy_unit != "user":
             return texts, None
         missing = next((i for i, r in enumerate(rows, 1) if r.get(cfg.user_column) is None), None)
@@ -149,17 +150,39 @@ def split_control_code(text: str) -> tuple[Optional[str], str]:
     return (m.group(1), text[m.end():]) if m else (None, text)
 
 
-def with_control_codes(texts: list[str], labels: Sequence, column: str, source: str) -> list[str]:
+def declared_labels(cfg: DataConfig) -> list[str]:
+    """The public classes of ``data.label_values`` (in the order given).
+
+    Raises:
+        DataError: ``label_column`` without ``label_values``, or a value that cannot be a control code.
+    """
+    values = [v.strip() for v in (cfg.label_values or "").split(",") if v.strip()]
+    if cfg.label_column and not values:
+        raise DataError(f"label_column={cfg.label_column!r} needs label_values: the comma-separated classes, declared "
+                        "public (they are not read from the data, where a class only one record has would reveal it)")
+    bad = next((v for v in values if re.search(r"[\]\n]", v)), None)
+    if bad is not None:
+        raise DataError(f"label_values: {bad!r} cannot be a control code (no ']' or newline)")
+    return values
+
+
+def with_control_codes(texts: list[str], labels: Sequence, column: str, source: str, *,
+                       allowed: Sequence[str]) -> list[str]:
     """Prefix each text with its label's control code.
 
     Raises:
-        DataError: a record without a label, or a label that cannot be a control code.
+        DataError: a record without a label, or a label that is not one of the declared ``allowed`` classes.
     """
     bad = next((i for i, lab in enumerate(labels, 1) if lab is None or not str(lab).strip()
                 or re.search(r"[\]\n]", str(lab))), None)
     if bad is not None:
         raise DataError(f"dataset {source}: record {bad} has label {labels[bad - 1]!r} in column {column!r}; every "
                         "record needs a non-empty one-line label without ']' (or unset label_column)")
+    known = set(allowed)
+    bad = next((i for i, lab in enumerate(labels, 1) if str(lab).strip() not in known), None)
+    if bad is not None:
+        raise DataError(f"dataset {source}: record {bad} has label {str(labels[bad - 1]).strip()!r}, which is not one "
+                        f"of label_values ({', '.join(allowed)}); add the class to label_values or drop the record")
     return [control_code(str(lab).strip()) + text for lab, text in zip(labels, texts)]
 
 
@@ -170,7 +193,7 @@ def _labelled(ds, cfg: DataConfig, source: str) -> list[str]:
     if cfg.label_column not in ds.column_names:
         raise DataError(f"dataset {source} has no label column {cfg.label_column!r}; its columns are "
                         f"{ds.column_names}: set label_column to one of them, or unset it")
-    return with_control_codes(texts, ds[cfg.label_column], cfg.label_column, source)
+    return with_control_codes(texts, ds[cfg.label_column], cfg.label_column, source, allowed=declared_labels(cfg))
 
 
 def _users(ds, cfg: DataConfig, source: str) -> Optional[list[str]]:

@@ -53,7 +53,9 @@ RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensor
 RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_size", "privacy_unit", "epsilon", "delta",
                    "accountant", "target_epsilon", "noise_multiplier", "sample_rate", "max_grad_norm", "clipping",
                    "sensitivity", "grad_sample_mode", "poisson_sampling", "secure_mode", "noise_secret", "history",
-                   "model_adjustments", "versions", "warnings")  # not "note": free text, could say anything
+                   "model_adjustments", "versions", "noise_schedule")
+# Not "note" (free text, could say anything) and not "warnings": they quote data-dependent counts (records removed as
+# duplicates, the expected batch q·N, a logical batch capped at N) for the operator, who reads them in the private run.
 RELEASED_STAGE_FIELDS = ("name", "enabled", "train_on", "steps", "history")
 # user_level: the declared cap and how ε became user-level; never counts of users or records
 RELEASED_USER_FIELDS = ("unit", "sampling", "max_records_per_user", "group_size", "users_per_batch", "group_privacy",
@@ -116,9 +118,11 @@ def release_report(report: PrivacyReport, *, declare_public: Sequence[str] = ())
         if "num_users" in declare_public:
             user["num_users"] = report.user_level.get("num_users")
         data["user_level"] = user
-    data["composition"] = ("single stage" if len(report.history) <= 1 else
-                           f"{len(report.history)} (σ, q, steps) entries composed: earlier private stages that "
-                           "trained on these records, then this one") if report.enabled else None
+    # Entries before this stage's own (a noise schedule gives this stage one entry per piece).
+    prior = len(report.history) - len((report.stages[-1] if report.stages else {}).get("history") or [None])
+    data["composition"] = ("single stage" if prior <= 0 else
+                           f"{prior} (σ, q, steps) entries of earlier private stages that trained on these records "
+                           "composed before this stage's") if report.enabled else None
     base = dict(report.base_model or {})
     if base.get("path") and (base.get("kind") != "pretrained" or looks_local(str(base["path"]))):
         base["path"] = Path(str(base["path"])).name

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> dict:
                "--physical_batch_size", "32", "--lr_scheduler", "cosine", "--warmup_steps", "0" if q else "20",
                "--output_dir", str(work / "pretrain")])
     private = ["--model_name_or_path", str(work / "pretrain"), "--dataset", str(work / "private.jsonl"),
-               "--label_column", "label", "--heldout_fraction", str(s["heldout_fraction"]), "--min_chars", "32"]
+               "--label_column", "label", "--label_values", ",".join(MODULES), "--heldout_fraction", str(s["heldout_fraction"]), "--min_chars", "32"]
     arms = {"no_dp": ["--privacy.enabled", "false", "--epochs", str(s["nodp_epochs"]),
                       "--logical_batch_size", str(s["nodp_batch"]), "--physical_batch_size", str(s["nodp_batch"])]}
     for eps in EPSILONS[:1] if q else EPSILONS:

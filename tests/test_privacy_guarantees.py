@@ -343,5 +343,5 @@ def test_composition_after_a_non_private_warm_up(tmp_path, records):
     assert ledger.verify(tmp_path / "dp2").ok
     released = json.loads((export(tmp_path / "dp2", tmp_path / "bundle") / "privacy_report.json").read_text())
     assert [s["enabled"] for s in released["stages"]] == [False, True, True]
-    assert released["history"] == dp2["history"] and released["composition"].startswith("2 (σ, q, steps)")
+    assert released["history"] == dp2["history"] and released["composition"].startswith("1 (σ, q, steps) entries of earlier private stages")
     assert not any("records_sha256" in s or "num_records" in s for s in released["stages"])

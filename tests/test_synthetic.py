@@ -32,7 +32,8 @@ def labelled_file(path):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("synth")
     data = labelled_file(base / "data.jsonl")
-    common = ["--dataset", str(data), "--label_column", "topic", "--num_canaries", "4", *FAST]
+    common = ["--dataset", str(data), "--label_column", "topic", "--label_values", ",".join(TOPICS), "--num_canaries", "4",
+              *FAST]
     train(parse_config(["--output_dir", str(base / "dp"), "--target_epsilon", "4", *common]))
     train(parse_config(["--output_dir", str(base / "nodp"), "--privacy.enabled", "false", *common]))
     train(parse_config(["--output_dir", str(base / "plain"), "--target_epsilon", "4", "--max_records", "60", *FAST]))
@@ -41,22 +42,29 @@ def runs(tmp_path_factory):
 
 def test_label_column_prefixes_a_control_code(tmp_path):
     data = labelled_file(tmp_path / "d.jsonl")
-    cfg = parse_config(["--dataset", str(data), "--label_column", "topic"]).data
+    cfg = parse_config(["--dataset", str(data), "--label_column", "topic", "--label_values", ",".join(TOPICS)]).data
     labels = [split_control_code(t)[0] for t in load_records(cfg)]
     assert len(set(labels)) >= 3 and set(labels) <= set(TOPICS)
     assert load_records(cfg)[0].startswith("[assert] ")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": "x" * 40, "topic": "a"}) + "\n"
                                         + json.dumps({"text": "y" * 40}) + "\n")
     with pytest.raises(DataError, match="record 2 has label None"):
-        load_records(parse_config(["--dataset", str(tmp_path / "bad.jsonl"), "--label_column", "topic"]).data)
+        load_records(parse_config(["--dataset", str(tmp_path / "bad.jsonl"), "--label_column", "topic",
+                                   "--label_values", "a"]).data)
+    # The classes are declared, never read from the data: one not declared is refused, and so is no declaration.
+    with pytest.raises(DataError, match="record 1 has label 'assert', which is not one of label_values"):
+        load_records(parse_config(["--dataset", str(data), "--label_column", "topic", "--label_values", "if"]).data)
+    with pytest.raises(DataError, match="needs label_values"):
+        load_records(parse_config(["--dataset", str(data), "--label_column", "topic"]).data)
     (tmp_path / "d.csv").write_text("text,topic\n" + "".join(f"record number {i} of a csv file here,t{i % 2}\n"
                                                                for i in range(4)))
-    csv = parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "topic"]).data
+    csv = parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "topic", "--label_values", "t0,t1"]).data
     assert load_records(csv)[1] == "[t1] record number 1 of a csv file here"
     with pytest.raises(DataError, match="no label column 'kind'"):
-        load_records(parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "kind"]).data)
+        load_records(parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "kind",
+                                   "--label_values", "t0,t1"]).data)
     with pytest.raises(DataError, match="needs a .jsonl"):
-        load_records(parse_config(["--dataset", "pydoc", "--label_column", "topic"]).data)
+        load_records(parse_config(["--dataset", "pydoc", "--label_column", "topic", "--label_values", "a"]).data)
 
 
 def test_refuses_what_export_refuses(runs, tmp_path):

@@ -2,7 +2,8 @@
 
 Written beside the synthetic file (``synth.jsonl`` → ``synth.card.json`` and ``synth.card.md``) and
 released with it. It holds only public facts: the source run's privacy report without local paths
-(:func:`dpllm.export.public_report`), the generation settings (public prompts and the public set of labels
+as a release bundle carries it (:func:`dpllm.export.release_report`: no
+record counts, digests or local paths), the generation settings (public prompts and the public set of labels
 included) and the file's sha256. It never holds a training record, a split or a metric of the training data.
 """
 
@@ -15,7 +16,7 @@ from typing import Optional
 from dpllm.privacy.report import PrivacyReport
 
 PRIVACY_FIELDS = ("enabled", "epsilon", "delta", "privacy_unit", "accountant", "noise_multiplier", "sample_rate",
-                  "steps", "max_grad_norm", "clipping", "num_records", "noise_secret", "user_level")
+                  "steps", "max_grad_norm", "clipping", "noise_schedule", "noise_secret", "user_level", "release")
 
 
 def card_paths(out: str | Path) -> tuple[Path, Path]:
@@ -54,9 +55,9 @@ def make_card(*, run_name: str, report: PrivacyReport, refusal: Optional[str], s
               num_records: int, complete: bool, sha256: Optional[str]) -> dict:
     """The card as JSON-serialisable data (schema ``dpllm.synthetic.card/1``)."""
     from dpllm.checkpoint import library_versions
-    from dpllm.export import public_report
+    from dpllm.export import release_report
 
-    public = public_report(report).to_dict()
+    public = release_report(report).to_dict()
     return {
         "schema": "dpllm.synthetic.card/1",
         "file": file,
@@ -78,7 +79,8 @@ def card_markdown(card: dict) -> str:
     if p.get("enabled"):
         guarantee = (f"(ε = {p['epsilon']:.3f}, δ = {p['delta']:g}) at the level of one {p['privacy_unit']} "
                      f"({p['accountant']} accountant; σ = {p['noise_multiplier']:.4g}, q = {p['sample_rate']:.4g}, "
-                     f"{p['steps']} steps, C = {p['max_grad_norm']:g}, {p['num_records']:,} training records)")
+                     f"{p['steps']} steps, C = {p['max_grad_norm']:g}; neighbouring relation: "
+                     f"{(p.get('release') or {}).get('neighbouring_relation') or 'add/remove one unit'})")
     else:
         guarantee = "none (trained without DP)"
     cond = (f"labels (control codes, uniformly in turn): {', '.join(g['labels'])}" if g.get("labels") else

@@ -26,17 +26,17 @@ class SynthesisError(ValueError):
 
 
 def run_labels(run_dir: Path) -> Optional[list[str]]:
-    """The set of labels a run trained with (``data.label_column``), sorted; None for an unlabelled run.
+    """The classes a labelled run declared public (``data.label_values``), sorted; None for an unlabelled run.
 
-    The set (not the records, not their counts) is treated as public, as the control codes are.
+    Read from the config, never from the data: the set of labels found in the records would depend on them.
     """
     from dpllm.config import load_config_file
-    from dpllm.data import load_records, split_control_code
+    from dpllm.data import declared_labels
 
     cfg = load_config_file(run_dir / "config.yaml").data
     if not cfg.label_column:
         return None
-    return sorted({lab for lab, _ in map(split_control_code, load_records(cfg)) if lab is not None})
+    return sorted(declared_labels(cfg))
 
 
 def _existing(out: Path) -> int:
