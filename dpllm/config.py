@@ -86,6 +86,10 @@ class DataConfig:
     label_column: Optional[str] = _f(None, "Column holding each record's class label (JSONL/JSON/CSV/Hub). Opt-in: "
                                            "the label is prefixed to the text as a control code '[label] ' (Yue et "
                                            "al. 2023), so `dpllm synthesize` can ask for a class. Needs label_values.")
+    earlier_stages_disjoint: bool = _f(False, "Declare that earlier private stages of the starting model trained on "
+                                              "records disjoint from this stage's: their ε is then not composed "
+                                              "(checked by content; an overlap is refused). Without it they are "
+                                              "composed, whatever the data (a decision by overlap would leak).")
     label_values: Optional[str] = _f(None, "With label_column: the comma-separated classes, declared public (the card "
                                            "of a synthetic set lists them). Declared, never read from the data: a "
                                            "class only one record has would otherwise reveal that record; a record "

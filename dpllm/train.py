@@ -282,7 +282,7 @@ class Trainer:
         t, p = self.t, self.p
         self.source = source_of(self.cfg.model)
         self.lineage: Lineage = lineage(self.source, private=self.trained_hashes, heldout=self.heldout_hashes,
-                                        dp=self.dp)
+                                        dp=self.dp, declared_disjoint=self.cfg.data.earlier_stages_disjoint)
         if self.dp and self.user_unit and self.lineage.history:
             raise PrivacyPlanError("privacy_unit=user cannot yet compose with earlier private stages on the same "
                                    "records (their ε is record-level); start from a model that never saw them")

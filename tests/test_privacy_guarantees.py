@@ -138,17 +138,27 @@ def test_non_private_stage_on_private_records_is_refused_before_any_work(tmp_pat
     assert not (tmp_path / "dp").exists()
 
 
-def test_private_stage_on_disjoint_records_is_not_composed(tmp_path, records):
+def test_private_stage_is_composed_unless_declared_disjoint(tmp_path, records):
     lines = records.read_text().splitlines()
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     a.write_text("\n".join(lines[:80]) + "\n")
     b.write_text("\n".join(lines[80:]) + "\n")
     run(tmp_path, "first", "--dataset", str(a), "--target_epsilon", "2", "--target_delta", "1e-3")
+    # Not declared: composed all the same. Deciding by overlap would let one record switch the released ε.
     run(tmp_path, "second", "--dataset", str(b), "--model_name_or_path", str(tmp_path / "first"),
-        "--target_epsilon", "2", "--target_delta", "1e-3")
-    report = report_of(tmp_path / "second")
+        "--target_epsilon", "3", "--target_delta", "1e-3")
+    assert len(report_of(tmp_path / "second")["history"]) == 2
+    # Declared disjoint (and checked): not composed.
+    run(tmp_path, "third", "--dataset", str(b), "--model_name_or_path", str(tmp_path / "first"),
+        "--target_epsilon", "2", "--target_delta", "1e-3", "--earlier_stages_disjoint", "true")
+    report = report_of(tmp_path / "third")
     assert len(report["history"]) == 1 and report["epsilon"] <= 2.0
-    assert "disjoint" in report["composition"]
+    assert "declared disjoint" in report["composition"]
+    # A declaration the data contradicts is refused before any work.
+    with pytest.raises(PrivacyPlanError, match="earlier_stages_disjoint is set, but earlier private stage 'first'"):
+        run(tmp_path, "fourth", "--dataset", str(records), "--model_name_or_path", str(tmp_path / "first"),
+            "--target_epsilon", "4", "--target_delta", "1e-3", "--earlier_stages_disjoint", "true")
+    assert not (tmp_path / "fourth").exists()
 
 
 # ---- 3. one q, one step count, one σ -----------------------------------------------------------------

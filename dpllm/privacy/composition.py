@@ -5,11 +5,14 @@ them). Each stage's trained records are known by their sha256 (``splits.json: tr
 file of the earlier run directory; the report only carries a digest of the set). For this stage's
 private records P (its training set, and for the non-private check also its held-out records):
 
-- an earlier **private** stage that trained on any record of P is composed: its ``(σ, q, steps)`` history
-  goes before this stage's in the accountant; one whose records cannot be read is composed too (over-counting
-  is safe, under-counting is not);
-- an earlier private stage whose records are provably disjoint from P is not composed (its ε protects
-  its own records);
+- an earlier **private** stage is composed: its ``(σ, q, steps)`` history goes before this stage's in the
+  accountant. Whether it is composed must not depend on the data: if it were decided by overlap, adding one
+  record that the earlier stage trained on would switch the released history and ε, and so tell anyone who
+  knows every other record whether that one is in this stage's set. So it is composed unless the user
+  *declares* the stages disjoint (``data.earlier_stages_disjoint: true``, a fact about how the data was
+  collected); the declaration is then checked by content and a run whose records overlap (or cannot be
+  checked) is refused before any work, so the declaration, not the data, decides what is released (parallel
+  composition: the earlier stage's ε protects its own records);
 - an earlier **non-private** stage that trained on any record of P makes a DP guarantee for P impossible:
   refused before any work, naming the stage and the overlap; so is one whose records cannot be checked.
 
@@ -59,7 +62,8 @@ def _describe(stage: dict) -> str:
     return f"stage {stage.get('name', '?')!r} ({stage.get('run_dir') or 'location unknown'})"
 
 
-def lineage(source: dict, *, private: set[str], heldout: set[str], dp: bool) -> Lineage:
+def lineage(source: dict, *, private: set[str], heldout: set[str], dp: bool,
+            declared_disjoint: bool = False) -> Lineage:
     """Decide composition for a stage trained from ``source`` (see the module docstring).
 
     Args:
@@ -67,10 +71,13 @@ def lineage(source: dict, *, private: set[str], heldout: set[str], dp: bool) -> 
         private: sha256 of this stage's training records.
         heldout: sha256 of this stage's held-out private records.
         dp: whether this stage is private (a non-private stage only records the lineage).
+        declared_disjoint: the user declares earlier private stages disjoint from this stage's records
+            (``data.earlier_stages_disjoint``): they are then checked, and not composed.
 
     Raises:
         PrivacyPlanError: an earlier non-private stage trained on (or cannot be proven disjoint from)
-            this stage's private records; or the earlier run's report cannot be read.
+            this stage's private records; an earlier private stage declared disjoint is not; or the earlier
+            run's report cannot be read.
     """
     if source.get("kind") != "run_checkpoint":
         return Lineage()
@@ -87,15 +94,20 @@ def lineage(source: dict, *, private: set[str], heldout: set[str], dp: bool) -> 
         if trained is not None and stage.get("records_sha256") not in (None, set_digest(trained)):
             trained = None  # splits.json no longer matches what the stage recorded
         if stage.get("enabled"):
-            overlap = None if trained is None else len(trained & private)
-            if overlap == 0:
-                out.notes.append(f"{_describe(stage)} trained on records disjoint from this stage's (checked by "
+            if declared_disjoint and dp:
+                overlap = None if trained is None else len(trained & private)
+                if overlap != 0:
+                    raise PrivacyPlanError(
+                        f"data.earlier_stages_disjoint is set, but earlier private {_describe(stage)} "
+                        + (f"trained on {overlap} of this stage's training records" if overlap else
+                           "cannot be checked (its splits.json is missing or changed)")
+                        + "; unset earlier_stages_disjoint to compose its ε, or train on records it never saw")
+                out.notes.append(f"{_describe(stage)} declared disjoint from this stage's records (checked by "
                                  "content hash); its ε is not composed into this one")
                 continue
             out.history += [tuple(h) for h in stage.get("history", [])]
-            out.notes.append(f"{_describe(stage)} composed: "
-                             + (f"{overlap} of its records are in this stage's training set" if overlap
-                                else "its records could not be read, so it is assumed to overlap"))
+            out.notes.append(f"{_describe(stage)} composed (earlier private stages always are unless "
+                             "data.earlier_stages_disjoint declares otherwise)")
         elif dp:
             if trained is None:
                 raise PrivacyPlanError(
