@@ -133,7 +133,9 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
         steps: optimizer steps of this stage.
         target_epsilon: calibrate σ to this ε (composed after ``prior_history``); None with a given σ.
         delta: δ; must be < 1/N.
-        accountant: ``prv``, ``rdp`` or ``gdp``.
+        accountant: ``prv``, ``rdp`` or ``gdp``. If it cannot run for this plan (PRV: memory, or float
+            precision at very many steps) the whole plan uses ``accounting.FALLBACK[accountant]`` instead: the
+            returned plan's ``accountant`` says which, and its ``warnings`` say why.
         noise_multiplier: use this σ instead of calibrating (its ε must not exceed ``target_epsilon``).
         prior_history: ``(σ, q, steps)`` of earlier stages that trained on some of these records.
 
@@ -149,23 +151,42 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
         raise PrivacyPlanError("set target_epsilon (calibrates the noise) or noise_multiplier")
     prior = tuple(tuple(h) for h in (prior_history or []))
     q = sample_rate_for(num_records, logical_batch_size)
+    try:
+        return _plan_with(accountant, num_records=num_records, batch=logical_batch_size, q=q, steps=steps,
+                          target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier, prior=prior)
+    except accounting.AccountantUnavailable as err:
+        if accountant not in accounting.FALLBACK:
+            raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
+        note = accounting.switch_note(accountant, err)
+        log.warning("privacy plan: %s", note)
+        return _plan_with(accounting.FALLBACK[accountant], num_records=num_records, batch=logical_batch_size, q=q,
+                          steps=steps, target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                          prior=prior, notes=(note,))
+
+
+def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps: int,
+               target_epsilon: Optional[float], delta: float, noise_multiplier: Optional[float], prior: tuple,
+               notes: tuple = ()) -> PrivacyPlan:
+    """:func:`plan_privacy` with one accountant from start to end (raises AccountantUnavailable if it cannot run)."""
     if noise_multiplier is None:
         log.info("calibrating σ for ε=%g over %d steps at q=%.4g with the %s accountant", target_epsilon, steps, q,
                  accountant)
         sigma = accounting.calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps,
-                                           accountant=accountant, prior_history=list(prior))
+                                           accountant=accountant, prior_history=list(prior),
+                                           progress=lambda line: log.info("privacy plan: %s", line))
     else:
         sigma = float(noise_multiplier)
     expected = int(num_records * q)
-    notes = [w for w in (noise_batch_warning(sigma, logical_batch_size),) if w]
+    batch_note = noise_batch_warning(sigma, batch)
+    notes = tuple(notes) + ((batch_note,) if batch_note else ())
     plan = PrivacyPlan(num_records=num_records, sample_rate=q, steps=steps, noise_multiplier=sigma, delta=delta,
                        accountant=accountant, expected_batch_size=expected, prior_history=prior,
-                       warnings=tuple(notes))
-    eps = plan.epsilon()
+                       warnings=notes)
+    eps = accounting.compute_epsilon_history(history=plan.history, delta=delta, accountant=accountant, strict=True)
     if target_epsilon is not None and eps > target_epsilon:
         raise PrivacyPlanError(
             f"noise_multiplier={sigma:g} over {steps:,} steps at sample rate {q:.4g} gives ε={eps:.3f} > "
             f"target_epsilon={target_epsilon}; raise noise_multiplier, lower steps, or unset it to calibrate")
-    for note in notes:
-        log.warning("privacy plan: %s", note)
+    if batch_note:
+        log.warning("privacy plan: %s", batch_note)
     return plan
