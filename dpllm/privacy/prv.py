@@ -10,8 +10,9 @@ the same discretisation with the continuous mean restored, FFT self-composition,
    prime factor makes the FFT several times slower. A wider domain truncates less mass; the mesh, and so
    the error bound, is unchanged (``tests/test_prv.py`` compares with Opacus on many plans).
 2. The domain's RDP tail bound uses integer orders 2..256 in closed form (vectorised, microseconds);
-   Opacus adds fractional orders (tens of milliseconds per σ). Any valid RDP bound gives a safe domain;
-   ours can only be wider at very large ε, where the size check (3.) decides.
+   Opacus adds fractional orders (tens of milliseconds per σ). Any valid RDP bound gives a safe domain.
+   Where the integer bound exceeds :data:`FRACTIONAL_ABOVE` (ε in the tens, best order below 2) Opacus's
+   fractional orders are added too, so the domain is never wider than Opacus's there.
 3. The number of points is known before anything is allocated (:func:`domain_points`). Opacus's domain
    grows with the steps and the ε (about 12 million points at N = 10⁹, B = 1,024, one epoch, δ = 1e-10;
    billions at a tiny σ), which is how a plan was once killed at 12.8 GB. Above ``max_points`` the
@@ -82,10 +83,42 @@ def _rdp_per_step(q: float, sigma: float) -> np.ndarray:
     return logsumexp(terms, axis=1) / (ORDERS - 1)
 
 
-def _rdp_to_eps(rdp: np.ndarray, delta: float) -> float:
+def _rdp_to_eps(rdp: np.ndarray, delta: float, orders: np.ndarray = ORDERS) -> float:
     """(ε, δ) from RDP (Balle et al. 2020, Thm 21), minimised over the orders; Opacus's conversion."""
-    eps = rdp - (math.log(delta) + np.log(ORDERS)) / (ORDERS - 1) + np.log((ORDERS - 1) / ORDERS)
+    eps = rdp - (math.log(delta) + np.log(orders)) / (orders - 1) + np.log((orders - 1) / orders)
     return float(np.nanmin(eps))
+
+
+# Where the integer-order bound is this large, the best order is below 2: Opacus's fractional orders give a far
+# smaller (still valid) domain. Importing them costs torch's import, so only plans this far out pay it.
+FRACTIONAL_ABOVE = 30.0
+
+
+@functools.lru_cache(maxsize=1024)
+def _rdp_fractional(q: float, sigma: float) -> tuple[np.ndarray, np.ndarray]:
+    """Opacus's RDP of one step at its default orders (fractional 1.1..10.9 and integers to 63)."""
+    from opacus.accountants.analysis.rdp import compute_rdp
+    from opacus.accountants.rdp import RDPAccountant
+
+    orders = np.array(RDPAccountant.DEFAULT_ALPHAS, dtype=float)
+    return orders, np.asarray(compute_rdp(q=q, noise_multiplier=sigma, steps=1, orders=list(orders)), dtype=float)
+
+
+def _tail_bound(history: History, delta_error: float) -> float:
+    """Remark 5.6's L: RDP ε of the whole history at δ_err/4 and of each single step at δ_err/(8T), the largest."""
+    total = sum(int(t) for _, _, t in history)
+    rdps = [_rdp_per_step(q, s) for s, q, _ in history]
+    l_max = _rdp_to_eps(sum(r * int(t) for r, (_, _, t) in zip(rdps, history)), delta_error / 4)
+    for r in rdps:
+        l_max = max(l_max, _rdp_to_eps(r, delta_error / (8 * total)))
+    if l_max > FRACTIONAL_ABOVE:
+        frac = [_rdp_fractional(q, s) for s, q, _ in history]
+        orders = frac[0][0]
+        l_frac = _rdp_to_eps(sum(r * int(t) for (_, r), (_, _, t) in zip(frac, history)), delta_error / 4, orders)
+        for _, r in frac:
+            l_frac = max(l_frac, _rdp_to_eps(r, delta_error / (8 * total), orders))
+        l_max = min(l_max, l_frac)  # both are valid bounds
+    return l_max
 
 
 @dataclass(frozen=True)
@@ -99,11 +132,7 @@ def _domain(history: History, delta_error: float, eps_error: float) -> _Domain:
     """Opacus's safe domain for ``history`` (``compute_safe_domain_size`` and ``create_aligned``), widened to an
     even FFT-friendly length; symmetric as Opacus's (t_min = -(n/2 - 1)·dt), which its composition relies on."""
     total = sum(int(t) for _, _, t in history)
-    rdps = [_rdp_per_step(q, s) for s, q, _ in history]
-    l_max = _rdp_to_eps(sum(r * int(t) for r, (_, _, t) in zip(rdps, history)), delta_error / 4)
-    for r in rdps:
-        l_max = max(l_max, _rdp_to_eps(r, delta_error / (8 * total)))
-    half_width = max(l_max, eps_error) + 3
+    half_width = max(_tail_bound(history, delta_error), eps_error) + 3
     dt = eps_error / math.sqrt(total * math.log(12 / delta_error) / 2)
     # Beyond ~700 e^{±t} overflows float64 (the ε there is in the hundreds: no privacy to speak of).
     k = math.ceil(half_width / dt) if half_width < 700 else None
@@ -346,20 +375,22 @@ class _Curve:
                                               max_points=self.max_points)
         return self.fine_at[sigma]
 
-    def bracket(self, target: float) -> tuple[float, float]:
-        """``(a, b)`` with coarse(a) > target ≥ coarse(b), from earlier rows where possible."""
+    def bracket(self, target: float, start: float) -> tuple[float, float]:
+        """``(a, b)`` with coarse(a) > target ≥ coarse(b): from earlier rows where possible, else stepping from
+        ``start`` (the RDP-calibrated σ, just above the answer) by 15%, so that σ far below the answer, where
+        the domain is huge, is never evaluated."""
         above = [s for s, e in self.coarse_at.items() if e > target]
         below = [s for s, e in self.coarse_at.items() if e <= target]
         if above and below and max(above) < min(below):
             return max(above), min(below)
-        b = min(below) if below else 1.0
+        b = min([s for s in below if s >= start] or [start])
         while self.coarse(b) > target:
-            b *= 2
+            b *= 1.25
             if b > 1e6:
                 raise ValueError("unreachable")
-        a = max([s for s in above if s < b], default=b / 2)
+        a = max([s for s in above if s < b], default=b * 0.85)
         while self.coarse(a) <= target:
-            a, b = a / 2, a
+            a, b = a * 0.85, a
             if a < 1e-6:
                 raise ValueError("σ below 1e-6")
         return a, b
@@ -407,7 +438,7 @@ def calibrate(*, target_epsilon: float, delta: float, sample_rate: float, steps:
     if size > max_points:
         raise AccountantUnavailable(f"PRV would need more than {size:,.3g} points (~{size * BYTES_PER_POINT / 2**30:,.3g}"
                                     f" GiB; limit {max_points:,} points)")
-    a, b = curve.bracket(target_epsilon)
+    a, b = curve.bracket(target_epsilon, start=hi)
     if b > max_sigma:
         raise ValueError("unreachable")
     xa, xb = math.log(a), math.log(b)
