@@ -3,7 +3,9 @@
 Widths 16..256 (261..4,101 parameters) × {non-private, σ = 1, σ = 3} (C = 1) × 3 seeds, 100 epochs of
 SGD (lr 0.01, expected batch 64, Poisson sampling); then L(N) = a·N^(−α) + L∞ is fitted per privacy level
 with :func:`dpllm.scaling.fit_form` (1,000 bootstrap resamples of seeds within each width, seed 2026),
-and ε is computed for each σ with Opacus's PRV and RDP accountants (δ = 1e-5).
+and ε is computed for each σ with the PRV and RDP accountants (δ = 1e-5). The 9 runs of each width (3 levels
+× 3 seeds) train in lockstep (:mod:`dpllm.mlp.batched`: each run its own batches, noise, clipping and ε;
+``--one_at_a_time`` trains them one by one through Opacus instead, with the same result).
 
     python recipes/mlp_scaling.py --output_dir docs/results/mlp_scaling
     python recipes/mlp_scaling.py --output_dir runs/mlp_scaling_quick --quick
@@ -20,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dpllm.mlp.batched import train_mlps
 from dpllm.mlp.data import load_dataset
 from dpllm.mlp.train import MLPRun, plan_for, train_mlp
 from dpllm.scaling import ScalingError, fit_form
@@ -45,23 +48,36 @@ def grid(quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    args = recipe_parser(__doc__, default_output="runs/mlp_scaling").parse_args(argv)
+    parser = recipe_parser(__doc__, default_output="runs/mlp_scaling")
+    parser.add_argument("--one_at_a_time", action="store_true",
+                        help="train each run alone through Opacus (dpllm.mlp.train.train_mlp) instead of the "
+                             "9 runs of each width together (dpllm.mlp.batched.train_mlps; same result)")
+    args = parser.parse_args(argv)
     quiet_warnings()
     torch.set_num_threads(1)  # tiny models: extra threads only add synchronisation
     timer = Timer()
     g = grid(args.quick)
     data = load_dataset(args.dataset)
-    plans, eps_cache, runs = {}, {}, []
-    bar = progress(len(LEVELS) * len(g["widths"]) * len(g["seeds"]), "mlp_scaling", args.no_progress)
-    for label, sigma in LEVELS:
+    plans, eps_cache = {}, {}
+    specs = [(label, MLPRun(width=width, epochs=g["epochs"], lr=0.01, batch_size=64, seed=seed,
+                            private=sigma is not None, noise_multiplier=sigma, max_grad_norm=1.0))
+             for label, sigma in LEVELS for width in g["widths"] for seed in g["seeds"]]
+    run_plans = [plan_for(run, n_train=data.n_train, cache=plans) if run.private else None for _, run in specs]
+    records: list = [None] * len(specs)
+    bar = progress(len(specs), "mlp_scaling", args.no_progress)
+    if args.one_at_a_time:
+        for i, ((_, run), plan) in enumerate(zip(specs, run_plans)):
+            records[i] = train_mlp(run, data, plan=plan, eps_cache=eps_cache).record
+            bar.update()
+    else:  # every level and seed of one width in lockstep: each run keeps its own batches, noise and ε
         for width in g["widths"]:
-            for seed in g["seeds"]:
-                run = MLPRun(width=width, epochs=g["epochs"], lr=0.01, batch_size=64, seed=seed,
-                             private=sigma is not None, noise_multiplier=sigma, max_grad_norm=1.0)
-                plan = plan_for(run, n_train=data.n_train, cache=plans) if run.private else None
-                record = train_mlp(run, data, plan=plan, eps_cache=eps_cache).record
-                runs.append({"level": label, **record})
-                bar.update()
+            group = [i for i, (_, run) in enumerate(specs) if run.width == width]
+            trained = train_mlps([specs[i][1] for i in group], data, plans=[run_plans[i] for i in group],
+                                 eps_cache=eps_cache)
+            for i, t in zip(group, trained):
+                records[i] = t.record
+            bar.update(len(group))
+    runs = [{"level": label, **record} for (label, _), record in zip(specs, records)]
     bar.close()
     train_s = timer.seconds()
 
@@ -100,13 +116,15 @@ def summary(res: dict) -> str:
     lines = [
         "# MLP scaling laws under DP (the scaling-law paper's study on dpllm's engine)", "",
         f"Command: `{res['command']}`", "",
-        f"Wall time: **{res['timing']['wall_s']} s** (training {res['timing']['train_s']} s) on "
-        f"{res['environment']['torch_threads']} torch thread(s); {len(runs)} runs.", "",
+        f"Wall time: **{res['timing']['wall_s']} s** (training {res['timing']['train_s']} s), CPU time "
+        f"{res['timing'].get('cpu_s')} s, on {res['environment']['torch_threads']} torch thread(s); {len(runs)} runs.", "",
         f"Data: {res['dataset'].get('n_train')} train / {res['dataset'].get('n_test')} test records of "
         f"`{r0['dataset']}`. Model: Linear–ReLU–Linear, widths {', '.join(map(str, g['widths']))}. "
         f"SGD lr {g['lr']}, expected batch {g['batch_size']} (Poisson, q = 1/⌈N/B⌉ = {r0['sample_rate']:.4f}), "
         f"{g['epochs']} epochs = {r0['steps']} steps, seeds {', '.join(map(str, g['seeds']))}. "
-        "DP runs: flat clipping C = 1 through `dpllm.privacy.engine.make_private` (Opacus hooks).", "",
+        "DP runs: flat clipping C = 1; the 9 runs of each width step together (`dpllm.mlp.batched`: per-run "
+        "batches, clipping, noise and ε; equal to `dpllm.privacy.engine.make_private` with Opacus hooks run by "
+        "run, `--one_at_a_time`).", "",
         "## Privacy of each noise level", "",
         markdown_table(["level", "σ", "C", "q", "steps", "δ", "ε (PRV)", "ε (RDP)"], [
             [p["level"], fmt(p["noise_multiplier"]), fmt(p["max_grad_norm"]), f"{p['sample_rate']:.4f}", p["steps"],

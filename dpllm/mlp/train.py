@@ -146,15 +146,15 @@ def plan_for(run: MLPRun, *, n_train: int, cache: Optional[dict] = None) -> Priv
     """
     n_batches = batches_per_epoch(n_train, run.batch_size)
     steps = run.epochs * n_batches
-    accountant = run.accountant
-    if run.noise_multiplier is not None and accountant == "prv":
-        rdp = accounting.compute_epsilon(noise_multiplier=run.noise_multiplier, sample_rate=1.0 / n_batches,
-                                         steps=steps, delta=run.delta, accountant="rdp")  # ~10 ms, PRV up to a minute
-        if rdp > PRV_SKIP_ABOVE:
-            accountant = "rdp"
-    key = (run.noise_multiplier, run.target_epsilon, run.delta, accountant, n_train, n_batches, steps)
+    key = (run.noise_multiplier, run.target_epsilon, run.delta, run.accountant, n_train, n_batches, steps)
     plans = {} if cache is None else cache.setdefault("plans", {})
     if key not in plans:
+        accountant = run.accountant
+        if run.noise_multiplier is not None and accountant == "prv":
+            rdp = accounting.compute_epsilon(noise_multiplier=run.noise_multiplier, sample_rate=1.0 / n_batches,
+                                             steps=steps, delta=run.delta, accountant="rdp")
+            if rdp > PRV_SKIP_ABOVE:
+                accountant = "rdp"
         plans[key] = plan_privacy(num_records=n_train, logical_batch_size=run.batch_size, steps=steps,
                                   target_epsilon=run.target_epsilon, delta=run.delta, accountant=accountant,
                                   noise_multiplier=run.noise_multiplier)

@@ -1,9 +1,15 @@
-"""Privacy accounting: thin, explicit wrappers over Opacus's accountants.
+"""Privacy accounting: explicit wrappers over rigorous accountants, one accountant per plan.
 
-Every ε that dpllm prints goes through :func:`compute_epsilon`, which builds a fresh Opacus accountant
-from the recorded ``(noise_multiplier, sample_rate, steps)`` history. Nothing here re-implements an
-accountant; this module only picks one, validates its inputs, and keeps calibration and reporting on
-the same accountant (Opacus's ``get_noise_multiplier`` defaults to RDP even when the engine uses PRV).
+Every ε that dpllm prints goes through :func:`compute_epsilon_history`, from the recorded
+``(noise_multiplier, sample_rate, steps)`` history. ``rdp`` and ``gdp`` are Opacus's accountants; ``prv`` is
+Opacus's PRV computation as :mod:`dpllm.privacy.prv` runs it (same algorithm and bound, an FFT-friendly
+domain, a memory check before it allocates, no torch import; compared with Opacus's in tests/test_prv.py).
+
+Calibration (:func:`calibrate_noise`) returns the smallest σ with 4 significant figures whose ε under the
+*same* accountant is at most the target. When PRV cannot run for a plan (its domain grows with the steps
+and the ε: 12 million points at N = 10⁹, one epoch), it raises :class:`AccountantUnavailable`; the planners
+(:func:`dpllm.privacy.plan.plan_privacy`, ``dpllm plan``) then redo the whole plan with :data:`FALLBACK`'s
+accountant and say so once, so calibration and report never mix accountants.
 
 Example:
     >>> round(compute_epsilon(noise_multiplier=1.0, sample_rate=0.16, steps=140, delta=1e-5,
@@ -17,17 +23,19 @@ import math
 import warnings
 from typing import Callable, Iterable, Sequence
 
-import numpy as np
-from opacus.accountants import create_accountant
-from opacus.accountants.utils import get_noise_multiplier
+from dpllm.privacy import prv
+from dpllm.privacy.prv import AccountantUnavailable
 
 ACCOUNTANTS = ("prv", "rdp", "gdp")
+# The accountant a plan switches to, as a whole, when its own cannot run (RDP: rigorous, any step count,
+# kilobytes of memory; looser than PRV).
+FALLBACK = {"prv": "rdp"}
+# Above this RDP ε the MLP studies do not ask for PRV (dpllm.mlp.train): ε this large says "no privacy"
+# whichever accountant computes it, and PRV's domain there is refused or takes long.
+PRV_SKIP_ABOVE = 1000.0
 # Opacus gives up above this noise multiplier; anything needing more is an impossible plan.
 MAX_NOISE_MULTIPLIER = 1e6
-# Above this RDP ε the PRV accountant is not tried: its discretisation domain grows with ε (at σ = 0.1,
-# q = 1/7, 140 steps it works for about a minute, then returns inf), and ε this large says "no privacy"
-# whichever accountant computes it. The RDP bound is reported instead.
-PRV_SKIP_ABOVE = 1000.0
+SIGMA_DIGITS = 4  # calibrated σ are the smallest meeting value with this many significant figures
 
 History = Sequence[tuple[float, float, int]]
 
@@ -65,60 +73,83 @@ def _suggest_delta(num_records: int) -> float:
 
 
 def _epsilon_of(accountant: str, history: History, delta: float) -> float:
+    from opacus.accountants import create_accountant  # imports torch: only for rdp/gdp
+
     acc = create_accountant(mechanism=accountant)
     acc.history = [(float(s), float(q), int(t)) for s, q, t in history if int(t) > 0]
     if not acc.history:
         return 0.0
-    if accountant == "prv" and any(q >= 1 for _, q, _ in acc.history):
-        # q = 1 (a batch of every record): Opacus's subsampled-Gaussian PRV takes log(1 - q) = -inf, the exact
-        # limit its formula needs (it then is the plain Gaussian's), and numpy warns once per evaluation.
-        with np.errstate(divide="ignore"):
-            return float(acc.get_epsilon(delta=delta))
     return float(acc.get_epsilon(delta=delta))
 
 
-def compute_epsilon_history(*, history: History, delta: float, accountant: str = "prv") -> float:
+def _quiet_rdp(history: History, delta: float) -> float:
+    """Opacus's RDP ε without its "optimal order is the smallest/largest alpha" note: at a very large ε the
+    best order sits below Opacus's smallest (1.1); the bound stays valid, only looser, and ε that large
+    means no meaningful privacy whichever way it is computed."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Optimal order is the")
+        return _epsilon_of("rdp", history, delta)
+
+
+def compute_epsilon_history(*, history: History, delta: float, accountant: str = "prv",
+                            strict: bool = False) -> float:
     """ε after composing every ``(noise_multiplier, sample_rate, steps)`` entry of ``history``.
 
     ``gdp`` (Opacus's Gaussian-DP accountant) is a central-limit approximation, not an upper bound, so
     for it the larger of its ε and the RDP ε is returned: dpllm never under-reports.
-    PRV is numerically an upper bound (Opacus returns ``eps_upper``); when the PRV discretisation fails
-    (extreme σ or tiny step counts) the RDP bound, also rigorous, is returned instead, with a warning.
+    ``prv`` is numerically an upper bound (Opacus's ``eps_upper``). When it cannot run (memory, numeric
+    domain): with ``strict`` it raises :class:`AccountantUnavailable` (planners then switch the whole plan);
+    otherwise it warns and returns the RDP bound, also rigorous (for ledgers and logs of finished runs).
     """
     check_accountant(accountant)
+    history = [(float(s), float(q), int(t)) for s, q, t in history]
     if any(s <= 0 for s, _, _ in history):
         return math.inf
     if accountant == "gdp":
-        rdp = _epsilon_of("rdp", history, delta)
+        rdp = _quiet_rdp(history, delta)
         try:
             return max(_epsilon_of("gdp", history, delta), rdp)
         except Exception as err:  # Opacus's GDP root-finding fails in some (σ, q) regions
             warnings.warn(f"GDP accountant failed ({err}); reporting the RDP bound instead")
             return rdp
     if accountant == "prv":
-        with warnings.catch_warnings():  # a screening bound: its "optimal order" notes are not for the user
-            warnings.simplefilter("ignore")
-            rdp = _epsilon_of("rdp", history, delta)
-        if rdp > PRV_SKIP_ABOVE:
-            # PRV's discretisation takes minutes and overflows out here; RDP is a valid bound too.
-            return rdp
         try:
-            eps = _epsilon_of("prv", history, delta)
-            if math.isfinite(eps):
-                return eps
-        except Exception as err:  # PRV's numeric domain can fail where RDP does not
-            warnings.warn(f"PRV accountant failed ({err}); reporting the RDP bound instead")
-        return rdp
-    return _epsilon_of(accountant, history, delta)
+            return _prv_cached(tuple(history), float(delta))
+        except AccountantUnavailable as err:
+            if strict:
+                raise
+            warnings.warn(f"PRV accountant cannot run ({err}); reporting the RDP bound instead")
+            return _quiet_rdp(history, delta)
+    return _quiet_rdp(history, delta)
+
+
+_PRV_CACHE: dict = {}
+
+
+def _prv_cached(history: tuple, delta: float) -> float:
+    """:func:`dpllm.privacy.prv.prv_epsilon`, remembered: a plan's table asks for the same σ more than once."""
+    key = (history, delta)
+    if key not in _PRV_CACHE:
+        if len(_PRV_CACHE) > 256:
+            _PRV_CACHE.clear()
+        _PRV_CACHE[key] = prv.prv_epsilon(history=history, delta=delta)
+    return _PRV_CACHE[key]
 
 
 def compute_epsilon(
-    *, noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv"
+    *, noise_multiplier: float, sample_rate: float, steps: int, delta: float, accountant: str = "prv",
+    strict: bool = False,
 ) -> float:
     """ε of ``steps`` Poisson-subsampled Gaussian steps at rate ``sample_rate`` and noise ``noise_multiplier``."""
     return compute_epsilon_history(
-        history=[(noise_multiplier, sample_rate, steps)], delta=delta, accountant=accountant
+        history=[(noise_multiplier, sample_rate, steps)], delta=delta, accountant=accountant, strict=strict
     )
+
+
+def switch_note(accountant: str, err: Exception) -> str:
+    """The one line a planner prints when it redoes a whole plan with :data:`FALLBACK`'s accountant."""
+    return (f"the {accountant} accountant cannot run for this plan ({err}); the whole plan (σ and every ε) "
+            f"uses the {FALLBACK[accountant]} accountant instead")
 
 
 def calibrate_noise(
@@ -129,16 +160,21 @@ def calibrate_noise(
     steps: int,
     accountant: str = "prv",
     prior_history: Iterable[tuple[float, float, int]] = (),
-    epsilon_tolerance: float = 0.01,
+    progress: Callable[[str], None] | None = None,
+    epsilon_tolerance: float | None = None,
 ) -> float:
-    """Smallest noise multiplier (to ``epsilon_tolerance``) whose ε, composed after ``prior_history``, is ≤ target.
+    """Smallest σ with :data:`SIGMA_DIGITS` significant figures whose ε, composed after ``prior_history``
+    under ``accountant``, is ≤ target: the same accountant :func:`compute_epsilon_history` reports with.
 
-    The search runs the same accountant :func:`compute_epsilon_history` reports with, so the reported ε
-    lands at or just under ``target_epsilon``.
+    PRV searches on a coarse mesh and confirms on the full one (:func:`dpllm.privacy.prv.calibrate`); RDP
+    and GDP bisect on the grid with Opacus's accountant. The bracket grows until it meets any target.
+    With ``epsilon_tolerance`` (RDP/GDP only; bulk callers such as the scaling planner) the search stops at
+    any σ whose ε is within that much under the target instead (:func:`smallest_noise`), unrounded.
 
     Raises:
         PrivacyPlanError: if the target cannot be met with σ ≤ 1e6 (e.g. too many steps, too high a
             sampling rate, or a prior stage already spent the budget).
+        AccountantUnavailable: ``prv`` cannot run near the answer; the caller switches the whole plan.
     """
     check_accountant(accountant)
     if target_epsilon <= 0:
@@ -147,46 +183,63 @@ def calibrate_noise(
         raise PrivacyPlanError(f"sample_rate={sample_rate} must be in (0, 1]")
     if steps <= 0:
         raise PrivacyPlanError(f"steps={steps} must be positive")
-    prior = list(prior_history)
-
-    def eps(sigma: float) -> float:
-        return compute_epsilon_history(
-            history=prior + [(sigma, sample_rate, steps)], delta=delta, accountant=accountant
-        )
-
-    if prior and compute_epsilon_history(history=prior, delta=delta, accountant=accountant) >= target_epsilon:
+    prior = [tuple(h) for h in prior_history]
+    if prior and compute_epsilon_history(history=prior, delta=delta, accountant=accountant,
+                                         strict=True) >= target_epsilon:
         raise PrivacyPlanError(
             f"earlier stages already spent ε ≥ target_epsilon={target_epsilon}; raise the target"
         )
-    if not prior and accountant == "rdp":
-        # Opacus's own bisection; same accountant, same result shape.
+    if accountant == "prv":
         try:
-            return float(
-                get_noise_multiplier(
-                    target_epsilon=target_epsilon, target_delta=delta, sample_rate=sample_rate,
-                    steps=steps, accountant=accountant, epsilon_tolerance=epsilon_tolerance,
-                )
-            )
+            sigma, eps = prv.calibrate(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate,
+                                       steps=steps, prior=prior, digits=SIGMA_DIGITS,
+                                       max_sigma=MAX_NOISE_MULTIPLIER, progress=progress)
         except ValueError as err:
             raise _unreachable(target_epsilon, delta, sample_rate, steps) from err
+        _PRV_CACHE[(tuple((float(s), float(q), int(t)) for s, q, t in prior + [(sigma, sample_rate, steps)]),
+                    float(delta))] = eps
+        return sigma
 
-    lo, hi = 0.0, 1.0
-    if accountant != "rdp" and not prior:
-        # Bracket with the fast RDP calibration: at equal σ PRV's ε is (in practice) below RDP's and the
-        # reported GDP ε is max(GDP, RDP), so σ_RDP is an upper bracket. It is checked, never assumed:
-        # the loop below doubles σ while ε(σ) > target.
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                sigma_rdp = calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate,
-                                            steps=steps, accountant="rdp", epsilon_tolerance=epsilon_tolerance)
-            hi = sigma_rdp
-            if eps(hi / 2) > target_epsilon:
-                lo = hi / 2
-        except PrivacyPlanError:
-            pass
-    return smallest_noise(eps, target_epsilon, lo=lo, hi=hi, epsilon_tolerance=epsilon_tolerance,
-                          unreachable=lambda: _unreachable(target_epsilon, delta, sample_rate, steps))
+    def eps(sigma: float) -> float:
+        return compute_epsilon_history(history=prior + [(sigma, sample_rate, steps)], delta=delta,
+                                       accountant=accountant)
+
+    def unreachable() -> PrivacyPlanError:
+        return _unreachable(target_epsilon, delta, sample_rate, steps)
+
+    if epsilon_tolerance is not None:
+        return smallest_noise(eps, target_epsilon, epsilon_tolerance=epsilon_tolerance, unreachable=unreachable)
+    return smallest_grid_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable)
+
+
+def smallest_grid_noise(eps: Callable[[float], float], target_epsilon: float, *, digits: int,
+                        unreachable: Callable[[], Exception], max_sigma: float = MAX_NOISE_MULTIPLIER) -> float:
+    """Smallest σ with ``digits`` significant figures and ``eps(σ) <= target_epsilon``, for ``eps`` decreasing in
+    σ: bracket by doubling/halving, then bisect on the grid one significant figure finer than asked (so the
+    bracket's decade does not matter), then round up.
+
+    Raises:
+        the exception ``unreachable()`` builds, when σ above ``max_sigma`` would be needed.
+    """
+    hi = 1.0
+    while eps(hi) > target_epsilon:
+        hi *= 2
+        if hi > max_sigma:
+            raise unreachable()
+    lo = hi / 2
+    while eps(lo) <= target_epsilon:
+        hi, lo = lo, lo / 2
+        if lo < 1e-6:
+            return prv.round_up(hi, digits)
+    step = prv.grid_step(lo, digits + 1)
+    i_lo, i_hi = math.floor(lo / step), math.ceil(hi / step)  # eps(i_lo·step) > target ≥ eps(i_hi·step)
+    while i_hi - i_lo > 1:
+        mid = (i_lo + i_hi) // 2
+        if eps(mid * step) <= target_epsilon:
+            i_hi = mid
+        else:
+            i_lo = mid
+    return prv.round_up(i_hi * step, digits)
 
 
 def smallest_noise(eps: Callable[[float], float], target_epsilon: float, *, epsilon_tolerance: float,

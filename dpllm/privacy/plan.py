@@ -157,7 +157,9 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
         steps: optimizer steps of this stage.
         target_epsilon: calibrate σ to this ε (composed after ``prior_history``); None with a given σ.
         delta: δ; must be < 1/N.
-        accountant: ``prv``, ``rdp`` or ``gdp``.
+        accountant: ``prv``, ``rdp`` or ``gdp``. If it cannot run for this plan (PRV: memory, or float
+            precision at very many steps) the whole plan uses ``accounting.FALLBACK[accountant]`` instead: the
+            returned plan's ``accountant`` says which, and its ``warnings`` say why.
         noise_multiplier: use this σ instead of calibrating (its ε must not exceed ``target_epsilon``).
         prior_history: ``(σ, q, steps)`` of earlier stages that trained on some of these records.
         data_notes: what loading the data changed that the reader of the report should know (records
@@ -175,25 +177,45 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
         raise PrivacyPlanError("set target_epsilon (calibrates the noise) or noise_multiplier")
     prior = tuple(tuple(h) for h in (prior_history or []))
     q = sample_rate_for(num_records, logical_batch_size)
+    try:
+        return _plan_with(accountant, num_records=num_records, batch=logical_batch_size, q=q, steps=steps,
+                          target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier, prior=prior,
+                          data_notes=data_notes)
+    except accounting.AccountantUnavailable as err:
+        if accountant not in accounting.FALLBACK:
+            raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
+        note = accounting.switch_note(accountant, err)
+        log.warning("privacy plan: %s", note)
+        return _plan_with(accounting.FALLBACK[accountant], num_records=num_records, batch=logical_batch_size, q=q,
+                          steps=steps, target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                          prior=prior, notes=(note,), data_notes=data_notes)
+
+
+def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps: int,
+               target_epsilon: Optional[float], delta: float, noise_multiplier: Optional[float], prior: tuple,
+               notes: tuple = (), data_notes: Sequence[str] = ()) -> PrivacyPlan:
+    """:func:`plan_privacy` with one accountant from start to end (raises AccountantUnavailable if it cannot run)."""
     if noise_multiplier is None:
         log.info("calibrating σ for ε=%g over %d steps at q=%.4g with the %s accountant", target_epsilon, steps, q,
                  accountant)
         sigma = accounting.calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps,
-                                           accountant=accountant, prior_history=list(prior))
+                                           accountant=accountant, prior_history=list(prior),
+                                           progress=lambda line: log.info("privacy plan: %s", line))
     else:
         sigma = float(noise_multiplier)
     expected = int(num_records * q)
-    notes = list(data_notes) + [w for w in (capped_batch_warning(num_records, logical_batch_size),
-                                            noise_batch_warning(sigma, expected_batch(num_records, logical_batch_size)))
-                                if w]
+    data_notes = tuple(data_notes) + tuple(w for w in (capped_batch_warning(num_records, batch),
+                                                        noise_batch_warning(sigma, expected_batch(num_records, batch)))
+                                           if w)
+    notes = tuple(notes) + data_notes
     plan = PrivacyPlan(num_records=num_records, sample_rate=q, steps=steps, noise_multiplier=sigma, delta=delta,
                        accountant=accountant, expected_batch_size=expected, prior_history=prior,
-                       warnings=tuple(notes))
-    eps = plan.epsilon()
+                       warnings=notes)
+    eps = accounting.compute_epsilon_history(history=plan.history, delta=delta, accountant=accountant, strict=True)
     if target_epsilon is not None and eps > target_epsilon:
         raise PrivacyPlanError(
             f"noise_multiplier={sigma:g} over {steps:,} steps at sample rate {q:.4g} gives ε={eps:.3f} > "
             f"target_epsilon={target_epsilon}; raise noise_multiplier, lower steps, or unset it to calibrate")
-    for note in notes:
+    for note in data_notes:
         log.warning("privacy plan: %s", note)
     return plan

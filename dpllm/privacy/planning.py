@@ -29,9 +29,11 @@ import json
 import math
 import sys
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
-from dpllm.privacy.accounting import ACCOUNTANTS, PrivacyPlanError, calibrate_noise, check_delta, compute_epsilon
+from dpllm.privacy.accounting import (ACCOUNTANTS, FALLBACK, AccountantUnavailable, PrivacyPlanError, calibrate_noise,
+                                      check_delta, compute_epsilon, switch_note)
+from dpllm.privacy.prv import round_up
 from dpllm.privacy.plan import (check_finite_positive, expected_batch, noise_batch_warning, sample_rate_for,
                                 steps_for)
 
@@ -48,21 +50,11 @@ def noise_to_signal(*, noise_multiplier: float, max_grad_norm: float, batch: int
     return noise_multiplier * max_grad_norm / (batch * grad_norm)
 
 
-def round_up(x: float, digits: int = SIGMA_DIGITS) -> float:
-    """Round ``x > 0`` up to ``digits`` significant figures (so a printed σ never adds ε).
-
-    >>> round_up(0.4338378)
-    0.4339
-    """
-    scale = 10.0 ** (math.floor(math.log10(x)) - digits + 1)
-    return round(math.ceil(x / scale - 1e-9) * scale, 12)
-
-
 def _accounted(fn, accountant: str, **kw: Any) -> float:
     """Call an accounting function, turning an accountant's numeric failure into a clear error."""
     try:
         return fn(accountant=accountant, **kw)
-    except PrivacyPlanError:
+    except (PrivacyPlanError, AccountantUnavailable):
         raise
     except (ValueError, ArithmeticError, RuntimeError) as err:
         raise PrivacyPlanError(
@@ -73,8 +65,12 @@ def _accounted(fn, accountant: str, **kw: Any) -> float:
 def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: float | None = None,
                  epochs: float | None = None, steps: int | None = None, accountant: str = "prv",
                  noise_multiplier: float | None = None, max_grad_norm: float = 1.0, grad_norm: float = 1.0,
-                 epsilons: Sequence[float] = DEFAULT_EPSILONS) -> dict:
+                 epsilons: Sequence[float] = DEFAULT_EPSILONS, progress: Callable[[str], None] | None = None) -> dict:
     """A full privacy plan as data (what ``dpllm plan --json`` prints).
+
+    One accountant computes every σ and ε of the plan. If ``accountant`` cannot run for it (PRV's domain
+    would not fit in memory, or its numerics fail), the whole plan is redone with its fallback and
+    ``plan["accountant_note"]`` says why.
 
     Args:
         num_records: N, private records (the privacy unit).
@@ -86,6 +82,7 @@ def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: fl
         noise_multiplier: if given, the ε it spends (``plan["given_noise"]``).
         max_grad_norm: clipping bound C; grad_norm: assumed mean per-example gradient norm ḡ.
         epsilons: ε values for the table (σ and NSR per ε).
+        progress: called with a line per stage of the work (the CLI prints them on stderr).
 
     Returns:
         ``{"num_records", "batch", "steps", "sample_rate", "delta", "accountant", "max_grad_norm",
@@ -108,33 +105,42 @@ def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: fl
     n_steps = steps_for(num_records=num_records, batch=batch, epochs=epochs, steps=steps)
     q = sample_rate_for(num_records, batch)  # the trainer's rate, 1/⌈N/B⌉ (≤ B/N)
     common = {"sample_rate": q, "steps": n_steps, "delta": delta}
+    say = progress or (lambda line: None)
 
-    def row(target: float | None, sigma: float) -> dict:
-        eps = _accounted(compute_epsilon, accountant, noise_multiplier=sigma, **common)
-        return {"target_epsilon": target, "noise_multiplier": sigma, "epsilon": eps,
-                "nsr": noise_to_signal(noise_multiplier=sigma, max_grad_norm=max_grad_norm, batch=batch,
-                                       grad_norm=grad_norm)}
+    def build(acc: str) -> dict:
+        def row(target: float | None, sigma: float) -> dict:
+            eps = _accounted(compute_epsilon, acc, noise_multiplier=sigma, strict=True, **common)
+            return {"target_epsilon": target, "noise_multiplier": sigma, "epsilon": eps,
+                    "nsr": noise_to_signal(noise_multiplier=sigma, max_grad_norm=max_grad_norm, batch=batch,
+                                           grad_norm=grad_norm)}
 
-    cache: dict[float, dict] = {}
+        cache: dict[float, dict] = {}
 
-    def for_target(eps: float) -> dict:
-        if eps not in cache:  # the target is usually also a table row; calibrate it once
-            sigma = _accounted(calibrate_noise, accountant, target_epsilon=eps, **common)
-            cache[eps] = row(eps, round_up(sigma))
-        return cache[eps]
+        def for_target(eps: float) -> dict:
+            if eps not in cache:  # the target is usually also a table row; calibrate it once
+                say(f"ε={eps:g}: searching σ with the {acc} accountant ({n_steps:,} steps at q={q:.4g})")
+                sigma = _accounted(calibrate_noise, acc, target_epsilon=eps, progress=say, **common)
+                cache[eps] = row(eps, round_up(sigma))
+            return cache[eps]
 
-    plan: dict[str, Any] = {
-        "num_records": num_records, "batch": batch, "epochs": epochs, "steps": n_steps, "sample_rate": q,
-        "delta": delta, "accountant": accountant, "max_grad_norm": max_grad_norm, "grad_norm": grad_norm,
-        "target": for_target(float(target_epsilon)) if target_epsilon is not None else None,
-        "given_noise": None,
-    }
-    if noise_multiplier is not None:
-        if not noise_multiplier > 0:
-            raise PrivacyPlanError(f"noise_multiplier={noise_multiplier} must be positive")
-        plan["given_noise"] = row(None, float(noise_multiplier))
-    plan["table"] = [for_target(float(e)) for e in sorted(set(epsilons))]
-    return plan
+        plan: dict[str, Any] = {
+            "num_records": num_records, "batch": batch, "epochs": epochs, "steps": n_steps, "sample_rate": q,
+            "delta": delta, "accountant": acc, "accountant_note": None, "max_grad_norm": max_grad_norm,
+            "grad_norm": grad_norm,
+            "target": for_target(float(target_epsilon)) if target_epsilon is not None else None,
+            "given_noise": row(None, float(noise_multiplier)) if noise_multiplier is not None else None,
+        }
+        plan["table"] = [for_target(float(e)) for e in sorted(set(epsilons))]
+        return plan
+
+    try:
+        return build(accountant)
+    except AccountantUnavailable as err:
+        if accountant not in FALLBACK:
+            raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
+        note = switch_note(accountant, err)
+        say(note)
+        return {**build(FALLBACK[accountant]), "accountant_note": note}
 
 
 def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, batch: int, delta: float,
@@ -226,6 +232,8 @@ def format_plan(plan: dict) -> str:
            else plan["accountant"]),
         f"clip C={plan['max_grad_norm']:g}  assumed mean grad norm ḡ={plan['grad_norm']:g}  NSR = σ·C/(B·ḡ)",
     ]
+    if plan.get("accountant_note"):
+        lines.append(f"note: {plan['accountant_note']}")
     if plan["target"]:
         t = plan["target"]
         lines.append(f"target epsilon {t['target_epsilon']:g}: noise multiplier σ={t['noise_multiplier']:.{SIGMA_DIGITS}g}"
@@ -296,7 +304,8 @@ def cli_main(argv: list[str]) -> int:
             else:
                 if args.num_records is None:
                     raise PrivacyPlanError("--num-records is required (or --unit user with --num-users)")
-                plan = plan_table(num_records=args.num_records, **common)
+                plan = plan_table(num_records=args.num_records, **common,
+                                  progress=lambda line: print(f"dpllm plan: {line}", file=sys.stderr, flush=True))
     except PrivacyPlanError as err:
         print(f"dpllm plan: error: {err}", file=sys.stderr)
         return 2
