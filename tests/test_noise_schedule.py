@@ -2,6 +2,7 @@
 independent composition of their pieces."""
 
 import doctest
+import json
 
 import pytest
 
@@ -76,3 +77,33 @@ def test_schedule_after_an_earlier_stage_and_under_prv():
     with pytest.raises(accounting.PrivacyPlanError, match="already spent"):
         schedule.calibrate(s, target_epsilon=0.1, delta=DELTA, sample_rate=Q, steps=60, accountant="prv",
                            prior_history=prior)
+
+
+def test_training_follows_the_schedule_and_reports_it(tmp_path):
+    from dpllm import ledger
+    from dpllm.config import parse_config
+    from dpllm.train import train
+
+    out = tmp_path / "run"
+    train(parse_config(["--output_dir", str(out), "--max_steps", "8", "--logical_batch_size", "16",
+                        "--physical_batch_size", "16", "--max_length", "32", "--tiny_hidden_size", "32",
+                        "--max_records", "120", "--eval_every", "0", "--progress", "false", "--accountant", "rdp",
+                        "--target_epsilon", "4", "--noise_schedule", "exponential", "--noise_schedule_end", "0.25",
+                        "--noise_schedule_pieces", "3"]))
+    report = json.loads((out / "privacy_report.json").read_text())
+    sigma0, q = report["noise_multiplier"], report["sample_rate"]
+    # The accountant recorded the σ the optimizer noised with at every step: the schedule's three pieces.
+    assert report["history"] == [[sigma0, q, 3], [sigma0 * 0.5, q, 3], [sigma0 * 0.25, q, 2]]
+    assert report["noise_schedule"]["kind"] == "exponential"
+    eps = _independent_epsilon([tuple(h) for h in report["history"]], "rdp")
+    assert report["epsilon"] == pytest.approx(eps, rel=1e-9) and 3.98 < eps <= 4.0
+    assert ledger.verify(out).ok
+    assert "exponential schedule" in json.dumps(report) or "exponential" in report["noise_schedule"]["kind"]
+
+
+def test_bad_schedule_option_is_refused_before_loading(tmp_path):
+    from dpllm.config import ConfigError, parse_config, validate
+
+    with pytest.raises(ConfigError, match="noise_schedule_pieces=1"):
+        validate(parse_config(["--output_dir", str(tmp_path), "--noise_schedule", "linear",
+                               "--noise_schedule_pieces", "1"]))

@@ -39,10 +39,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from dpllm.privacy.accounting import PrivacyPlanError
+
 KINDS = ("constant", "linear", "exponential")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(PrivacyPlanError):
     """A schedule that cannot be built; the message names the option to change."""
 
 
