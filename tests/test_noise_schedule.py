@@ -107,3 +107,18 @@ def test_bad_schedule_option_is_refused_before_loading(tmp_path):
     with pytest.raises(ConfigError, match="noise_schedule_pieces=1"):
         validate(parse_config(["--output_dir", str(tmp_path), "--noise_schedule", "linear",
                                "--noise_schedule_pieces", "1"]))
+
+
+@pytest.mark.slow
+def test_study_quick_mode(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "recipes/noise_schedule_study.py", "--output_dir", str(tmp_path), "--quick",
+                        "--repeats", "1"], capture_output=True, text=True, cwd=root, timeout=1800)
+    assert r.returncode == 0, r.stderr[-2000:]
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["table"]) == 4 and all(r["epsilon"] <= 8.0 for r in data["table"])
+    assert (tmp_path / "noise_schedule.png").stat().st_size > 1000
