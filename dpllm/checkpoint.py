@@ -138,17 +138,30 @@ def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dt
 
 
 def cli_main(argv: list[str]) -> int:
-    """``dpllm report RUN_DIR``: print a run's privacy report."""
+    """``dpllm report RUN_DIR``: print a run's privacy report; ``--compliance``: the deployment checklist
+    (:mod:`dpllm.compliance`), exit 1 when an item is not met; ``--json`` with it prints the items as JSON."""
     from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError
 
-    if len(argv) != 1 or argv[0].startswith("-"):
-        print("usage: dpllm report RUN_DIR", file=sys.stderr)
+    flags = {a for a in argv if a.startswith("-")}
+    paths = [a for a in argv if not a.startswith("-")]
+    if len(paths) != 1 or flags - {"--compliance", "--json"} or ("--json" in flags and "--compliance" not in flags):
+        print("usage: dpllm report RUN_DIR [--compliance [--json]]", file=sys.stderr)
         return 2
     try:
-        report = PrivacyReport.read(argv[0])
+        report = PrivacyReport.read(paths[0])
     except ReportError as err:
         print(f"dpllm report: {err}", file=sys.stderr)
         return 1
+    if "--compliance" in flags:
+        from dpllm import compliance
+
+        items = compliance.check(paths[0])
+        if "--json" in flags:
+            print(json.dumps(compliance.to_json(items), indent=2))
+        else:
+            print(f"Compliance checklist for {paths[0]} ({report.summary()})\n")
+            print(compliance.format_table(items))
+        return 1 if any(it.status == compliance.NOT_MET for it in items) else 0
     print(report.summary())
     if report.enabled and report.noise_secret is False:
         print(f"WARNING: {NOT_RELEASABLE}", file=sys.stderr)

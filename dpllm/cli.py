@@ -3,7 +3,7 @@
     dpllm plan ...            privacy planning (noise for a target ε, ε for a noise, NSR table)
     dpllm scaling fit|plan    scaling-law fits and compute planning
     dpllm ledger verify RUN   check a run's tamper-evident ε ledger
-    dpllm report RUN          print a run's privacy report
+    dpllm report RUN          print a run's privacy report (--compliance: the deployment checklist)
     dpllm export RUN --out D  write the releasable part of a run (model, tokenizer, report, model card)
     dpllm synthesize RUN ...  sample a synthetic data set from a run, with its data card and a private report
 """

@@ -153,6 +153,11 @@ class PrivacyConfig:
                                    "records of the k-capped data; σ calibrated so the user-level ε by tight group privacy "
                                    "meets target_epsilon) or 'record' (record-level DP at target_epsilon, splits by "
                                    "user; the report adds the user-level ε tight group privacy gives, often huge).")
+    noise_schedule: str = _f("constant", "σ over training (dpllm.privacy.schedule): 'constant', or 'linear' / "
+                                         "'exponential' from σ₀ to σ₀·noise_schedule_end in noise_schedule_pieces "
+                                         "constant pieces; σ₀ is calibrated so the whole schedule meets target_epsilon.")
+    noise_schedule_end: float = _f(0.5, "σ of the schedule's last piece / σ of its first (< 1: decaying noise).")
+    noise_schedule_pieces: int = _f(10, "Constant pieces of a linear or exponential schedule (2–4: step decay).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
                                          "ONLY): anyone with the config can regenerate them, so the run is marked "
                                          "noise_secret=false and is not releasable.")
@@ -285,6 +290,20 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
 
 
+def noise_schedule(p: "PrivacyConfig"):
+    """The :class:`dpllm.privacy.schedule.NoiseSchedule` the privacy section asks for.
+
+    Raises:
+        ConfigError: An unknown kind, a non-positive end or fewer than 2 pieces.
+    """
+    from dpllm.privacy.schedule import NoiseSchedule, ScheduleError
+
+    try:
+        return NoiseSchedule(kind=p.noise_schedule, end=p.noise_schedule_end, pieces=p.noise_schedule_pieces)
+    except ScheduleError as err:
+        raise ConfigError(str(err)) from None
+
+
 def validate(cfg: RunConfig) -> None:
     """Check values that need no data or model; raise :class:`ConfigError` naming the fix."""
     m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.privacy
@@ -356,6 +375,10 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"target_delta={p.target_delta} must be in (0, 1), and below 1/N for N records")
         if p.noise_multiplier is not None and p.noise_multiplier <= 0:
             raise ConfigError(f"noise_multiplier={p.noise_multiplier} must be positive under DP")
+        noise_schedule(p)  # refuses a bad kind, end or piece count
+        if p.noise_schedule != "constant" and d.privacy_unit == "user" and p.user_sampling == "els":
+            raise ConfigError("noise_schedule with user_sampling=els is not supported yet (its user-level mixture "
+                              "accounting calibrates one σ); use user_sampling=uls or noise_schedule=constant")
         if d.train_on == "public":
             raise ConfigError(
                 "train_on=public trains on the public split, which needs no DP: set privacy.enabled=false"

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 from dpllm import data, ledger, resume, rundir
 from dpllm.canaries import add_tokens as add_canary_tokens, added_tokens as canary_tokens
 from dpllm.checkpoint import library_versions, save_checkpoint, unwrap
-from dpllm.config import ConfigError, RunConfig
+from dpllm.config import ConfigError, RunConfig, noise_schedule
 from dpllm.distributed import (World, all_max, all_sum, barrier, check_parallelism, full_state_dict, gather_objects,
                                is_sharded, make_accelerator, params_digest, reshard, world_of, wrap_model)
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
@@ -315,7 +315,7 @@ class Trainer:
             self.plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=self.steps,
                                      target_epsilon=target, delta=delta, accountant=p.accountant,
                                      noise_multiplier=sigma, prior_history=self.lineage.history,
-                                     data_notes=self.data_notes)
+                                     data_notes=self.data_notes, schedule=noise_schedule(p))
         for note in self.lineage.notes:
             log.info("stages: %s", note)
 
@@ -493,6 +493,8 @@ class Trainer:
         """
         parts = self.micro_batches(ids)
         self.optimizer.zero_grad()
+        if self.dp and self.plan.schedule:  # Opacus noises and accounts with the optimizer's σ of this step
+            self.optimizer.noise_multiplier = self.plan.sigma_at(self.step)
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
             items = [self.train_ds[j] for j in part]
@@ -628,7 +630,7 @@ class Trainer:
         if not self.dp:
             return
         got = [(float(s), float(q), int(n)) for s, q, n in self.private.history()]
-        want = list(self.lineage.history) + [(self.plan.noise_multiplier, self.plan.sample_rate, self.step)]
+        want = list(self.lineage.history) + self.plan.stage_history(self.step)
         merged: list = []
         for h in got:  # Opacus records one entry per (σ, q) run of steps
             if merged and merged[-1][:2] == h[:2] and len(merged) > len(self.lineage.history):
@@ -664,6 +666,8 @@ class Trainer:
             max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),
             grad_sample_mode=self.private.grad_sample_mode, poisson_sampling=True, secure_mode=p.secure_mode,
             noise_secret=not p.reproducible_noise, history=[list(h) for h in history],
+            noise_schedule=({**self.plan.schedule, "pieces_sigma_steps": [[s, n] for s, _, n in self.plan.stage_history()]}
+                            if self.plan.schedule else None),
             composition=("; ".join(self.lineage.notes) if self.lineage.notes else "single stage"),
             warnings=list(self.plan.warnings))
 

@@ -5,6 +5,10 @@ Audit a training run (members = train split, non-members = heldout split)::
     python -m mia audit --checkpoint runs/x --out runs/x/audit
     python -m mia audit --unit user --checkpoint runs/x     # users of a privacy_unit=user run (mia.users)
 
+Audit the model as an embedding API (the attacker sees only mean-pooled hidden states of layer L; mia.embedding)::
+
+    python -m mia audit --interface embedding --layer -1 --checkpoint runs/x --reference base
+
 Audit any checkpoint against explicit member / non-member files::
 
     python -m mia audit --checkpoint runs/x/checkpoint --members m.jsonl --nonmembers n.jsonl \\
@@ -44,7 +48,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=8, help="records per forward pass")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="auto", help="auto (fp32 on CPU, bf16 on GPU), float32, bfloat16")
-    p.add_argument("--reference", default=None, help="reference model (path or hub id) for 'ref'")
+    p.add_argument("--reference", default=None,
+                   help="reference model (path or hub id) for 'ref' and the embedding attacks; 'base' = the "
+                        "LoRA target's own base model (adapters disabled)")
     p.add_argument("--seed", type=int, default=0, help="seed for subsampling, bootstrap, tie-breaking")
     p.add_argument("--no-progress", action="store_true", help="hide progress bars")
 
@@ -60,10 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--members", help="JSONL of member records (not needed for a run directory)")
     a.add_argument("--nonmembers", help="JSONL of non-member records")
     a.add_argument("--text-column", default="text", help="field holding the text in the JSONL files")
-    a.add_argument("--attacks", default="loss,zlib,mink,minkpp",
+    a.add_argument("--attacks", default=None,
                    # argparse %-formats help strings, and Min-K% has a literal %.
-                   help="comma-separated, from: " + ", ".join(
-                       f"{k} ({v.help})" for k, v in ATTACKS.items()).replace("%", "%%"))
+                   help="comma-separated; default loss,zlib,mink,minkpp (--interface lm) or every embedding "
+                        "attack the models allow (--interface embedding). lm: " + ", ".join(
+                       f"{k} ({v.help})" for k, v in ATTACKS.items()).replace("%", "%%")
+                        + ". embedding: halves, halves_ref, ref_distance, classifier (see mia.embedding)")
+    a.add_argument("--interface", choices=("lm", "embedding"), default="lm",
+                   help="what the attacker sees: lm = token probabilities (losses); embedding = only the "
+                        "mean-pooled hidden states of --layer, as an embedding API serves them")
+    a.add_argument("--layer", type=int, default=-1,
+                   help="with --interface embedding: hidden-state index served (0 = token embeddings, "
+                        "-1 = last layer)")
     a.add_argument("--k", type=float, default=0.2, help="fraction of tokens for mink/minkpp")
     a.add_argument("--max-records", type=int, default=None,
                    help="audit at most this many members and this many non-members (random, seeded)")
@@ -132,12 +146,23 @@ def cmd_audit(args) -> int:
     from mia import attacks, audit, report
 
     if args.unit == "user":
+        if args.interface != "lm":
+            raise ValueError("--unit user audits losses; drop --interface embedding (or audit records)")
         from mia.users import cmd_audit_users
 
         return cmd_audit_users(args)
 
-    names = attacks.parse_attacks(args.attacks)  # fail fast, before loading any model
-    if any(attacks.ATTACKS[n].needs_reference for n in names) and not args.reference:
+    if args.interface == "embedding":
+        from mia.embedding import parse_attacks as parse_embedding_attacks
+
+        if args.attacks:
+            parse_embedding_attacks(args.attacks)  # fail fast, before loading any model
+        names = args.attacks
+    else:
+        names = attacks.parse_attacks(args.attacks or "loss,zlib,mink,minkpp")
+    if args.interface == "lm" and args.reference == "base":
+        raise ValueError("--reference base is for --interface embedding; pass --reference PATH for 'ref'")
+    if args.interface == "lm" and any(attacks.ATTACKS[n].needs_reference for n in names) and not args.reference:
         raise ValueError("attack 'ref' needs --reference PATH (e.g. the base model before "
                          "fine-tuning); add it or drop 'ref' from --attacks")
     target = Path(args.checkpoint)
@@ -169,6 +194,9 @@ def cmd_audit(args) -> int:
     out = args.out or (target / "audit" if run_dir else None)
     if out is None:
         raise ValueError("pass --out DIR for the report files")
+    if args.interface == "embedding":
+        return _embedding_audit(args, model, tok, members, nonmembers, max_length=max_length, bound=bound,
+                                out=out, run_dir=run_dir, target=target)
     rep, scores = audit.run_audit(
         model, tok, members, nonmembers, attacks=names, reference=_reference(args),
         max_length=max_length, batch_size=args.batch_size, device=args.device,
@@ -181,6 +209,29 @@ def cmd_audit(args) -> int:
     if bound:
         rep["dp_bound"] = {"epsilon": bound[0], "delta": bound[1]}
     paths = report.write_audit_report(rep, scores, out)
+    print(report.markdown_table(rep))
+    if "blind" in rep:
+        print(f"\nblind baseline: {rep['blind']['message']}")
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def _embedding_audit(args, model, tok, members, nonmembers, *, max_length, bound, out, run_dir, target) -> int:
+    from mia import report
+    from mia.embedding import run_embedding_audit
+
+    reference = "base" if args.reference == "base" else _reference(args)
+    rep, scores = run_embedding_audit(
+        model, tok, members, nonmembers, layer=args.layer, attacks=args.attacks, reference=reference,
+        max_length=max_length, batch_size=args.batch_size, device=args.device, n_bootstrap=args.n_bootstrap,
+        seed=args.seed, max_records=args.max_records, progress=not args.no_progress)
+    rep = {"checkpoint": str(target), "reference_path": args.reference, **rep}
+    if run_dir and not (args.members or args.nonmembers):
+        rep["split"] = ("members and non-members are the run's own random (IID) train/heldout split "
+                        "(splits.json): no distribution shift by construction")
+    if bound:
+        rep["dp_bound"] = {"epsilon": bound[0], "delta": bound[1]}
+    paths = report.write_embedding_report(rep, scores, out)
     print(report.markdown_table(rep))
     if "blind" in rep:
         print(f"\nblind baseline: {rep['blind']['message']}")

@@ -6,6 +6,8 @@ Files written into the output directory:
 * ``mia_scores.json`` — per attack, the member and non-member scores (no texts), for re-analysis;
 * ``mia_report.md`` — one table row per attack;
 * ``mia_roc.png`` — ROC curves of all attacks on log-log axes with the chance diagonal;
+* ``embedding_report.json`` / ``embedding_scores.json`` / ``embedding_report.md`` / ``embedding_roc.png`` — the
+  embedding-interface audit (:func:`write_embedding_report`);
 * ``canary_report.json`` / ``canary_report.md`` / ``canary_roc.png`` — the canary ε audit
   (:func:`write_canary_report`);
 * ``whitebox_report.json`` / ``whitebox_report.md`` — the white-box audit (:func:`write_whitebox_report`).
@@ -158,6 +160,25 @@ def write_audit_report(report: dict, scores: dict[str, tuple[np.ndarray, np.ndar
         notes.append(f"**Blind baseline** ({b['method']}): {b['message']}")
     return write_attack_report(report, scores, out_dir, stem="mia", plot=plot, summary=summary, notes=notes,
                                title=f"# Membership-inference audit of `{report.get('checkpoint', '?')}`")
+
+
+def write_embedding_report(report: dict, scores: dict[str, tuple[np.ndarray, np.ndarray]],
+                           out_dir: str | Path, *, plot: bool = True) -> dict[str, Path]:
+    """Write ``embedding_report.{json,md}``, ``embedding_scores.json`` and ``embedding_roc.png`` of an
+    embedding-interface audit (:func:`mia.embedding.run_embedding_audit`)."""
+    summary = (f"Threat model: the attacker sees only embeddings (layer {report['layer']} hidden states, "
+               f"{report['pooling']}; dimension {report['embedding_dim']}). {report['n_members']} members, "
+               f"{report['n_nonmembers']} non-members; max_length={report.get('max_length')}; reference: "
+               f"{report.get('reference') or 'none'}; CIs {report.get('ci_confidence', 0.95):.0%}.")
+    notes = [f"- `{k}`: {v}" for k, v in report.get("attack_help", {}).items()]
+    if report.get("split"):
+        notes.append(f"Sets: {report['split']}.")
+    if report.get("blind"):
+        b = report["blind"]
+        notes.append(f"**Blind baseline** ({b['method']}): {b['message']}")
+    return write_attack_report(report, scores, out_dir, stem="embedding", plot=plot, summary=summary, notes=notes,
+                               plot_title=f"Embedding-interface MIA (layer {report['layer']})",
+                               title=f"# Embedding-interface membership audit of `{report.get('checkpoint', '?')}`")
 
 
 def write_canary_report(report: dict, out_dir: str | Path) -> dict[str, Path]:

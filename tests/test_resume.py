@@ -61,8 +61,10 @@ def kill_mid_run(killed, *extra, after="step-000004"):
 
 
 # new-token canaries grow the vocabulary before training: the resumed run must grow it the same way
-@pytest.mark.parametrize("extra", [(), ("--num_canaries", "50", "--canary_design", "new_token")],
-                         ids=["plain", "new_token_canaries"])
+# a noise schedule's σ is a function of the step: the resumed run must continue it where the killed one stopped
+@pytest.mark.parametrize("extra", [(), ("--num_canaries", "50", "--canary_design", "new_token"),
+                                   ("--noise_schedule", "linear", "--noise_schedule_pieces", "4")],
+                         ids=["plain", "new_token_canaries", "noise_schedule"])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, extra):
     killed = tmp_path / "killed"
     kill_mid_run(killed, *extra)
@@ -73,8 +75,10 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, extra):
 
     r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, tmp_path / "whole"))
     assert r1["steps"] == r2["steps"] == 24
-    assert r1["epsilon"] == r2["epsilon"] and r1["history"] == r2["history"] == [[r1["noise_multiplier"],
-                                                                                   r1["sample_rate"], 24]]
+    pieces = (r1["noise_schedule"]["pieces_sigma_steps"] if "noise_schedule" in r1 else [[r1["noise_multiplier"], 24]])
+    assert len(pieces) == (4 if "noise_schedule" in r1 else 1)
+    assert r1["epsilon"] == r2["epsilon"] and r1["history"] == r2["history"] == [[s, r1["sample_rate"], n]
+                                                                                 for s, n in pieces]
     # the ledger saw every checkpoint's ε exactly as the uninterrupted run did: no step counted twice or skipped
     assert ledger_eps(killed) == ledger_eps(tmp_path / "whole")
     assert [e["kind"] for e in ledger.read(killed)].count("resume") == 1

@@ -127,28 +127,52 @@ class PrivacyPlan:
     expected_batch_size: int
     prior_history: tuple = field(default_factory=tuple)
     warnings: tuple = field(default_factory=tuple)
+    # A non-constant noise schedule (dpllm.privacy.schedule.NoiseSchedule.to_json()); noise_multiplier is then σ₀,
+    # the first piece's σ. None: one σ for every step.
+    schedule: Optional[dict] = None
+
+    def _schedule(self):
+        from dpllm.privacy.schedule import NoiseSchedule
+
+        return NoiseSchedule(**self.schedule) if self.schedule else NoiseSchedule()
+
+    def stage_history(self, steps: Optional[int] = None) -> list[tuple[float, float, int]]:
+        """This stage's ``(σ, q, steps)`` entries after ``steps`` steps (default: all): one per schedule piece."""
+        done = self.steps if steps is None else steps
+        if not self.schedule:
+            return [(self.noise_multiplier, self.sample_rate, done)]
+        return self._schedule().history(self.noise_multiplier, self.sample_rate, self.steps, done=done)
+
+    def sigma_at(self, step: int) -> float:
+        """σ of the optimizer step with 0-based index ``step``."""
+        if not self.schedule:
+            return self.noise_multiplier
+        return self._schedule().sigma_at(self.noise_multiplier, self.steps, step=step)
 
     @property
     def history(self) -> list[tuple[float, float, int]]:
-        return [tuple(h) for h in self.prior_history] + [(self.noise_multiplier, self.sample_rate, self.steps)]
+        return [tuple(h) for h in self.prior_history] + self.stage_history()
 
     def epsilon(self, steps: Optional[int] = None) -> float:
         """ε after ``steps`` steps of this stage (default: all of them), earlier stages composed."""
-        steps = self.steps if steps is None else steps
         return accounting.compute_epsilon_history(
-            history=[tuple(h) for h in self.prior_history] + [(self.noise_multiplier, self.sample_rate, steps)],
+            history=[tuple(h) for h in self.prior_history] + self.stage_history(steps),
             delta=self.delta, accountant=self.accountant)
 
     def to_json(self) -> dict:
         """The fields a resumed run must find unchanged (``trainer_state.json``)."""
-        return {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "steps": self.steps,
-                "delta": self.delta, "accountant": self.accountant,
-                "prior_history": [list(h) for h in self.prior_history]}
+        out = {"noise_multiplier": self.noise_multiplier, "sample_rate": self.sample_rate, "steps": self.steps,
+               "delta": self.delta, "accountant": self.accountant,
+               "prior_history": [list(h) for h in self.prior_history]}
+        if self.schedule:
+            out["schedule"] = dict(self.schedule)
+        return out
 
 
 def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, target_epsilon: Optional[float],
                  delta: float, accountant: str, noise_multiplier: Optional[float] = None,
-                 prior_history: Optional[list] = None, data_notes: Sequence[str] = ()) -> PrivacyPlan:
+                 prior_history: Optional[list] = None, data_notes: Sequence[str] = (),
+                 schedule=None) -> PrivacyPlan:
     """Check δ and ε, pick or check σ, and return the plan. Cheap: run it before loading any model.
 
     Args:
@@ -164,6 +188,8 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
         prior_history: ``(σ, q, steps)`` of earlier stages that trained on some of these records.
         data_notes: what loading the data changed that the reader of the report should know (records
             removed as duplicates, ...); recorded first among the plan's warnings.
+        schedule: a :class:`dpllm.privacy.schedule.NoiseSchedule`; a non-constant one calibrates σ₀ (its first
+            piece's σ; ``noise_multiplier`` gives σ₀ instead) so that the whole schedule meets the target.
 
     Raises:
         PrivacyPlanError: δ ≥ 1/N, a non-finite ε or δ, an unreachable ε, or a given σ over the target.
@@ -177,10 +203,13 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
         raise PrivacyPlanError("set target_epsilon (calibrates the noise) or noise_multiplier")
     prior = tuple(tuple(h) for h in (prior_history or []))
     q = sample_rate_for(num_records, logical_batch_size)
+    scheduled = schedule is not None and not schedule.is_constant
+    if scheduled:
+        schedule.lengths(steps)  # refuses fewer steps than pieces, before any accounting
     try:
         return _plan_with(accountant, num_records=num_records, batch=logical_batch_size, q=q, steps=steps,
                           target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier, prior=prior,
-                          data_notes=data_notes)
+                          data_notes=data_notes, schedule=schedule if scheduled else None)
     except accounting.AccountantUnavailable as err:
         if accountant not in accounting.FALLBACK:
             raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
@@ -188,33 +217,42 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
         log.warning("privacy plan: %s", note)
         return _plan_with(accounting.FALLBACK[accountant], num_records=num_records, batch=logical_batch_size, q=q,
                           steps=steps, target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                          prior=prior, notes=(note,), data_notes=data_notes)
+                          prior=prior, notes=(note,), data_notes=data_notes, schedule=schedule if scheduled else None)
 
 
 def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps: int,
                target_epsilon: Optional[float], delta: float, noise_multiplier: Optional[float], prior: tuple,
-               notes: tuple = (), data_notes: Sequence[str] = ()) -> PrivacyPlan:
+               notes: tuple = (), data_notes: Sequence[str] = (), schedule=None) -> PrivacyPlan:
     """:func:`plan_privacy` with one accountant from start to end (raises AccountantUnavailable if it cannot run)."""
     if noise_multiplier is None:
-        log.info("calibrating σ for ε=%g over %d steps at q=%.4g with the %s accountant", target_epsilon, steps, q,
-                 accountant)
-        sigma = accounting.calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps,
-                                           accountant=accountant, prior_history=list(prior),
-                                           progress=lambda line: log.info("privacy plan: %s", line))
+        log.info("calibrating σ for ε=%g over %d steps at q=%.4g with the %s accountant%s", target_epsilon, steps, q,
+                 accountant, f" ({schedule.kind} noise schedule)" if schedule else "")
+        if schedule:
+            from dpllm.privacy.schedule import calibrate
+
+            sigma = calibrate(schedule, target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps,
+                              accountant=accountant, prior_history=list(prior))
+        else:
+            sigma = accounting.calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps,
+                                               accountant=accountant, prior_history=list(prior),
+                                               progress=lambda line: log.info("privacy plan: %s", line))
     else:
         sigma = float(noise_multiplier)
     expected = int(num_records * q)
+    # The batch warning reads the noisiest piece of a schedule.
+    noisiest = sigma * (max(schedule.multipliers()) if schedule else 1.0)
     data_notes = tuple(data_notes) + tuple(w for w in (capped_batch_warning(num_records, batch),
-                                                        noise_batch_warning(sigma, expected_batch(num_records, batch)))
+                                                        noise_batch_warning(noisiest, expected_batch(num_records, batch)))
                                            if w)
     notes = tuple(notes) + data_notes
     plan = PrivacyPlan(num_records=num_records, sample_rate=q, steps=steps, noise_multiplier=sigma, delta=delta,
                        accountant=accountant, expected_batch_size=expected, prior_history=prior,
-                       warnings=notes)
+                       warnings=notes, schedule=schedule.to_json() if schedule else None)
     eps = accounting.compute_epsilon_history(history=plan.history, delta=delta, accountant=accountant, strict=True)
     if target_epsilon is not None and eps > target_epsilon:
         raise PrivacyPlanError(
-            f"noise_multiplier={sigma:g} over {steps:,} steps at sample rate {q:.4g} gives ε={eps:.3f} > "
+            f"noise_multiplier={sigma:g}{' (σ₀ of the schedule)' if schedule else ''} over {steps:,} steps at sample "
+            f"rate {q:.4g} gives ε={eps:.3f} > "
             f"target_epsilon={target_epsilon}; raise noise_multiplier, lower steps, or unset it to calibrate")
     for note in data_notes:
         log.warning("privacy plan: %s", note)

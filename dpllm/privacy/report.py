@@ -67,6 +67,9 @@ class PrivacyReport:
     user_level: Optional[dict] = None
     # release bundles only (dpllm.export): {"neighbouring_relation", "declared_public", "withheld"}
     release: Optional[dict] = None
+    # A non-constant noise schedule: {"kind", "end", "pieces", "pieces_sigma_steps": [[σ, steps], ...]};
+    # noise_multiplier is then its first piece's σ (dpllm.privacy.schedule). The history holds the pieces.
+    noise_schedule: Optional[dict] = None
 
     @property
     def releasable(self) -> bool:
@@ -75,7 +78,7 @@ class PrivacyReport:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for key in ("note", "user_level", "release"):
+        for key in ("note", "user_level", "release", "noise_schedule"):
             if out[key] is None:
                 del out[key]
         return out
@@ -146,8 +149,11 @@ class PrivacyReport:
                       + secret)
         via = (f"the user-level mixture accounting (dp-accounting PLD; records: {self.accountant})"
                if u and "record_delta" in u else f"{self.accountant} accountant")
+        sigma = (f"σ = {self.noise_multiplier:.4g}" if not self.noise_schedule else
+                 f"σ = {self.noise_multiplier:.4g} → {self.noise_schedule['pieces_sigma_steps'][-1][0]:.4g} "
+                 f"({self.noise_schedule['kind']} schedule, {len(self.noise_schedule['pieces_sigma_steps'])} pieces)")
         return (f"(ε = {self.epsilon:.3f}, δ = {self.delta:g}) via {via}; "
-                f"σ = {self.noise_multiplier:.4g}, q = {self.sample_rate:.4g}, steps = {self.steps}, "
+                f"{sigma}, q = {self.sample_rate:.4g}, steps = {self.steps}, "
                 f"C = {self.max_grad_norm:g}, clipping = {self.clipping}, "
                 + (f"N = {self.num_records:,} records " if self.num_records is not None else "N not released ")
                 + f"(unit: {self.privacy_unit}){secret}")

@@ -1,0 +1,110 @@
+"""`dpllm report --compliance`: each checklist item decided from a real run directory, and flipped by the change
+that should flip it (more passes, a tampered ledger, a missing or stale audit, seeded noise)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpllm import compliance
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _train(out, *extra):
+    r = subprocess.run([sys.executable, "recipes/finetune_llm.py", "--max_records", "60", "--max_length", "32",
+                        "--tiny_hidden_size", "32", "--logical_batch_size", "16", "--physical_batch_size", "16",
+                        "--eval_every", "0", "--progress", "false", "--target_epsilon", "8", "--output_dir", str(out),
+                        *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return out
+
+
+def _status(run):
+    return {it.name: it.status for it in compliance.check(run)}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("compliance")
+    # 48 training records at B = 16: q = 1/3, so 3 steps are one expected pass and 4 are more than one.
+    one = _train(base / "one", "--max_steps", "3", "--save_every", "1")
+    more = _train(base / "more", "--max_steps", "4")
+    return one, more
+
+
+def test_a_finished_single_pass_run(runs):
+    one, _ = runs
+    s = _status(one)
+    assert s["differential_privacy"] == s["epsilon_fixed"] == s["single_epoch"] == compliance.MET
+    assert s["dp_gradient_checkpointing"] == s["epsilon_logged"] == s["noise_secret"] == compliance.MET
+    assert s["sensitivity_tiers"] == compliance.NA and s["data_sovereignty"] == compliance.MANUAL
+    assert s["mia_audit"] == compliance.NOT_MET  # not audited yet
+    logged = next(it for it in compliance.check(one) if it.name == "epsilon_logged")
+    assert "checkpoint" in logged.evidence and "verifies" in logged.evidence
+
+
+def test_more_than_one_pass_is_not_met(runs):
+    _, more = runs
+    item = next(it for it in compliance.check(more) if it.name == "single_epoch")
+    assert item.status == compliance.NOT_MET and "1.33 expected passes" in item.evidence
+
+
+def test_audit_then_stale_audit(runs, tmp_path):
+    one, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(one, run)
+    r = subprocess.run([sys.executable, "-m", "mia", "audit", "--checkpoint", str(run), "--attacks", "loss",
+                        "--n-bootstrap", "20", "--no-progress"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert _status(run)["mia_audit"] == compliance.MET
+    # An AUC above the ε-DP ceiling (here edited in) fails the item.
+    path = run / "audit" / "mia_report.json"
+    rep = json.loads(path.read_text())
+    rep["attacks"]["loss"]["auc"] = 0.9999
+    path.write_text(json.dumps(rep))
+    assert _status(run)["mia_audit"] == compliance.NOT_MET
+    rep["attacks"]["loss"]["auc"] = 0.5
+    path.write_text(json.dumps(rep))
+    assert _status(run)["mia_audit"] == compliance.MET
+    # A model changed after the audit was not audited.
+    weights = next((run / "checkpoint").glob("adapter_model.*"))
+    os.utime(weights, (path.stat().st_mtime + 10, path.stat().st_mtime + 10))
+    assert _status(run)["mia_audit"] == compliance.NOT_MET
+
+
+def test_a_tampered_ledger_fails_logging_and_fixing(runs, tmp_path):
+    one, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(one, run)
+    path = run / "privacy_ledger.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    lines[-1]["noise_multiplier"] = lines[-1]["noise_multiplier"] * 2
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    s = _status(run)
+    assert s["epsilon_logged"] == compliance.NOT_MET and s["epsilon_fixed"] == compliance.NOT_MET
+
+
+def test_cli_exit_code_and_json(runs):
+    one, _ = runs
+    r = subprocess.run([sys.executable, "-m", "dpllm.cli", "report", str(one), "--compliance", "--json"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1  # the audit is missing
+    items = json.loads(r.stdout)
+    assert [i["name"] for i in items] == ["differential_privacy", "epsilon_fixed", "single_epoch",
+                                          "dp_gradient_checkpointing", "epsilon_logged", "noise_secret",
+                                          "sensitivity_tiers", "data_sovereignty", "mia_audit"]
+    r = subprocess.run([sys.executable, "-m", "dpllm.cli", "report", str(one), "--json"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 2 and "usage" in r.stderr
+
+
+def test_public_table_hides_private_evidence(runs):
+    one, _ = runs
+    table = compliance.public_table(compliance.check(one))
+    assert "privacy_ledger.jsonl: verifies" not in table and "checked on the private run directory" in table
+    assert "expected passes" in table  # public mechanism parameters stay
