@@ -122,3 +122,20 @@ def test_study_quick_mode(tmp_path):
     data = json.loads((tmp_path / "results.json").read_text())
     assert len(data["table"]) == 4 and all(r["epsilon"] <= 8.0 for r in data["table"])
     assert (tmp_path / "noise_schedule.png").stat().st_size > 1000
+
+
+def test_dpllm_plan_and_the_trainer_plan_a_schedule_alike():
+    from dpllm.privacy.plan import plan_privacy
+    from dpllm.privacy.planning import cli_main, plan_table
+
+    s = NoiseSchedule(kind="linear", end=0.5, pieces=4)
+    table = plan_table(num_records=4000, batch=200, delta=1e-5, target_epsilon=4.0, steps=60, accountant="rdp",
+                       epsilons=[], schedule=s)
+    trainer = plan_privacy(num_records=4000, logical_batch_size=200, steps=60, target_epsilon=4.0, delta=1e-5,
+                           accountant="rdp", schedule=s)
+    assert table["target"]["noise_multiplier"] == trainer.noise_multiplier
+    assert table["target"]["pieces"] == [list(h) for h in trainer.history]
+    assert table["target"]["epsilon"] == pytest.approx(trainer.epsilon()) and trainer.epsilon() <= 4.0
+    assert cli_main(["--num-records", "4000", "--batch", "200", "--steps", "60", "--delta", "1e-5",
+                     "--target-epsilon", "4", "--accountant", "rdp", "--noise-schedule", "linear",
+                     "--schedule-pieces", "4", "--epsilons", ""]) == 0

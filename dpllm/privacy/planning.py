@@ -32,7 +32,7 @@ import warnings
 from typing import Any, Callable, Sequence
 
 from dpllm.privacy.accounting import (ACCOUNTANTS, FALLBACK, AccountantUnavailable, PrivacyPlanError, calibrate_noise,
-                                      check_delta, compute_epsilon, switch_note)
+                                      check_delta, compute_epsilon, compute_epsilon_history, switch_note)
 from dpllm.privacy.prv import round_up
 from dpllm.privacy.plan import (check_finite_positive, expected_batch, noise_batch_warning, sample_rate_for,
                                 steps_for)
@@ -65,7 +65,8 @@ def _accounted(fn, accountant: str, **kw: Any) -> float:
 def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: float | None = None,
                  epochs: float | None = None, steps: int | None = None, accountant: str = "prv",
                  noise_multiplier: float | None = None, max_grad_norm: float = 1.0, grad_norm: float = 1.0,
-                 epsilons: Sequence[float] = DEFAULT_EPSILONS, progress: Callable[[str], None] | None = None) -> dict:
+                 epsilons: Sequence[float] = DEFAULT_EPSILONS, progress: Callable[[str], None] | None = None,
+                 schedule=None) -> dict:
     """A full privacy plan as data (what ``dpllm plan --json`` prints).
 
     One accountant computes every σ and ε of the plan. If ``accountant`` cannot run for it (PRV's domain
@@ -83,6 +84,9 @@ def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: fl
         max_grad_norm: clipping bound C; grad_norm: assumed mean per-example gradient norm ḡ.
         epsilons: ε values for the table (σ and NSR per ε).
         progress: called with a line per stage of the work (the CLI prints them on stderr).
+        schedule: a non-constant :class:`dpllm.privacy.schedule.NoiseSchedule`: every σ is then the schedule's
+            first piece σ₀, calibrated (or, given, accounted) over the whole schedule, as the trainer does;
+            each row's ``pieces`` lists its ``(σ, q, steps)`` history.
 
     Returns:
         ``{"num_records", "batch", "steps", "sample_rate", "delta", "accountant", "max_grad_norm",
@@ -107,26 +111,43 @@ def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: fl
     common = {"sample_rate": q, "steps": n_steps, "delta": delta}
     say = progress or (lambda line: None)
 
+    scheduled = schedule is not None and not schedule.is_constant
+    if scheduled:
+        schedule.lengths(n_steps)  # refuses fewer steps than pieces
+
     def build(acc: str) -> dict:
         def row(target: float | None, sigma: float) -> dict:
-            eps = _accounted(compute_epsilon, acc, noise_multiplier=sigma, strict=True, **common)
-            return {"target_epsilon": target, "noise_multiplier": sigma, "epsilon": eps,
-                    "nsr": noise_to_signal(noise_multiplier=sigma, max_grad_norm=max_grad_norm, batch=batch,
-                                           grad_norm=grad_norm)}
+            if scheduled:
+                pieces = schedule.history(sigma, q, n_steps)
+                eps = compute_epsilon_history(history=pieces, delta=delta, accountant=acc, strict=True)
+            else:
+                eps = _accounted(compute_epsilon, acc, noise_multiplier=sigma, strict=True, **common)
+            out = {"target_epsilon": target, "noise_multiplier": sigma, "epsilon": eps,
+                   "nsr": noise_to_signal(noise_multiplier=sigma, max_grad_norm=max_grad_norm, batch=batch,
+                                          grad_norm=grad_norm)}
+            if scheduled:
+                out["pieces"] = [list(h) for h in pieces]
+            return out
 
         cache: dict[float, dict] = {}
 
         def for_target(eps: float) -> dict:
             if eps not in cache:  # the target is usually also a table row; calibrate it once
                 say(f"ε={eps:g}: searching σ with the {acc} accountant ({n_steps:,} steps at q={q:.4g})")
-                sigma = _accounted(calibrate_noise, acc, target_epsilon=eps, progress=say, **common)
+                if scheduled:
+                    from dpllm.privacy.schedule import calibrate
+
+                    sigma = calibrate(schedule, target_epsilon=eps, delta=delta, sample_rate=q, steps=n_steps,
+                                      accountant=acc)
+                else:
+                    sigma = _accounted(calibrate_noise, acc, target_epsilon=eps, progress=say, **common)
                 cache[eps] = row(eps, round_up(sigma))
             return cache[eps]
 
         plan: dict[str, Any] = {
             "num_records": num_records, "batch": batch, "epochs": epochs, "steps": n_steps, "sample_rate": q,
             "delta": delta, "accountant": acc, "accountant_note": None, "max_grad_norm": max_grad_norm,
-            "grad_norm": grad_norm,
+            "grad_norm": grad_norm, "noise_schedule": schedule.to_json() if scheduled else None,
             "target": for_target(float(target_epsilon)) if target_epsilon is not None else None,
             "given_noise": row(None, float(noise_multiplier)) if noise_multiplier is not None else None,
         }
@@ -234,6 +255,13 @@ def format_plan(plan: dict) -> str:
     ]
     if plan.get("accountant_note"):
         lines.append(f"note: {plan['accountant_note']}")
+    if plan.get("noise_schedule"):
+        s = plan["noise_schedule"]
+        lines.append(f"noise schedule: {s['kind']}, last piece σ₀×{s['end']:g}, {s['pieces']} pieces; σ below is σ₀ "
+                     "(the first piece), calibrated over the whole schedule")
+        row = plan["target"] or plan["given_noise"]
+        if row:
+            lines.append("  pieces: " + ", ".join(f"σ={p[0]:.4g}×{p[2]:,}" for p in row["pieces"]))
     if plan["target"]:
         t = plan["target"]
         lines.append(f"target epsilon {t['target_epsilon']:g}: noise multiplier σ={t['noise_multiplier']:.{SIGMA_DIGITS}g}"
@@ -271,6 +299,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--grad-norm", type=float, default=1.0, help="assumed mean per-example gradient norm ḡ")
     p.add_argument("--epsilons", default=",".join(f"{e:g}" for e in DEFAULT_EPSILONS),
                    help="comma-separated ε values for the table ('' for none)")
+    p.add_argument("--noise-schedule", choices=("constant", "linear", "exponential"), default="constant",
+                   help="σ over training, as privacy.noise_schedule (σ printed is the first piece's)")
+    p.add_argument("--schedule-end", type=float, default=0.5, help="last piece's σ / first piece's (default 0.5)")
+    p.add_argument("--schedule-pieces", type=int, default=10, help="constant pieces of the schedule (default 10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -296,6 +328,8 @@ def cli_main(argv: list[str]) -> int:
                           steps=args.steps, accountant=args.accountant, noise_multiplier=args.noise_multiplier,
                           max_grad_norm=args.max_grad_norm, grad_norm=args.grad_norm, epsilons=epsilons)
             if args.unit == "user":
+                if args.noise_schedule != "constant":
+                    raise PrivacyPlanError("--noise-schedule is for --unit record plans for now")
                 if args.num_users is None or args.records_per_user is None:
                     raise PrivacyPlanError("--unit user needs --num-users U and --records-per-user k")
                 plan = user_plan_table(sampling=args.sampling, num_users=args.num_users,
@@ -304,7 +338,10 @@ def cli_main(argv: list[str]) -> int:
             else:
                 if args.num_records is None:
                     raise PrivacyPlanError("--num-records is required (or --unit user with --num-users)")
-                plan = plan_table(num_records=args.num_records, **common,
+                from dpllm.privacy.schedule import NoiseSchedule
+
+                schedule = NoiseSchedule(kind=args.noise_schedule, end=args.schedule_end, pieces=args.schedule_pieces)
+                plan = plan_table(num_records=args.num_records, **common, schedule=schedule,
                                   progress=lambda line: print(f"dpllm plan: {line}", file=sys.stderr, flush=True))
     except PrivacyPlanError as err:
         print(f"dpllm plan: error: {err}", file=sys.stderr)
