@@ -191,8 +191,13 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
     Raises:
         DataError: as :func:`load_records`, or a missing user column.
     """
+    from dpllm import sft
+
     by_user = cfg.privacy_unit == "user"
-    if cfg.dataset in BUILTIN:
+    table = sft.read_table(cfg)  # chat / instruction records, Parquet, save_to_disk folders
+    if table is not None:
+        raw, raw_users = table
+    elif cfg.dataset in BUILTIN:
         raw, raw_users = BUILTIN_USERS[cfg.dataset]() if by_user else (BUILTIN[cfg.dataset](), None)
     elif Path(cfg.dataset).is_file():
         raw, raw_users = _file_records(Path(cfg.dataset), cfg)
