@@ -53,9 +53,10 @@ FORMATS = ("messages", "prompt_completion")
 ROLES = ("system", "user", "assistant", "tool")
 
 # dpllm's built-in template: the tiny byte tokenizer has none, and tests need one that ships with the project.
-# The end-of-text token closes each assistant turn, so a trained model learns where an answer stops.
+# The end-of-text token closes each assistant turn, so a trained model learns where an answer stops (nothing
+# follows it on the line: byte-level tokenizers strip whitespace after a special token).
 SIMPLE_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] }}"
-                   "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\n' }}{% endfor %}"
+                   "{% if m['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}{% endfor %}"
                    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
 
 
@@ -228,12 +229,21 @@ def read_table(cfg: DataConfig) -> Optional[tuple[list[str], Optional[list[str]]
             return None
         texts, users, shape = rows_to_records(rows, cfg, name)
         return (texts, users) if shape != "text" else None
+    if path.suffix.lower() == ".csv" and path.is_file():
+        import csv
+
+        # Python's csv keeps every cell as written (datasets would turn " 6" into the integer 6)
+        with open(path, newline="", encoding="utf-8", errors="replace") as fh:
+            rows = list(csv.DictReader(fh))
+        if not rows or shape_of(list(rows[0]), cfg) == "text":
+            return None
+        return rows_to_records(rows, cfg, name)[:2]
     table = _load_dataset(cfg)
     if table is None:
         return None
     cols = table.column_names
     shape = shape_of(cols, cfg)
-    if shape == "text" and (path.suffix.lower() in (".json", ".csv") or not (path.is_dir() or path.suffix == ".parquet")):
+    if shape == "text" and (path.suffix.lower() == ".json" or not (path.is_dir() or path.suffix == ".parquet")):
         return None  # dpllm.data reads its own kinds of text tables (and words their errors)
     return rows_to_records(table.to_list() if hasattr(table, "to_list") else list(table), cfg, name)[:2]
 
@@ -255,7 +265,7 @@ def _load_dataset(cfg: DataConfig):
             ds = ds[cfg.dataset_split]
         return ds
     suffix = path.suffix.lower()
-    if suffix in (".parquet", ".json", ".csv"):
+    if suffix in (".parquet", ".json"):
         if not path.is_file():
             return None
         try:
