@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -504,6 +505,61 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig):
                                             trust_remote_code=model_cfg.trust_remote_code)
     prepare_tokenizer(tok, data_cfg.chat_template, needed=True)
     return tok
+
+
+# ---- DPTrainer: untokenized datasets ------------------------------------------------------------------------
+
+@dataclass
+class SFTArguments:
+    """How ``DPTrainer`` turns an untokenized ``messages`` / ``prompt``+``completion`` dataset into records
+    (TRL's ``SFTConfig`` names in brackets): ``DPTrainer(..., sft_args=SFTArguments(max_length=512))``."""
+
+    max_length: int = field(default=1024, metadata={"help": "Tokens per record, truncated on the right "
+                                                             "[max_length]; a record left without answer is dropped."})
+    loss_on: str = field(default="answer", metadata={"help": "'answer' (assistant turns / the completion) "
+                                                              "[completion_only_loss, assistant_only_loss] or 'all'."})
+    chat_template: Optional[str] = field(default=None, metadata={"help": "Jinja template, a file, or 'simple' "
+                                                                          "[chat_template_path]."})
+    num_generations: int = field(default=4, metadata={"help": "Greedy answers to this many held-out prompts, saved "
+                                                               "to output_dir/generations.jsonl."})
+
+
+def is_untokenized_sft(dataset) -> bool:
+    """A dataset whose rows are chat / instruction records rather than token ids."""
+    if dataset is None or not len(dataset):
+        return False
+    row = dataset[0]
+    return isinstance(row, dict) and "input_ids" not in row and ("messages" in row or {"prompt", "completion"} <= set(row))
+
+
+def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: str):
+    """The rows of an untokenized SFT dataset as :class:`dpllm.hf.records.Rows` (texts: canonical records).
+
+    Records whose answer ``max_length`` cuts off entirely are reported and dropped here, before the plan.
+    """
+    from dpllm.config import ConfigError
+    from dpllm.hf.records import Rows
+
+    if args.loss_on not in ("answer", "all"):
+        raise ConfigError(f"SFTArguments.loss_on={args.loss_on!r}; choose answer or all")
+    cols = list(dataset[0])
+    fmt = "messages" if "messages" in cols else "prompt_completion"
+    texts = [canonical(dataset[i], fmt, where=f"DPTrainer: {name} row {i}") for i in range(len(dataset))]
+    prepare_tokenizer(tokenizer, args.chat_template, needed=_needs_template(texts, fmt))
+    items, kept, dropped = [], [], 0
+    for t in texts:
+        enc = encode(parse(t), tokenizer, max_length=args.max_length, loss_on=loss_on)
+        if enc["answer_tokens"] == 0:
+            dropped += 1
+            continue
+        items.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
+        kept.append(t)
+    if dropped:
+        log.warning("sft: %d row(s) of %s lose their whole answer to max_length=%d and are dropped before training",
+                    dropped, name, args.max_length)
+    if not items and name == "train_dataset":
+        raise ConfigError(f"DPTrainer: every row of {name} loses its answer to max_length={args.max_length}; raise it")
+    return Rows(items, kept)
 
 
 # ---- held-out generations -----------------------------------------------------------------------------------

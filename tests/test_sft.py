@@ -225,3 +225,67 @@ def test_sft_run_has_the_epsilon_and_report_of_a_text_run(tmp_path):
     from dpllm.checkpoint import load_model
 
     assert load_model(tmp_path / "chat" / "checkpoint")[1].chat_template == sft.SIMPLE_TEMPLATE
+
+
+def test_sft_canaries_are_answers_and_audits_score_the_answer(tmp_path):
+    """One DP run on chat data with canaries: ``mia audit`` and ``mia canaries`` score answer tokens only."""
+    from mia.__main__ import main as mia_main
+    from mia.audit import canary_audit, load_run_model
+    from mia.signals import compute_signals
+
+    chats = [[{"role": "user", "content": f"What is {i} times 3?"}, {"role": "assistant", "content": f"{3 * i}."}]
+             for i in range(40)]
+    _run(tmp_path, "chat", write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats]),
+         "--num_canaries", "4", "--canary_design", "rare")
+    run = tmp_path / "chat"
+    canaries = json.loads((run / "canaries.json").read_text())["canaries"]
+    model, tok = load_run_model(run)
+    rep = canary_audit(run, model, tok, max_length=96, progress=False)
+    assert rep["m"] == 4 and "given the prefix as prompt" in rep["scored"]
+    # the score is the answer's (the secret's) mean log-probability, computed here by hand
+    c = canaries[0]
+    enc = sft.encode(sft.parse(sft.canary_record(c, "messages")), tok, max_length=96)
+    ids = enc["input_ids"][None]
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1].double(), -1)
+    answer = enc["labels"][1:] != -100
+    by_hand = logp.gather(-1, ids[0, 1:, None])[:, 0][answer]
+    assert answer.sum() == len(tok(c["text"][len(c["prefix"]):], add_special_tokens=False)["input_ids"]) + 1  # + </s>
+    assert rep["scores"][0] == pytest.approx(float(by_hand.mean()), abs=1e-4)
+    # mia audit: every signal covers the answer tokens only
+    record = sft.canonical({"messages": chats[0]}, "messages", where="t")
+    sig = compute_signals(model, tok, [record], max_length=96, progress=False)
+    assert sig.num_tokens[0] == len(tok("0.", add_special_tokens=False)["input_ids"]) + 1
+    assert mia_main(["audit", "--checkpoint", str(run), "--attacks", "loss,mink", "--n-bootstrap", "10", "--no-progress"]) == 0
+    audit = json.loads((run / "audit" / "mia_report.json").read_text())
+    assert audit["n_members"] == 32 and audit["attacks"]["loss"]["auc"] is not None
+
+
+def test_dptrainer_trains_on_a_messages_dataset(tmp_path):
+    """A TRL-style user: an untokenized ``messages`` dataset straight into DPTrainer."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from dpllm.hf import DPTrainer, PrivacyArguments
+    from dpllm.sft import SFTArguments
+
+    model, tok = tiny_model("tiny-llama", "full", dp=False)
+    chats = [[{"role": "user", "content": f"What is {i} plus {i}?"}, {"role": "assistant", "content": f"{2 * i}."}]
+             for i in range(30)]
+    chats.append([{"role": "user", "content": "x" * 200}, {"role": "assistant", "content": "cut off"}])
+    train_ds = Dataset.from_list([{"messages": m} for m in chats[:24] + chats[30:]])
+    eval_ds = Dataset.from_list([{"messages": m} for m in chats[24:30]])
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), max_grad_norm=0.0, report_to="none", disable_tqdm=True,
+                             use_cpu=True, max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3)
+    trainer = DPTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds, processing_class=tok,
+                        privacy_args=PrivacyArguments(noise_multiplier=1.0, logical_batch_size=8, accountant="rdp",
+                                                      reproducible_noise=True),
+                        sft_args=SFTArguments(max_length=96, num_generations=1))
+    out = trainer.train()
+    assert 0 < out.metrics["epsilon"] < 100 and out.metrics["eval_loss"] > 0
+    assert trainer.privacy_report.num_records == 24  # the cut-off record was dropped before the plan
+    records = [json.loads(x)["text"] for x in (tmp_path / "hf" / "records.jsonl").read_text().splitlines()]
+    assert sft.format_of(records) == "messages" and len(records) == 30
+    assert len((tmp_path / "hf" / "generations.jsonl").read_text().splitlines()) == 1
+    train_rows = trainer.dp_run.train_rows
+    assert all((r["labels"][:10] == -100).all() for r in train_rows.items)  # "<|user|>\nWhat" is never a label
