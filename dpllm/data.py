@@ -124,7 +124,7 @@ def _file_records(path: Path, cfg: DataConfig) -> tuple[list[str], Optional[list
             raise DataError(f"dataset={path} could not be parsed as {suffix[1:]}: "
                             f"{str(err).strip().splitlines()[-1][:300]}") from None
         return _column(ds, cfg.text_column, str(path)), _users(ds, cfg, str(path))
-    raise DataError(f"dataset={path}: unsupported file type {suffix!r}; use .jsonl, .json, .csv or .txt")
+    raise DataError(f"dataset={path}: unsupported file type {suffix!r}; use .jsonl, .json, .csv, .parquet or .txt")
 
 
 def _column(ds, column: str, source: str) -> list[str]:
