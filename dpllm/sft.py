@@ -36,6 +36,7 @@ checks that its gradient contribution is exactly zero, under ghost and bk).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -86,6 +87,16 @@ STDLIB_QA_MODULES = (
 
 
 def stdlib_qa_rows() -> list[dict]:
+    """``stdlib_qa``: see :func:`_stdlib_qa_rows` (built once per process: it imports ~90 modules)."""
+    return [json.loads(r) for r in _stdlib_qa_cached()]
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_qa_cached() -> tuple[str, ...]:
+    return tuple(json.dumps(r) for r in _stdlib_qa_rows())
+
+
+def _stdlib_qa_rows() -> list[dict]:
     """``stdlib_qa``: "What does ``module.name(signature)`` do?" → the first paragraph of its docstring.
 
     One chat record per public function or class of :data:`STDLIB_QA_MODULES` with a signature and a
