@@ -434,7 +434,8 @@ def answer_fits(records: Sequence[str], tokenizer, *, max_length: int) -> list[b
     return [encode(parse(r), tokenizer, max_length=max_length)["answer_tokens"] > 0 for r in records]
 
 
-def drop_cut_answers(records: Sequence[str], splits, tokenizer, *, max_length: int) -> list[int]:
+def drop_cut_answers(records: Sequence[str], splits, tokenizer, *, max_length: int,
+                     chat_template: Optional[str] = None) -> list[int]:
     """Remove records whose answer ``max_length`` cuts off entirely from ``splits.train`` and ``.heldout``.
 
     They are reported (a warning, and ``splits.json``'s ``sft.dropped_no_answer``) and are neither members
@@ -442,7 +443,11 @@ def drop_cut_answers(records: Sequence[str], splits, tokenizer, *, max_length: i
 
     Returns:
         The dropped record ids.
+
+    Raises:
+        DataError: conversations and no chat template (see :func:`prepare_tokenizer`), or no record left.
     """
+    prepare_tokenizer(tokenizer, chat_template, needed=_needs_template(records, format_of(records)))
     ids = sorted(set(splits.train) | set(splits.heldout))
     fits = answer_fits([records[i] for i in ids], tokenizer, max_length=max_length)
     dropped = [i for i, ok in zip(ids, fits) if not ok]
@@ -502,7 +507,7 @@ def _needs_template(records, fmt) -> bool:
                                  isinstance(parse(records[0])["prompt"], list))
 
 
-def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig):
+def load_tokenizer(model_cfg: ModelConfig):
     """The tokenizer a run will use, without loading the model (to find cut-off answers before the plan)."""
     from dpllm.models import TINY_MODELS, byte_tokenizer, source_of
 
@@ -514,7 +519,6 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig):
         src = source_of(model_cfg)
         tok = AutoTokenizer.from_pretrained(src.get("path", model_cfg.model_name_or_path),
                                             trust_remote_code=model_cfg.trust_remote_code)
-    prepare_tokenizer(tok, data_cfg.chat_template, needed=True)
     return tok
 
 

@@ -193,8 +193,8 @@ class Trainer:
         self.splits = data.make_splits(len(self.records), d, self.users)
         self.sft_format = sft.format_of(self.records)
         if self.sft_format:  # before the plan: N counts only records that keep an answer token
-            self.sft_dropped = sft.drop_cut_answers(self.records, self.splits, sft.load_tokenizer(self.cfg.model, d),
-                                                    max_length=d.max_length)
+            self.sft_dropped = sft.drop_cut_answers(self.records, self.splits, sft.load_tokenizer(self.cfg.model),
+                                                    max_length=d.max_length, chat_template=d.chat_template)
         if d.train_on == "public" and not self.splits.public:
             raise data.DataError("train_on=public but public_fraction=0 leaves no public records; raise public_fraction")
         train_ids = self.splits.public if d.train_on == "public" else self.splits.train

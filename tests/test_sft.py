@@ -93,7 +93,8 @@ def test_builtin_stdlib_qa():
 # ---- rendering and labels ---------------------------------------------------------------------------------
 
 def test_answer_only_labels_cover_exactly_the_assistant_turns():
-    tok = sft.load_tokenizer(parse_config([]).model, DataConfig())  # the tiny byte tokenizer: built-in template
+    tok = sft.load_tokenizer(parse_config([]).model)  # the tiny byte tokenizer: the built-in template
+    sft.prepare_tokenizer(tok, None, needed=True)
     assert tok.chat_template == sft.SIMPLE_TEMPLATE
     rec = sft.parse(chat_records()[1])
     enc = sft.encode(rec, tok, max_length=512)
@@ -115,25 +116,34 @@ def test_answer_only_labels_cover_exactly_the_assistant_turns():
 
 
 def test_plain_prompt_completion_gets_eos_on_the_answer():
-    tok = sft.load_tokenizer(parse_config([]).model, DataConfig())
+    tok = sft.load_tokenizer(parse_config([]).model)
     enc = sft.encode({"prompt": "2+2=", "completion": "4"}, tok, max_length=64)
     assert tok.decode(enc["input_ids"]) == "2+2=4</s>"
     assert enc["labels"].tolist() == [-100] * 4 + tok("4")["input_ids"]  # "4" then </s>
 
 
-def test_a_tokenizer_without_template_is_refused_by_name():
+def test_a_tokenizer_without_template_is_refused_by_name(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")))
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")),
+                                  eos_token="[UNK]")
+    sft.prepare_tokenizer(tok, None, needed=False)  # plain prompt/completion strings need no template
     with pytest.raises(DataError, match="set data.chat_template"):
         sft.prepare_tokenizer(tok, None, needed=True)
+    # through the recipe: refused while reading the data, before any model is loaded (the folder has none)
+    tok.save_pretrained(tmp_path / "model")
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": m} for m in CHATS])
+    with pytest.raises(DataError, match=r"has no chat template .* set data.chat_template"):
+        train(parse_config(["--dataset", str(data), "--model_name_or_path", str(tmp_path / "model"),
+                            "--output_dir", str(tmp_path / "run")]))
+    assert not (tmp_path / "run").exists()
     sft.prepare_tokenizer(tok, "simple", needed=True)
     assert tok.chat_template == sft.SIMPLE_TEMPLATE
 
 
 def test_cut_off_answers_are_reported_and_dropped(caplog):
-    tok = sft.load_tokenizer(parse_config([]).model, DataConfig())
+    tok = sft.load_tokenizer(parse_config([]).model)
     long_prompt = sft.canonical({"prompt": "x" * 80, "completion": "yes"}, "prompt_completion", where="t")
     short = sft.canonical({"prompt": "q", "completion": "yes"}, "prompt_completion", where="t")
     records = [long_prompt, short, short.replace("yes", "no"), long_prompt.replace("yes", "no"), short + " "]
