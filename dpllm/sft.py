@@ -186,7 +186,8 @@ def _messages(value, where: str) -> list[dict]:
             raise _data_error(f"{where}: messages is a string that is not JSON; give a list of "
                               "{role, content}") from None
     if not isinstance(value, list) or not value:
-        raise _data_error(f"{where}: messages must be a non-empty list of {{role, content}}, got {type(value).__name__}")
+        raise _data_error(f"{where}: messages must be a non-empty list of {{role, content}}, "
+                          f"got {type(value).__name__}")
     out = []
     for m in value:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
@@ -544,7 +545,8 @@ def is_untokenized_sft(dataset) -> bool:
     if dataset is None or not len(dataset):
         return False
     row = dataset[0]
-    return isinstance(row, dict) and "input_ids" not in row and ("messages" in row or {"prompt", "completion"} <= set(row))
+    return (isinstance(row, dict) and "input_ids" not in row
+            and ("messages" in row or {"prompt", "completion"} <= set(row)))
 
 
 def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: str):

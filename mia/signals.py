@@ -213,8 +213,7 @@ def compute_signals(
     return Signals(
         loss=np.array([-lp.mean() for lp in logprobs]),
         num_tokens=np.array([lp.size for lp in logprobs], dtype=np.int64),
-        zlib_bytes=np.array([len(zlib.compress(t.encode("utf-8"))) for t in (
-            texts if answers is None else [tokenizer.decode([x for x, a in zip(r, m) if a]) for r, m in zip(ids, answers)])],
-            dtype=np.int64),
+        zlib_bytes=np.array([len(zlib.compress(t.encode("utf-8"))) for t in (texts if answers is None else [
+            tokenizer.decode([x for x, a in zip(r, m) if a]) for r, m in zip(ids, answers)])], dtype=np.int64),
         token_logprobs=logprobs, token_mu=mus, token_sigma=sigmas,
     )

@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> dict:
 
 def markdown(r: dict) -> str:
     rows = [("base (public pretraining only)", r["base"]["answer_ppl"], "-", "-"),
-            ("+ SFT with DP", r["dp"]["answer_ppl"], f"{r['dp']['epsilon']:.2f}", f"{r['dp']['loss_attack']['auc']:.3f}"),
+            ("+ SFT with DP", r["dp"]["answer_ppl"], f"{r['dp']['epsilon']:.2f}",
+             f"{r['dp']['loss_attack']['auc']:.3f}"),
             ("+ SFT without DP", r["no_dp"]["answer_ppl"], "∞", f"{r['no_dp']['loss_attack']['auc']:.3f}")]
     lines = ["| model | held-out answer perplexity | ε (δ = 1e-5) | loss-attack AUC on answers |",
              "|---|---|---|---|"]

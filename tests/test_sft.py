@@ -266,7 +266,8 @@ def test_sft_canaries_are_answers_and_audits_score_the_answer(tmp_path):
     record = sft.canonical({"messages": chats[0]}, "messages", where="t")
     sig = compute_signals(model, tok, [record], max_length=96, progress=False)
     assert sig.num_tokens[0] == len(tok("0.", add_special_tokens=False)["input_ids"]) + 1
-    assert mia_main(["audit", "--checkpoint", str(run), "--attacks", "loss,mink", "--n-bootstrap", "10", "--no-progress"]) == 0
+    assert mia_main(["audit", "--checkpoint", str(run), "--attacks", "loss,mink", "--n-bootstrap", "10",
+                     "--no-progress"]) == 0
     audit = json.loads((run / "audit" / "mia_report.json").read_text())
     assert audit["n_members"] == 32 and audit["attacks"]["loss"]["auc"] is not None
 

@@ -148,7 +148,8 @@ class HFRun(RunTrainer):
                          has_eval=len(eval_rows) > 0)
         if is_untokenized_sft(hf.train_dataset):  # recorded in config.yaml: how the records were rendered
             s = hf.sft_args
-            cfg.data.loss_on, cfg.data.chat_template, cfg.data.num_generations = s.loss_on, s.chat_template, s.num_generations
+            cfg.data.loss_on, cfg.data.chat_template = s.loss_on, s.chat_template
+            cfg.data.num_generations = s.num_generations
         return cls(cfg, hf, train_rows=train_rows, eval_rows=eval_rows)
 
     # ---- stages that differ from a config-driven run ---------------------------------------------------
