@@ -53,7 +53,8 @@ def main(argv: list[str] | None = None) -> dict:
     setup_logging()
     logging.getLogger("dpllm.privacy.plan").setLevel(logging.WARNING)
     out = Path(args.output_dir)
-    quick = ["--max_steps", "3", "--eval_every", "3", "--eval_max_records", "16"] if args.quick else []
+    quick = ["--max_steps", "2", "--eval_every", "2", "--eval_max_records", "16"] if args.quick else []
+    sft_quick = ["--max_records", "100", "--num_generations", "1", "--accountant", "rdp"] if args.quick else []
     start = time.time()
     print("== stage 1: public pretraining on Python's documentation, no DP")
     train(parse_config(["--config", str(CONFIGS / "demo_pretrain.yaml"), "--output_dir", str(out / "pretrain"),
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> dict:
         runs[name] = train(parse_config([
             "--config", str(CONFIGS / "sft_stdlib_qa_dp.yaml"), "--output_dir", str(out / name),
             "--model_name_or_path", str(out / "pretrain"), "--overwrite_output_dir", "true", "--progress", "false",
-            *extra, *quick]))
+            *extra, *quick, *sft_quick]))
     audits = {name: answer_auc(out / name, max_records=32 if args.quick else 10_000,
                                n_bootstrap=10 if args.quick else 200) for name in runs}
     report = PrivacyReport.read(out / "dp")

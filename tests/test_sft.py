@@ -300,3 +300,17 @@ def test_dptrainer_trains_on_a_messages_dataset(tmp_path):
     assert len((tmp_path / "hf" / "generations.jsonl").read_text().splitlines()) == 1
     train_rows = trainer.dp_run.train_rows
     assert all((r["labels"][:10] == -100).all() for r in train_rows.items)  # "<|user|>\nWhat" is never a label
+
+
+def test_sft_study_quick(tmp_path):
+    """recipes/sft_study.py end to end in quick mode: base, DP and non-DP answer perplexity, AUC, generations."""
+    from tests.helpers import load_recipe
+
+    res = load_recipe("sft_study").main(["--quick", "--output_dir", str(tmp_path / "runs"),
+                                         "--results", str(tmp_path / "res")])
+    assert res["dp"]["epsilon"] <= 8.0 + 1e-6 and res["dp"]["steps"] == 2
+    assert res["base"]["answer_ppl"] > 1 and res["dp"]["answer_ppl"] > 1 and res["no_dp"]["answer_ppl"] > 1
+    assert 0 <= res["dp"]["loss_attack"]["auc"] <= 1 and len(res["generations"]["dp"]) == 1
+    saved = json.loads((tmp_path / "res" / "result.json").read_text())
+    assert saved["dp"]["answer_ppl"] == res["dp"]["answer_ppl"]
+    assert "| + SFT with DP |" in (tmp_path / "res" / "README.md").read_text()
