@@ -40,7 +40,7 @@ def answer_auc(run_dir: Path, *, max_records: int, n_bootstrap: int) -> dict:
                           attacks=["loss"], max_length=json.loads((run_dir / "splits.json").read_text())["max_length"],
                           max_records=max_records, n_bootstrap=n_bootstrap, progress=False, blind=False)
     loss = report["attacks"]["loss"]
-    return {"auc": loss["auc"], "auc_ci": loss.get("auc_ci"), "n_members": report["n_members"],
+    return {"auc": loss["auc"], "auc_ci": loss.get("ci", {}).get("auc"), "n_members": report["n_members"],
             "n_nonmembers": report["n_nonmembers"], "mean_answer_loss": report["mean_loss"]}
 
 
@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> dict:
     logging.getLogger("dpllm.privacy.plan").setLevel(logging.WARNING)
     out = Path(args.output_dir)
     quick = ["--max_steps", "2", "--eval_every", "2", "--eval_max_records", "16"] if args.quick else []
-    sft_quick = ["--max_records", "100", "--num_generations", "1", "--accountant", "rdp"] if args.quick else []
+    # epochs: 1 at q = 1/2 (80 training records, batch 64) is 2 steps
+    sft_quick = (["--max_records", "100", "--epochs", "1", "--num_generations", "1", "--accountant", "rdp"]
+                 if args.quick else [])
     start = time.time()
     print("== stage 1: public pretraining on Python's documentation, no DP")
     train(parse_config(["--config", str(CONFIGS / "demo_pretrain.yaml"), "--output_dir", str(out / "pretrain"),
