@@ -31,7 +31,7 @@ the count of labels ≠ -100). Masking the prompt changes *which* function of th
 not how many records a step samples nor the clipped sensitivity C, so ε is the same function of
 (N, q, steps, σ) as for plain text. The prompt still conditions the answer's loss, so its tokens shape the
 gradient as context; a prompt token's own next-token prediction never enters it (tests/test_sft.py
-checks that its gradient contribution is exactly zero, under ghost and bk).
+checks that its gradient contribution is exactly zero, under ghost, bk and hooks).
 """
 
 from __future__ import annotations

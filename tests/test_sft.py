@@ -1,5 +1,5 @@
 """Instruction and chat fine-tuning (dpllm.sft): record shapes, rendering, answer-only labels, and the privacy
-path: a prompt token's own prediction adds exactly nothing to the clipped gradient (ghost and bk), and ε and
+path: a prompt token's own prediction adds exactly nothing to the clipped gradient (ghost, bk, hooks), and ε and
 the report equal those of a plain-text run with the same N, batch, steps and σ."""
 
 import copy
@@ -177,7 +177,7 @@ def explicit_answer_grads(model, items):
     return grads, prompt_grad_norms
 
 
-@pytest.mark.parametrize("mode", ["ghost", "bk"])
+@pytest.mark.parametrize("mode", ["ghost", "bk", "hooks"])
 def test_prompt_tokens_add_nothing_to_the_clipped_sum(mode):
     model, tok = tiny_model("tiny-llama", "full")
     sft.prepare_tokenizer(tok, None, needed=True)
