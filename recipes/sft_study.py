@@ -130,6 +130,11 @@ q = {r['dp']['sample_rate']:.4f}, {r['dp']['steps']} steps, {r['dp']['accountant
 {r['dp']['grad_sample_mode']}) and without.
 
 {table}
+Reading: DP SFT at ε = {r['dp']['epsilon']:.0f} closes {_gain(r):.0%} of the perplexity gap between the base model and SFT
+without DP; the loss attack on answers is near chance under DP and clearly above it without. The greedy
+answers of a 2-layer, 96-wide byte-level model are repetitive either way: they show the answer format
+learnt (the non-private model starts like stdlib docstrings, "Return a ..."), not quality.
+
 Perplexity is per byte of the held-out answers given their prompts. The loss attack scores each record's
 answer tokens given its prompt (a deployed assistant's threat model) on all members vs all held-out
 records; AUC 95% CIs: DP {_ci(r['dp'])}, no DP {_ci(r['no_dp'])}.
@@ -140,6 +145,11 @@ Greedy answers to held-out prompts (the runs' `generations.jsonl`):
 
 Raw numbers: `result.json`.
 """
+
+
+def _gain(r: dict) -> float:
+    base, dp, no_dp = r["base"]["answer_ppl"], r["dp"]["answer_ppl"], r["no_dp"]["answer_ppl"]
+    return (base - dp) / (base - no_dp) if base != no_dp else float("nan")
 
 
 def _ci(run: dict) -> str:
