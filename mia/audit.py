@@ -86,7 +86,8 @@ def load_target(path: str | Path, *, device: str = "cpu", dtype: str = "auto"):
 
 
 def read_texts(path: str | Path, *, text_column: str = "text") -> list[str]:
-    """Texts from a JSONL file: one object per line with ``text_column``, or one JSON string.
+    """Texts from a JSONL file: one object per line with ``text_column``, or one JSON string; rows with
+    ``messages`` (or ``prompt`` and ``completion``) become dpllm chat records, scored on their answers.
 
     Raises:
         ValueError: If a line lacks the column.
@@ -105,6 +106,11 @@ def read_texts(path: str | Path, *, text_column: str = "text") -> list[str]:
                 texts.append(row)
             elif isinstance(row, dict) and isinstance(row.get(text_column), str):
                 texts.append(row[text_column])
+            elif isinstance(row, dict) and ("messages" in row or {"prompt", "completion"} <= set(row)):
+                from dpllm.sft import canonical  # a chat / instruction record: scored on its answer
+
+                texts.append(canonical(row, "messages" if "messages" in row else "prompt_completion",
+                                       where=f"{path}:{lineno}"))
             else:
                 raise ValueError(f"{path}:{lineno} has no string field {text_column!r}; "
                                  f"pass --text-column with the right field name")
