@@ -322,3 +322,18 @@ def test_mia_reads_chat_jsonl_as_records(tmp_path):
     path = write_jsonl(tmp_path / "m.jsonl", [{"messages": m} for m in CHATS[:2]] + [{"prompt": "a", "completion": "b"}])
     texts = read_texts(path)
     assert texts[:2] == chat_records()[:2] and json.loads(texts[2]) == {"prompt": "a", "completion": "b"}
+
+
+def test_user_level_chat_run(tmp_path):
+    """privacy_unit=user on chat records: a user's conversations stay whole records, the unit is the user."""
+    from dpllm.privacy.report import PrivacyReport
+
+    rows = [{"messages": [{"role": "user", "content": f"What is {i} times 3?"},
+                          {"role": "assistant", "content": f"{3 * i}."}], "user": f"u{i % 20}"} for i in range(60)]
+    _run(tmp_path, "users", write_jsonl(tmp_path / "u.jsonl", rows), "--privacy_unit", "user",
+         "--grad_sample_mode", "bk", "--max_records_per_user", "2", "--num_generations", "0")
+    report = PrivacyReport.read(tmp_path / "users").to_dict()
+    splits = json.loads((tmp_path / "users" / "splits.json").read_text())
+    assert report["privacy_unit"] == "user" and report["user_level"]["num_users"] == len(splits["users"]["train"])
+    assert splits["sft"]["format"] == "messages" and len(splits["train"]) == 2 * len(splits["users"]["train"])
+    assert not (tmp_path / "users" / "generations.jsonl").exists()
