@@ -58,8 +58,9 @@ class DataConfig:
     dataset: str = _f(
         "pydoc",
         "'pydoc' (Python's own documentation text, shipped with CPython), 'pystdlib' (CPython's standard-library "
-        "source outside its tests, chunked by lines), a Hub dataset id, or a local "
-        ".jsonl/.json/.csv/.txt file (txt: one record per blank-line separated paragraph).",
+        "source outside its tests, chunked by lines), 'stdlib_qa' (chat records: a stdlib function's signature → "
+        "its docstring, dpllm.sft), a Hub dataset id, a datasets.save_to_disk folder, or a local "
+        ".jsonl/.json/.csv/.parquet/.txt file (txt: one record per blank-line separated paragraph).",
     )
     dataset_config_name: Optional[str] = _f(None, "Hub dataset configuration name.")
     dataset_split: str = _f("train", "Hub dataset split to read.")
@@ -100,6 +101,16 @@ class DataConfig:
                                                    "with secret randomness); the k of ELS and record group privacy, "
                                                    "so required by user_sampling: els. None keeps all records "
                                                    "(record: user-level ε unbounded).")
+    # instruction / chat fine-tuning (dpllm.sft)
+    data_format: str = _f("auto", "Record shape: 'messages' (a list of {role, content}), 'prompt_completion' "
+                                  "(prompt and completion columns), 'text', or 'auto' (detected from the columns).")
+    loss_on: str = _f("answer", "messages / prompt_completion: 'answer' (assistant turns or the completion; prompt "
+                                "tokens never enter the loss) or 'all' (the whole record). Held-out loss is the "
+                                "answer's either way.")
+    chat_template: Optional[str] = _f(None, "Jinja chat template (text or a file) rendering messages, or 'simple' "
+                                            "(dpllm's built-in one); default: the tokenizer's own.")
+    num_generations: int = _f(4, "messages / prompt_completion: greedy answers to this many held-out prompts, printed "
+                                 "and saved to OUTPUT_DIR/generations.jsonl at the end (0: none).")
 
 
 @dataclass
@@ -323,6 +334,8 @@ def validate(cfg: RunConfig) -> None:
     _choice("accountant", p.accountant, ("prv", "rdp", "gdp"))
     _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
     _choice("privacy_unit", d.privacy_unit, ("record", "user"))
+    _choice("data_format", d.data_format, ("auto", "messages", "prompt_completion", "text"))
+    _choice("loss_on", d.loss_on, ("answer", "all"))
     _choice("user_sampling", p.user_sampling, ("uls", "els", "record"))
     if d.max_records_per_user is not None and d.max_records_per_user < 1:
         raise ConfigError(f"max_records_per_user={d.max_records_per_user} must be ≥ 1 (or unset: keep all records)")

@@ -127,7 +127,7 @@ def _file_records(path: Path, cfg: DataConfig) -> tuple[list[str], Optional[list
             raise DataError(f"dataset={path} could not be parsed as {suffix[1:]}: "
                             f"{str(err).strip().splitlines()[-1][:300]}") from None
         return _labelled(ds, cfg, str(path)), _users(ds, cfg, str(path))
-    raise DataError(f"dataset={path}: unsupported file type {suffix!r}; use .jsonl, .json, .csv or .txt")
+    raise DataError(f"dataset={path}: unsupported file type {suffix!r}; use .jsonl, .json, .csv, .parquet or .txt")
 
 
 def _column(ds, column: str, source: str) -> list[str]:
@@ -281,11 +281,16 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
     Raises:
         DataError: as :func:`load_records_and_users`.
     """
+    from dpllm import sft
+
     by_user = cfg.privacy_unit == "user"
     if cfg.label_column and (cfg.dataset in BUILTIN or Path(cfg.dataset).suffix.lower() == ".txt"):
         raise DataError(f"label_column={cfg.label_column!r} needs a .jsonl/.json/.csv file or a Hub dataset with that "
                         f"column; dataset={cfg.dataset} has none (unset label_column)")
-    if cfg.dataset in BUILTIN:
+    table = sft.read_table(cfg)  # chat / instruction records, Parquet, save_to_disk folders
+    if table is not None:
+        raw, raw_users = table
+    elif cfg.dataset in BUILTIN:
         raw, raw_users = BUILTIN_USERS[cfg.dataset]() if by_user else (BUILTIN[cfg.dataset](), None)
     elif Path(cfg.dataset).is_file():
         raw, raw_users = _file_records(Path(cfg.dataset), cfg)

@@ -20,6 +20,7 @@ Where the rest lives: the privacy plan in :mod:`dpllm.privacy.plan`, composition
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import random
@@ -32,7 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from dpllm import data, ledger, resume, rundir
+from dpllm import data, ledger, resume, rundir, sft
 from dpllm.canaries import add_tokens as add_canary_tokens, added_tokens as canary_tokens
 from dpllm.checkpoint import library_versions, save_checkpoint, unwrap
 from dpllm.config import ConfigError, RunConfig, noise_schedule
@@ -138,6 +139,7 @@ class Trainer:
         self.private = None  # dpllm.privacy.engine.PrivateTraining under DP
         self.user_unit = False  # privacy_unit=user (set by setup_data; subclasses with their own data keep records)
         self.data_notes: list[str] = []  # what loading removed, for the plan's warnings (set by setup_data)
+        self.sft_format: Optional[str] = None  # the record shape of instruction / chat data (dpllm.sft), None for text
         self.criterion = None
         self.step = self.start_step = self.tokens_seen = 0
         self.window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
@@ -200,6 +202,10 @@ class Trainer:
         except data.DataError as err:  # say why so few are left: duplicates are easy to miss in a file
             raise data.DataError(f"{err}" + (f" ({loaded.duplicates:,} of {loaded.read:,} records read were exact "
                                              "duplicates and were removed)" if loaded.duplicates else "")) from None
+        self.sft_format = sft.format_of(self.records)
+        if self.sft_format:  # before the plan: N counts only records that keep an answer token
+            self.sft_dropped = sft.drop_cut_answers(self.records, self.splits, sft.load_tokenizer(self.cfg.model),
+                                                    max_length=d.max_length, chat_template=d.chat_template)
         if d.train_on == "public" and not self.splits.public:
             raise data.DataError("train_on=public but public_fraction=0 leaves no public records; raise public_fraction")
         train_ids = self.splits.public if d.train_on == "public" else self.splits.train
@@ -209,8 +215,9 @@ class Trainer:
             train_ids = self.bound_contributions(train_ids)
         # a canary user (privacy_unit=user) writes its canary in canary_records_per_user records
         m = d.canary_records_per_user if self.user_unit else 1
-        self.train_texts = data.select(self.records, train_ids) + [c["text"] for c in self.canaries if c["included"]
-                                                                   for _ in range(m)]
+        self.train_texts = data.select(self.records, train_ids) + [
+            sft.canary_record(c, self.sft_format) if self.sft_format else c["text"]  # SFT: the secret is the answer
+            for c in self.canaries if c["included"] for _ in range(m)]
         heldout = data.select(self.records, self.splits.heldout)
         self.heldout_hashes = {data.sha256(x) for x in heldout}
         self.eval_texts = heldout if self.t.eval_max_records is None else heldout[: self.t.eval_max_records]
@@ -355,9 +362,13 @@ class Trainer:
         # DDP / FSDP wrapping comes before the optimizer (FSDP replaces parameters) and before make_private.
         self.model = wrap_model(model, dp=self.dp, world=self.world, accelerator=self.accelerator,
                                 mixed_precision=self.mp)
-        self.train_ds = data.TokenizedRecords(self.train_texts, self.tokenizer, dlen)
-        self.eval_ds = data.TokenizedRecords(self.eval_texts, self.tokenizer, dlen)
-        self.collate = data.make_collate(self.tokenizer.pad_token_id)
+        if self.sft_format:  # labels -100 on prompt tokens; the template is set on the tokenizer saved with the model
+            self.train_ds, self.eval_ds, self.collate = sft.make_datasets(self.train_texts, self.eval_texts,
+                                                                          self.tokenizer, cfg.data)
+        else:
+            self.train_ds = data.TokenizedRecords(self.train_texts, self.tokenizer, dlen)
+            self.eval_ds = data.TokenizedRecords(self.eval_texts, self.tokenizer, dlen)
+            self.collate = data.make_collate(self.tokenizer.pad_token_id)
         self.optimizer = _make_optimizer([q for q in self.model.parameters() if q.requires_grad], cfg)
         from transformers import get_scheduler
 
@@ -377,6 +388,9 @@ class Trainer:
                 write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
                 splits = self.splits.to_json(self.records, self.cfg.data)
                 splits["trained_sha256"] = sorted(self.trained_hashes)
+                if self.sft_format:  # how audits render and score the records (answer tokens given the prompt)
+                    splits["sft"] = {"format": self.sft_format, "loss_on": self.cfg.data.loss_on,
+                                     "dropped_no_answer": self.sft_dropped}
                 write_json_atomic(self.out / "splits.json", splits)
                 if self.canaries:
                     write_json_atomic(self.out / "canaries.json",
@@ -449,6 +463,7 @@ class Trainer:
 
     def finish(self) -> dict:
         final = self.evaluate(final=True)
+        self.write_generations()
         tokens = int(all_sum([self.tokens_seen], self.world)[0])
         digests = gather_objects(params_digest(self.model), self.world)
         if len(set(digests)) > 1:
@@ -471,6 +486,18 @@ class Trainer:
                 append_jsonl(self.t.runs_file, summary)
         self.accelerator.wait_for_everyone()
         return summary
+
+    def write_generations(self) -> None:
+        """SFT: greedy answers to the first ``num_generations`` held-out prompts, printed and saved (rank 0;
+        held-out prompts are private data, so generations.jsonl stays in the run directory)."""
+        n = self.cfg.data.num_generations if self.sft_format else 0
+        if not n or not self.world.is_main or is_sharded(unwrap(self.model)) or not self.eval_texts:
+            return
+        rows = sft.generate_answers(unwrap(self.model), self.tokenizer, self.eval_texts[:n])
+        write_text_atomic(self.out / "generations.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        for r in rows:
+            log.info("held-out prompt %r\n  reference: %r\n  generated: %r", r["prompt"][-120:], r["reference"][:120],
+                     r["generated"][:120])
 
     # ---- one step ------------------------------------------------------------------------------------
 

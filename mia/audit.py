@@ -86,7 +86,8 @@ def load_target(path: str | Path, *, device: str = "cpu", dtype: str = "auto"):
 
 
 def read_texts(path: str | Path, *, text_column: str = "text") -> list[str]:
-    """Texts from a JSONL file: one object per line with ``text_column``, or one JSON string.
+    """Texts from a JSONL file: one object per line with ``text_column``, or one JSON string; rows with
+    ``messages`` (or ``prompt`` and ``completion``) become dpllm chat records, scored on their answers.
 
     Raises:
         ValueError: If a line lacks the column.
@@ -105,6 +106,11 @@ def read_texts(path: str | Path, *, text_column: str = "text") -> list[str]:
                 texts.append(row)
             elif isinstance(row, dict) and isinstance(row.get(text_column), str):
                 texts.append(row[text_column])
+            elif isinstance(row, dict) and ("messages" in row or {"prompt", "completion"} <= set(row)):
+                from dpllm.sft import canonical  # a chat / instruction record: scored on its answer
+
+                texts.append(canonical(row, "messages" if "messages" in row else "prompt_completion",
+                                       where=f"{path}:{lineno}"))
             else:
                 raise ValueError(f"{path}:{lineno} has no string field {text_column!r}; "
                                  f"pass --text-column with the right field name")
@@ -272,6 +278,12 @@ def check_canary_vocabulary(run_dir: str | Path, tokenizer) -> None:
                          "the model's vocabulary; audit the checkpoint this run trained, whose tokenizer holds them")
 
 
+def run_sft_format(run_dir: str | Path) -> str | None:
+    """The record shape of a run trained on instruction / chat data (``splits.json``'s ``sft``), else None."""
+    path = Path(run_dir) / "splits.json"
+    return (json.loads(path.read_text()).get("sft") or {}).get("format") if path.is_file() else None
+
+
 def read_privacy_report(run_dir: str | Path) -> dict:
     """``privacy_report.json`` of a run (top level, else the checkpoint's copy), read by dpllm's one report type.
 
@@ -342,6 +354,11 @@ def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss",
         raise ValueError(f"tokens={tokens!r}; use 'secret' or 'all'")
     texts, included, prefixes = read_canaries(run_dir, with_prefixes=True)
     check_canary_vocabulary(run_dir, tokenizer)
+    fmt = run_sft_format(run_dir)
+    if fmt:  # planted as answers: the prefix was the prompt, and the signals score the secret (the answer) only
+        from dpllm.sft import canary_record
+
+        texts = [canary_record({"prefix": p, "text": t}, fmt) for t, p in zip(texts, prefixes)]
     privacy = read_privacy_report(run_dir)
     eps = privacy.get("epsilon")
     private = bool(privacy.get("enabled", True) and eps is not None and np.isfinite(float(eps)))
@@ -351,8 +368,10 @@ def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss",
     sig = compute_signals(model, tokenizer, texts, desc="canaries", **common)
     secret = attack == "loss" and tokens == "secret" and any(prefixes)
     if secret:
-        scores = secret_scores(sig, prefix_token_counts(tokenizer, texts, prefixes))
-        scored = "mean log-probability of the secret tokens (after each canary's prefix)"
+        scores = secret_scores(sig, np.zeros(len(texts), dtype=int) if fmt else
+                               prefix_token_counts(tokenizer, texts, prefixes))
+        scored = ("mean log-probability of the secret tokens (the answer, given the prefix as prompt)" if fmt else
+                  "mean log-probability of the secret tokens (after each canary's prefix)")
     else:
         ref_sig = compute_signals(*reference, texts, desc="reference", **common) if reference else None
         scores = attacks_mod.score(attack, sig, reference=ref_sig)

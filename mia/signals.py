@@ -6,6 +6,11 @@ the mean and spread of ``log p(.)`` under the model's next-token distribution at
 (``tokenizer(text, truncation=True, max_length=L)``), padded on the right and the padding masked,
 so a record's signals do not depend on which other records share its batch.
 
+Instruction and chat records (``dpllm.sft``: a run trained on ``messages`` or ``prompt``/``completion`` data)
+are scored as a deployed assistant is attacked: the answer tokens given the prompt. They are rendered and
+truncated exactly as in training, and every signal (loss, Min-K%, zlib of the answer) covers the answer
+tokens only; the prompt is context, never scored.
+
 Example:
     >>> sig = compute_signals(model, tokenizer, ["some text"], max_length=128)  # doctest: +SKIP
     >>> sig.loss.shape  # doctest: +SKIP
@@ -92,6 +97,31 @@ def tokenize_records(tokenizer, texts: list[str], *, max_length: int | None,
     return [list(map(int, row)) for row in ids]
 
 
+def sft_answer_masks(tokenizer, texts: list[str], *, max_length: int):
+    """``(ids, answer masks)`` when every text is a dpllm instruction / chat record, else None.
+
+    Raises:
+        ValueError: a record with no answer token within ``max_length``.
+    """
+    try:
+        from dpllm import sft
+    except ImportError:  # mia without dpllm: plain text only
+        return None
+    fmt = sft.format_of(texts)
+    if fmt is None:
+        return None
+    sft.prepare_tokenizer(tokenizer, None, needed=True)
+    ids, masks = [], []
+    for i, t in enumerate(texts):
+        enc = sft.encode(sft.parse(t), tokenizer, max_length=max_length)
+        if enc["answer_tokens"] == 0:
+            raise ValueError(f"record {i} has no answer token within max_length={max_length}; the run dropped such "
+                             "records, so they cannot be members")
+        ids.append(enc["input_ids"].tolist())
+        masks.append((enc["labels"] != -100).tolist())
+    return ids, masks
+
+
 @torch.no_grad()
 def compute_signals(
     model,
@@ -130,8 +160,11 @@ def compute_signals(
         model.to(device)
     model.eval()
     run_device = next(model.parameters()).device
-    ids = tokenize_records(tokenizer, texts, max_length=max_length,
-                           context_length=model_context_length(model))
+    answers = sft_answer_masks(tokenizer, texts, max_length=max_length or model_context_length(model) or 10 ** 9)
+    if answers is None:
+        ids = tokenize_records(tokenizer, texts, max_length=max_length, context_length=model_context_length(model))
+    else:
+        ids, answers = answers
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
     n = len(ids)
@@ -170,6 +203,9 @@ def compute_signals(
             logprobs[i] = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().cpu().numpy()
             mus[i] = mu.double().cpu().numpy()
             sigmas[i] = sigma.double().cpu().numpy()
+            if answers is not None:  # position t predicts token t + 1: keep the answer's predictions only
+                keep = np.asarray(answers[i][1:k + 1], dtype=bool)
+                logprobs[i], mus[i], sigmas[i] = logprobs[i][keep], mus[i][keep], sigmas[i][keep]
         del logits
         bar.update(len(batch))
     bar.close()
@@ -177,6 +213,7 @@ def compute_signals(
     return Signals(
         loss=np.array([-lp.mean() for lp in logprobs]),
         num_tokens=np.array([lp.size for lp in logprobs], dtype=np.int64),
-        zlib_bytes=np.array([len(zlib.compress(t.encode("utf-8"))) for t in texts], dtype=np.int64),
+        zlib_bytes=np.array([len(zlib.compress(t.encode("utf-8"))) for t in (texts if answers is None else [
+            tokenizer.decode([x for x, a in zip(r, m) if a]) for r, m in zip(ids, answers)])], dtype=np.int64),
         token_logprobs=logprobs, token_mu=mus, token_sigma=sigmas,
     )

@@ -10,6 +10,10 @@ Launch commands (copy-paste):
     accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/finetune_llm.py \\
         --config recipes/configs/llama3_8b/lora_eps8.yaml --dataset my_records.jsonl --output_dir runs/llama8b
 
+    # instruction / chat data (messages or prompt/completion columns; loss on the answers): the built-in set,
+    # or your own chats.jsonl of {"messages": [{"role": ..., "content": ...}, ...]} (dpllm.sft)
+    accelerate launch recipes/finetune_llm.py --config recipes/configs/tiny/sft_stdlib_qa_dp.yaml --output_dir runs/sft
+
     # GPT-2 full fine-tuning at ε = 3
     accelerate launch recipes/finetune_llm.py --config recipes/configs/gpt2/full_eps3.yaml --output_dir runs/gpt2
 

@@ -34,9 +34,9 @@ def test_duplicates_dropped_so_no_record_is_both_member_and_not(tmp_path):
 
 
 def test_unsupported_file_type(tmp_path):
-    (tmp_path / "x.parquet").write_text("")
+    (tmp_path / "x.xlsx").write_text("")
     with pytest.raises(DataError, match="unsupported file type"):
-        load_records(DataConfig(dataset=str(tmp_path / "x.parquet")))
+        load_records(DataConfig(dataset=str(tmp_path / "x.xlsx")))
 
 
 def test_splits_are_disjoint_deterministic_and_cover():

@@ -35,6 +35,7 @@ from dpllm.distributed import barrier, check_parallelism, world_of, wrap_model
 from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
 from dpllm.hf.records import PadRecords, Rows, rows_of
 from dpllm.io import looks_local, write_json_atomic, write_text_atomic
+from dpllm.sft import SFTArguments, format_of, is_untokenized_sft, trainer_rows
 from dpllm.models import check_checkpointing, check_dp_layers, count_parameters, untie_output_embeddings
 from dpllm.train import Trainer as RunTrainer
 from dpllm.train import seed_everything
@@ -60,10 +61,12 @@ class DPTrainer(Trainer):
     """
 
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
-                 processing_class=None, *, privacy_args: Optional[PrivacyArguments] = None, **kwargs):
+                 processing_class=None, *, privacy_args: Optional[PrivacyArguments] = None,
+                 sft_args: Optional[SFTArguments] = None, **kwargs):
         if args is None:
             raise ConfigError("DPTrainer: pass args=TrainingArguments(output_dir=..., max_grad_norm=0, ...)")
         self.privacy_args = privacy_args if privacy_args is not None else PrivacyArguments()
+        self.sft_args = sft_args if sft_args is not None else SFTArguments()  # untokenized chat data (dpllm.sft)
         refuse_unsafe(args, self.privacy_args, data_collator=data_collator,
                       compute_loss_func=kwargs.get("compute_loss_func"), train_dataset=train_dataset)
         if kwargs.get("model_init") is not None:
@@ -150,15 +153,16 @@ class HFRun(RunTrainer):
     @classmethod
     def from_trainer(cls, hf: DPTrainer) -> "HFRun":
         p, args = hf.privacy_args, hf.args
-        tok = hf.processing_class
-        train_rows = rows_of(hf.train_dataset, tok, text_column=p.record_text_column, name="train_dataset")
-        eval_rows = (rows_of(hf.eval_dataset, tok, text_column=p.record_text_column, name="eval_dataset")
-                     if hf.eval_dataset is not None else Rows([], []))
+        train_rows, eval_rows = _rows(hf, "train_dataset"), _rows(hf, "eval_dataset")
         finetuning = "lora" if hasattr(hf.model, "peft_config") else "full"
         cfg = run_config(args, p, model_name=_model_name(hf.model), finetuning=finetuning,
                          records_path=str((Path(args.output_dir) / RECORDS).resolve()),
                          max_length=max(train_rows.max_length, eval_rows.max_length), num_records=len(train_rows),
                          has_eval=len(eval_rows) > 0)
+        if is_untokenized_sft(hf.train_dataset):  # recorded in config.yaml: how the records were rendered
+            s = hf.sft_args
+            cfg.data.loss_on, cfg.data.chat_template = s.loss_on, s.chat_template
+            cfg.data.num_generations = s.num_generations
         return cls(cfg, hf, train_rows=train_rows, eval_rows=eval_rows)
 
     # ---- stages that differ from a config-driven run ---------------------------------------------------
@@ -194,6 +198,7 @@ class HFRun(RunTrainer):
         self.eval_texts = list(heldout)
         self.trained_hashes = {data.sha256(t) for t in train}
         self.heldout_hashes = {data.sha256(self.records[i]) for i in self.splits.heldout}
+        self.sft_format = format_of(train) if is_untokenized_sft(self.hf.train_dataset) else None
 
     def setup_plan(self) -> None:
         super().setup_plan()
@@ -308,6 +313,18 @@ IN_MEMORY = "(in-memory model)"
 
 def _records_jsonl(texts) -> str:
     return "".join(json.dumps({"text": t}) + "\n" for t in texts)
+
+
+def _rows(hf: DPTrainer, name: str) -> Rows:
+    """A dataset's rows: tokenized by the user, or chat / instruction records rendered by dpllm.sft (held-out
+    labels always on the answer only: the held-out metric is the answer's loss)."""
+    dataset, p = getattr(hf, name), hf.privacy_args
+    if dataset is None:
+        return Rows([], [])
+    if is_untokenized_sft(dataset):
+        loss_on = hf.sft_args.loss_on if name == "train_dataset" else "answer"
+        return trainer_rows(dataset, hf.processing_class, hf.sft_args, name=name, loss_on=loss_on)
+    return rows_of(dataset, hf.processing_class, text_column=p.record_text_column, name=name)
 
 
 def _model_name(model) -> str:
