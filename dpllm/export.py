@@ -132,6 +132,18 @@ def release_report(report: PrivacyReport, *, declare_public: Sequence[str] = ())
     return PrivacyReport.from_dict(data)
 
 
+def compliance_section(run_dir: Path) -> str:
+    """The model card's compliance checklist (:mod:`dpllm.compliance`): every item's status; the evidence only where
+    it is a public parameter (items decided on private files say so instead)."""
+    from dpllm import compliance
+
+    items = compliance.check(run_dir)
+    return ("\n## Compliance checklist\n\nChecked by `dpllm report --compliance` on the private run directory when "
+            "this bundle was exported. The status of the items decided on private files (the ledger, earlier stages, "
+            "the membership audit) is one bit each about the private run, released by the publisher's choice.\n\n"
+            + compliance.public_table(items) + "\n")
+
+
 def model_card(report: PrivacyReport, *, lora: bool, has_base: bool) -> str:
     """README.md for the bundle, written from the *released* report (:func:`release_report`) only: the
     guarantee, its neighbouring relation, how it was computed, the training stages, how to load the model."""
@@ -272,7 +284,8 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
             for f in _released_files(ckpt / "base_model"):
                 shutil.copy2(f, tmp / "base_model" / f.name)
         released.write(tmp / "privacy_report.json")
-        write_text_atomic(tmp / "README.md", model_card(released, lora=lora, has_base=has_base))
+        write_text_atomic(tmp / "README.md", model_card(released, lora=lora, has_base=has_base)
+                          + compliance_section(run_dir))
     return out
 
 

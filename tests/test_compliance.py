@@ -52,6 +52,11 @@ def test_more_than_one_pass_is_not_met(runs):
     _, more = runs
     item = next(it for it in compliance.check(more) if it.name == "single_epoch")
     assert item.status == compliance.NOT_MET and "1.33 expected passes" in item.evidence
+    # Training warned at plan time too (the log and the private report's warnings).
+    warned = json.loads((more / "privacy_report.json").read_text())["warnings"]
+    assert any("1.33 expected passes over the private records" in w for w in warned)
+    one = json.loads((runs[0] / "privacy_report.json").read_text())["warnings"]
+    assert not any("expected passes" in w for w in one)
 
 
 def test_audit_then_stale_audit(runs, tmp_path):
@@ -108,3 +113,12 @@ def test_public_table_hides_private_evidence(runs):
     table = compliance.public_table(compliance.check(one))
     assert "privacy_ledger.jsonl: verifies" not in table and "checked on the private run directory" in table
     assert "expected passes" in table  # public mechanism parameters stay
+
+
+def test_export_puts_the_checklist_in_the_model_card(runs, tmp_path):
+    from dpllm.export import export
+
+    one, _ = runs
+    card = (export(one, tmp_path / "bundle") / "README.md").read_text()
+    assert "## Compliance checklist" in card and "| single-epoch training" in card
+    assert "checked on the private run directory" in card and "privacy_ledger.jsonl: verifies" not in card

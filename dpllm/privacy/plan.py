@@ -61,6 +61,20 @@ def noise_batch_warning(sigma: float, batch: float) -> Optional[str]:
             "its largest possible norm C); raise target_epsilon, the logical batch or the number of records")
 
 
+def passes_warning(sample_rate: float, steps: int) -> Optional[str]:
+    """The single-epoch policy's warning: more than one expected pass (q × steps > 1) over the private records.
+
+    Not a refusal: several epochs are often worth their ε, but the practitioners' checklist asks that they be
+    a decision, so the log, the report's warnings and ``dpllm report --compliance`` say it.
+    """
+    passes = sample_rate * steps
+    if passes <= 1 + 1e-9:
+        return None
+    return (f"{passes:.3g} expected passes over the private records (q × steps = {sample_rate:.4g} × {steps:,}): each "
+            "pass adds to ε, and the single-epoch policy (dpllm report --compliance) is not met; more records or "
+            "fewer steps keep to one pass")
+
+
 def capped_batch_warning(num_records: int, batch: int) -> Optional[str]:
     """The warning for a logical batch B ≥ N: every step then uses every record (q = 1); None for B < N.
 
@@ -242,6 +256,7 @@ def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps
     # The batch warning reads the noisiest piece of a schedule.
     noisiest = sigma * (max(schedule.multipliers()) if schedule else 1.0)
     data_notes = tuple(data_notes) + tuple(w for w in (capped_batch_warning(num_records, batch),
+                                                        passes_warning(q, steps),
                                                         noise_batch_warning(noisiest, expected_batch(num_records, batch)))
                                            if w)
     notes = tuple(notes) + data_notes
