@@ -283,7 +283,8 @@ def test_two_records_train_on_one_with_loud_warnings(tmp_path, capsys, caplog, r
     assert recipe.cli([*FAST, "--dataset", str(data), "--output_dir", str(out)]) == 0
     report = _report(out)
     assert report["num_records"] == 1 and report["sample_rate"] == 1.0 and report["expected_batch_size"] == 1
-    capped, noise = report["warnings"]
+    capped, passes, noise = report["warnings"]
+    assert "expected passes over the private records (q × steps = 1 × " in passes  # the single-epoch policy
     assert "logical_batch_size=16 ≥ the 1 private training record(s)" in capped and "q = 1" in capped
     assert f"σ/B = {report['noise_multiplier']:.4g}/1 = " in noise  # the batch the run has (1), not 16
     assert capped in caplog.text and noise in caplog.text  # logged when planned
