@@ -152,25 +152,40 @@ def context_length(model: nn.Module) -> Optional[int]:
 
 
 def untie_output_embeddings(model: nn.Module) -> bool:
-    """Give the output head its own copy of the tied input embedding. Returns True if it was tied."""
+    """Give the output head its own copy of the tied input embedding. Returns True if anything was tied.
+
+    A bias tied to another module's parameter (BERT's prediction head: ``decoder.bias`` is
+    ``predictions.bias``) gets its own copy too, and the other name, which the forward pass reaches only
+    through the head, is frozen: Opacus (hooks and ghost) fails on the shared bias with a meta-device
+    error and bk refuses a parameter of two layers. With ``tie_word_embeddings`` false a saved model loads
+    both back as they are.
+    """
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    if out is None or out.weight is not inp.weight:
+    if out is None:
         return False
-    out.weight = nn.Parameter(inp.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    if hasattr(model.config, "get_text_config"):
-        model.config.get_text_config().tie_word_embeddings = False
-    return True
+    tied = out.weight is inp.weight
+    if tied:
+        out.weight = nn.Parameter(inp.weight.detach().clone())
+    bias = getattr(out, "bias", None)
+    if isinstance(bias, nn.Parameter) and sum(p is bias for _, p in model.named_parameters(remove_duplicate=False)) > 1:
+        out.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+        bias.requires_grad_(False)
+        tied = True
+    if tied:
+        model.config.tie_word_embeddings = False
+        if hasattr(model.config, "get_text_config"):
+            model.config.get_text_config().tie_word_embeddings = False
+    return tied
 
 
 def prepare_model(model: nn.Module, cfg: ModelConfig, *, dp: bool) -> tuple[nn.Module, list[str]]:
     """Apply full fine-tuning or LoRA and the DP fixes; return the model and what was adjusted."""
     adjustments: list[str] = []
     if cfg.finetuning == "full":
-        if dp and untie_output_embeddings(model):
-            adjustments.append("untied output embedding from input embedding (Opacus refuses tied parameters)")
         for p in model.parameters():
             p.requires_grad_(True)
+        if dp and untie_output_embeddings(model):  # after requires_grad: it freezes a tied bias's other name
+            adjustments.append("untied output embedding from input embedding (Opacus refuses tied parameters)")
     else:
         from peft import LoraConfig, get_peft_model
 

@@ -378,7 +378,7 @@ class Trainer:
                 model=self.model, optimizer=self.optimizer, dataset=self.train_ds, collate_fn=self.collate,
                 cfg=self.p, plan=self.plan, logical_batch_size=self.t.logical_batch_size,
                 noise_generator=self.generators["noise"], sampling_generator=self.generators["sampling"],
-                rank=self.world.rank, world_size=self.world.size,
+                rank=self.world.rank, world_size=self.world.size, physical_batch_size=self.t.physical_batch_size,
                 **({"user_records": self.user_records} if self.uls else {}))
             self.model, self.optimizer = self.private.model, self.private.optimizer
             self.criterion = self.private.criterion
@@ -642,7 +642,9 @@ class Trainer:
             target_epsilon=p.target_epsilon, noise_multiplier=self.plan.noise_multiplier,
             sample_rate=self.plan.sample_rate, expected_batch_size=self.plan.expected_batch_size,
             max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),
-            grad_sample_mode=self.private.grad_sample_mode, poisson_sampling=True, secure_mode=p.secure_mode,
+            grad_sample_mode=self.private.grad_sample_mode,
+            grad_sample_mode_reason=self.private.grad_sample_mode_reason or None,
+            poisson_sampling=True, secure_mode=p.secure_mode,
             noise_secret=not p.reproducible_noise, history=[list(h) for h in history],
             composition=("; ".join(self.lineage.notes) if self.lineage.notes else "single stage"),
             warnings=list(self.plan.warnings))

@@ -44,7 +44,7 @@ class DPTrainer(Trainer):
     """``transformers.Trainer`` with DP-SGD: pass ``privacy_args=PrivacyArguments(...)`` beside ``args``.
 
     Example:
-        >>> trainer = DPTrainer(model=model, args=TrainingArguments("runs/x", max_grad_norm=0, max_steps=50),
+        >>> trainer = DPTrainer(model=model, args=TrainingArguments("runs/x", max_steps=50),
         ...                     privacy_args=PrivacyArguments(target_epsilon=8, logical_batch_size=64),
         ...                     train_dataset=train, eval_dataset=heldout, processing_class=tokenizer)  # doctest: +SKIP
         >>> trainer.train().metrics["epsilon"]  # doctest: +SKIP
@@ -58,7 +58,7 @@ class DPTrainer(Trainer):
     def __init__(self, model=None, args=None, data_collator=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, *, privacy_args: Optional[PrivacyArguments] = None, **kwargs):
         if args is None:
-            raise ConfigError("DPTrainer: pass args=TrainingArguments(output_dir=..., max_grad_norm=0, ...)")
+            raise ConfigError("DPTrainer: pass args=TrainingArguments(output_dir=..., ...)")
         self.privacy_args = privacy_args if privacy_args is not None else PrivacyArguments()
         refuse_unsafe(args, self.privacy_args, data_collator=data_collator,
                       compute_loss_func=kwargs.get("compute_loss_func"), train_dataset=train_dataset)

@@ -81,7 +81,7 @@ class BookKeepingModule(nn.Module):
         if bad:
             raise NotImplementedError(
                 f"grad_sample_mode=bk cannot handle trainable {', '.join(bad[:5])}; freeze them, untie shared "
-                "weights, or use grad_sample_mode: ghost"
+                "weights, or use grad_sample_mode: auto (Opacus hooks or ghost for such layers)"
             )
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'")
@@ -168,14 +168,10 @@ class BookKeepingModule(nn.Module):
 
 
 def resolve_mode(requested: str, model: nn.Module) -> str:
-    """``auto`` → ``bk`` where every trainable layer has a rule, else Opacus's ghost (``ghost_fsdp`` under FSDP)."""
-    if requested != "auto":
-        return requested
-    from torch.distributed.fsdp import FSDPModule
+    """``auto`` → the engine :func:`dpllm.privacy.modes.choose_mode` picks (bk where every layer has a rule)."""
+    from dpllm.privacy.modes import choose_mode
 
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        return "ghost_fsdp"
-    return "ghost" if unsupported_layers(model) else "bk"
+    return choose_mode(requested, model).mode
 
 
 def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, clip_weights: Callable,
