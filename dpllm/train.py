@@ -41,7 +41,7 @@ from dpllm.distributed import (World, all_max, all_sum, barrier, check_paralleli
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
 from dpllm.logs import known_warnings_silenced
 from dpllm.models import (check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
-                          prepare_model, source_of)
+                          prepare_model, source_of, untie_output_embeddings)
 from dpllm.privacy import clipping, user_level
 from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import make_private, sequence_loss
@@ -319,7 +319,14 @@ class Trainer:
         # LoRA over a base that has no path of its own (tiny, or merged from a run) keeps a copy to save.
         keep_base = cfg.model.finetuning == "lora" and self.source["kind"] != "pretrained"
         self.lora_base = _copy(model) if keep_base else None
-        model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp)
+        # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
+        keep_tie = self.dp and self.world.kind != "fsdp" and self.p.grad_sample_mode in ("auto", "bk")
+        model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)
+        if keep_tie and cfg.model.finetuning == "full":
+            from dpllm.privacy.bk import resolve_mode
+
+            if resolve_mode(self.p.grad_sample_mode, model) != "bk":
+                self.adjustments += untie_output_embeddings(model)
         if self.t.gradient_checkpointing:
             from dpllm.privacy.bk import resolve_mode
 

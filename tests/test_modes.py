@@ -136,3 +136,19 @@ def test_bert_style_decoder_full_finetuning_trains_under_every_mode(tmp_path):
         loss.backward()
         private.optimizer.step()
         assert not torch.equal(unwrap(private.model).cls.predictions.decoder.bias, before), mode
+
+
+def test_a_tied_head_is_kept_for_bk_and_untied_for_opacus(tmp_path):
+    """GPT-2 ties lm_head to wte: bk (auto) trains the tie as it is; Opacus modes get the untied copy."""
+    from dpllm.privacy.report import PrivacyReport
+    from dpllm.train import train
+
+    run = ["--model_name_or_path", "tiny-gpt2", "--finetuning", "full", "--tiny_hidden_size", "32",
+           "--tiny_num_layers", "1", "--max_records", "60", "--max_length", "24", "--max_steps", "1",
+           "--logical_batch_size", "8", "--physical_batch_size", "8", "--eval_every", "0", "--eval_max_records",
+           "4", "--progress", "false"]
+    for mode, untied in (("auto", False), ("hooks", True)):
+        train(parse_config([*run, "--grad_sample_mode", mode, "--output_dir", str(tmp_path / mode)]))
+        report = PrivacyReport.read(tmp_path / mode)
+        assert report.grad_sample_mode == ("bk" if mode == "auto" else mode)
+        assert any("untied output embedding" in a for a in report.model_adjustments) == untied

@@ -190,8 +190,8 @@ class HFRun(RunTrainer):
         self.adjustments = []
         peft = hasattr(model, "peft_config")
         self.lora_base = _base_copy(model) if peft and not _base_has_name(model) else None
-        if not peft and untie_output_embeddings(model):
-            self.adjustments.append("untied output embedding from input embedding (Opacus refuses tied parameters)")
+        if not peft:
+            self.adjustments += untie_output_embeddings(model)
         self.adjustments.append("position_ids passed per row and contiguous (Opacus embedding norm sampler)")
         if self.t.gradient_checkpointing:
             from dpllm.privacy.bk import resolve_mode

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from dpllm.privacy.bk.layers import Record, Units, rule_for
+from dpllm.privacy.bk.layers import Record, Units, is_tied_head, rule_for, tied_cross
 
 __all__ = ["BookKeepingModule", "make_private_bk", "resolve_mode", "unsupported_layers"]
 
@@ -51,12 +51,12 @@ def _trainable_modules(model: nn.Module):
 def unsupported_layers(model: nn.Module) -> list[str]:
     """Trainable layers with no BK rule (``name (Type)``); empty when the model can run under ``bk``."""
     bad = [f"{n} ({type(m).__name__})" for n, m in _trainable_modules(model) if rule_for(m) is None]
-    seen: dict[int, str] = {}
+    seen: dict[int, tuple[str, nn.Module]] = {}
     for n, m in _trainable_modules(model):
         for pn, p in m.named_parameters(recurse=False):
-            if p.requires_grad and id(p) in seen:
-                bad.append(f"{n}.{pn} (parameter shared with {seen[id(p)]})")
-            seen[id(p)] = f"{n}.{pn}"
+            if p.requires_grad and id(p) in seen and not is_tied_head(seen[id(p)][1], m):
+                bad.append(f"{n}.{pn} (parameter shared with {seen[id(p)][0]})")
+            seen[id(p)] = (f"{n}.{pn}", m)
     return bad
 
 
@@ -99,6 +99,8 @@ class BookKeepingModule(nn.Module):
             m.forward = functools.partial(rule.forward, m, record)
             self._records.append(record)
         self._params = [p for p in module.parameters() if p.requires_grad]
+        # an output head sharing the input embedding's weight: its norm needs the cross term (layers.tied_cross)
+        self._ties = [(e, h) for e in self._records for h in self._records if is_tied_head(e.module, h.module)]
 
     def set_policy(self, policy: str) -> None:
         """Per-sample norms of Linear/Conv1D weights: "auto" (the cheaper), "ghost" or "explicit" everywhere."""
@@ -151,15 +153,23 @@ class BookKeepingModule(nn.Module):
         for r in active:
             part = r.rule.norm2(r, units)
             norm2 = part if norm2 is None else norm2 + part
+        for e, h in self._ties:
+            if e in active and h in active:
+                norm2 = norm2 + 2 * tied_cross(e, h, units)
         norms = norm2.clamp(min=0).sqrt() * scale
         coef = self.clip_weights(norms).to(norms.dtype) * scale
         if units is not None:  # a user's weight, shared by its records in proportion 1/(its records)
             coef = coef[units.inverse.to(coef.device)] * units.weight.to(coef.device, coef.dtype)
+        written = set()  # written by this pass: a tied weight's second part is added in place
         for r in active:
             for name, grad in r.rule.clipped(r, coef).items():
                 p = getattr(r.module, name)
                 grad = grad.to(p.dtype)
-                p.grad = grad if p.grad is None else p.grad + grad
+                if id(p) in written:
+                    p.grad.add_(grad)
+                else:
+                    p.grad = grad if p.grad is None else p.grad + grad
+                written.add(id(p))
             r.clear()
         for p in self._params:  # a layer the loss did not reach contributes zero, as under autograd
             if p.grad is None:
@@ -181,7 +191,8 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
     """Wrap ``model`` for BK and ``optimizer`` as Opacus's ghost-clipping optimizer (noise, accumulation).
 
     The caller attaches ``engine``'s accountant hook, as for every mode. The optimizer class is the one
-    Opacus picks for ``grad_sample_mode="ghost"``: it adds noise to, and accumulates, ``p.grad``.
+    Opacus picks for ``grad_sample_mode="ghost"`` (it adds noise to, and accumulates, ``p.grad``), subclassed
+    to skip two copies of the gradient (:mod:`dpllm.privacy.bk.optimizer`).
 
     ``per_user``: ULS, one clipped mean gradient per user; expected_batch_size then counts users.
 
@@ -193,15 +204,16 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
         ValueError: a noise generator under secure mode (as Opacus).
     """
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-    from opacus.optimizers import get_optimizer_class
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dpllm.privacy.bk.optimizer import optimizer_class
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise NotImplementedError("grad_sample_mode=bk does not support FSDP yet; use grad_sample_mode: ghost_fsdp")
     if noise_generator is not None and secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
-    cls = get_optimizer_class(clipping="flat", distributed=isinstance(model, (DPDDP, DDP)), grad_sample_mode="ghost")
+    cls = optimizer_class(distributed=isinstance(model, (DPDDP, DDP)))  # Opacus's, minus two gradient copies
     dp_optimizer = cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                        expected_batch_size=expected_batch_size, loss_reduction="mean",
                        generator=engine.secure_rng if secure_mode else noise_generator, secure_mode=secure_mode)
