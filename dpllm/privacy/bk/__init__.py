@@ -161,8 +161,10 @@ class BookKeepingModule(nn.Module):
         if units is not None:  # a user's weight, shared by its records in proportion 1/(its records)
             coef = coef[units.inverse.to(coef.device)] * units.weight.to(coef.device, coef.dtype)
         written = set()  # written by this pass: a tied weight's second part is added in place
-        for r in active:
-            for name, grad in r.rule.clipped(r, coef).items():
+        heads = {id(e): h for e, h in self._ties if e in active and h in active}
+        for r in sorted(active, key=lambda r: id(r) in heads):  # a tied embedding after its head, rows in place
+            extra = {"into": r.module.weight.grad} if id(r) in heads else {}
+            for name, grad in r.rule.clipped(r, coef, **extra).items():
                 p = getattr(r.module, name)
                 grad = grad.to(p.dtype)
                 if id(p) in written:

@@ -209,8 +209,8 @@ class LinearRule(Rule):
                     a = a * coef.to(a.dtype)[:, None, None]
                 else:
                     g = g * coef.to(g.dtype)[:, None, None]
-                part = g.flatten(0, 1).t() @ a.flatten(0, 1)  # (out, in)
-                part = part.t() if self.transposed else part
+                a2, g2 = a.flatten(0, 1), g.flatten(0, 1)
+                part = a2.t() @ g2 if self.transposed else g2.t() @ a2  # the parameter's own layout, contiguous
                 w = part if w is None else w + part
             out["weight"] = w if "weight" not in out else out["weight"] + w
         return out
@@ -291,11 +291,17 @@ class EmbeddingRule(Rule):
         sample, _, summed, B = self._grouped(record, units)
         return torch.zeros(B, dtype=summed.dtype, device=summed.device).index_add_(0, sample, summed.pow(2).sum(1))
 
-    def clipped(self, record, coef):
+    def clipped(self, record, coef, into: Optional[torch.Tensor] = None):
+        """As :meth:`Rule.clipped`; with ``into`` (a tied head's clipped sum, already in ``weight.grad``) the
+        rows are added there in place and nothing is returned: no second vocabulary-sized tensor."""
         sample, row, summed, _ = self._grouped(record)
         w = record.module.weight
+        rows = summed * coef.to(summed.dtype)[sample, None]
+        if into is not None:
+            into.index_add_(0, row, rows.to(into.dtype))
+            return {}
         grad = torch.zeros(w.shape, dtype=summed.dtype, device=w.device)
-        grad.index_add_(0, row, summed * coef.to(summed.dtype)[sample, None])
+        grad.index_add_(0, row, rows)
         return {"weight": grad}
 
 
