@@ -190,8 +190,11 @@ class HFRun(RunTrainer):
         self.adjustments = []
         peft = hasattr(model, "peft_config")
         self.lora_base = _base_copy(model) if peft and not _base_has_name(model) else None
-        if not peft:
-            self.adjustments += untie_output_embeddings(model)
+        if not peft:  # bk clips a head tied to the input embedding as it is; the other engines need it untied
+            from dpllm.privacy.bk import resolve_mode
+
+            keep = self.world.kind != "fsdp" and resolve_mode(self.p.grad_sample_mode, model) == "bk"
+            self.adjustments += untie_output_embeddings(model, weight=not keep)
         self.adjustments.append("position_ids passed per row and contiguous (Opacus embedding norm sampler)")
         if self.t.gradient_checkpointing:
             from dpllm.privacy.bk import resolve_mode
