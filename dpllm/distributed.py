@@ -126,7 +126,7 @@ def check_parallelism(privacy: PrivacyConfig, kind: str, *, world_size: int = 1,
     if kind not in ("none", "ddp", "fsdp"):
         raise ConfigError(f"parallelism kind={kind!r} is not one of none, ddp, fsdp")
     mode = privacy.grad_sample_mode
-    if privacy.enabled and kind == "fsdp" and mode != "ghost_fsdp":
+    if privacy.enabled and kind == "fsdp" and mode not in ("ghost_fsdp", "auto"):  # auto picks ghost_fsdp
         raise ConfigError(
             f"grad_sample_mode={mode} cannot run under FSDP: Opacus computes per-sample norms of sharded "
             "parameters only in 'ghost_fsdp' mode; set privacy.grad_sample_mode: ghost_fsdp, or launch "
@@ -135,7 +135,7 @@ def check_parallelism(privacy: PrivacyConfig, kind: str, *, world_size: int = 1,
     if privacy.enabled and mode == "ghost_fsdp" and kind != "fsdp":
         raise ConfigError(
             "grad_sample_mode=ghost_fsdp needs an FSDP launch (accelerate launch --config_file "
-            "recipes/accelerate/fsdp.yaml ...); without FSDP use grad_sample_mode: ghost"
+            "recipes/accelerate/fsdp.yaml ...); without FSDP use grad_sample_mode: auto"
         )
     if world_size > logical_batch_size:
         raise ConfigError(f"logical_batch_size={logical_batch_size} is smaller than the {world_size} processes; "

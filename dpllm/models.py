@@ -151,26 +151,51 @@ def context_length(model: nn.Module) -> Optional[int]:
     return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
 
 
-def untie_output_embeddings(model: nn.Module) -> bool:
-    """Give the output head its own copy of the tied input embedding. Returns True if it was tied."""
+def untie_output_embeddings(model: nn.Module, *, weight: bool = True) -> list[str]:
+    """Give the output head its own copy of a tied input embedding; returns what was untied (for the report).
+
+    ``weight=False`` keeps a tied weight (book-keeping clips it exactly, cross term included:
+    :func:`dpllm.privacy.bk.layers.tied_cross`; Opacus refuses it). A bias tied to another module's parameter
+    (BERT's prediction head: ``decoder.bias`` is ``predictions.bias``) is always given its own copy, and the
+    other name, which the forward pass reaches only through the head, is frozen: Opacus (hooks and ghost)
+    fails on the shared bias with a meta-device error and bk refuses a parameter of two layers. With
+    ``tie_word_embeddings`` false a saved model loads both back as they are.
+    """
     out, inp = model.get_output_embeddings(), model.get_input_embeddings()
-    if out is None or out.weight is not inp.weight:
-        return False
-    out.weight = nn.Parameter(inp.weight.detach().clone())
-    model.config.tie_word_embeddings = False
-    if hasattr(model.config, "get_text_config"):
-        model.config.get_text_config().tie_word_embeddings = False
-    return True
+    if out is None:
+        return []
+    done = []
+    bias = getattr(out, "bias", None)
+    bias_tied = (isinstance(bias, nn.Parameter)
+                 and sum(p is bias for _, p in model.named_parameters(remove_duplicate=False)) > 1)
+    # a tied bias is untied, and then the weight too: transformers re-ties both or neither when loading
+    if (weight or bias_tied) and out.weight is inp.weight:
+        out.weight = nn.Parameter(inp.weight.detach().clone())
+        done.append("untied output embedding from input embedding (Opacus refuses tied parameters)")
+    if bias_tied:
+        out.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+        bias.requires_grad_(False)
+        done.append("untied the output head's bias from the parameter it shared (that one frozen; unused by the "
+                    "forward pass)")
+    if done:
+        model.config.tie_word_embeddings = False
+        if hasattr(model.config, "get_text_config"):
+            model.config.get_text_config().tie_word_embeddings = False
+    return done
 
 
-def prepare_model(model: nn.Module, cfg: ModelConfig, *, dp: bool) -> tuple[nn.Module, list[str]]:
-    """Apply full fine-tuning or LoRA and the DP fixes; return the model and what was adjusted."""
+def prepare_model(model: nn.Module, cfg: ModelConfig, *, dp: bool, keep_tie: bool = False
+                  ) -> tuple[nn.Module, list[str]]:
+    """Apply full fine-tuning or LoRA and the DP fixes; return the model and what was adjusted.
+
+    ``keep_tie``: leave an output head tied to the input embedding (for bk, which clips it exactly).
+    """
     adjustments: list[str] = []
     if cfg.finetuning == "full":
-        if dp and untie_output_embeddings(model):
-            adjustments.append("untied output embedding from input embedding (Opacus refuses tied parameters)")
         for p in model.parameters():
             p.requires_grad_(True)
+        if dp:  # after requires_grad: it freezes a tied bias's other name
+            adjustments += untie_output_embeddings(model, weight=not keep_tie)
     else:
         from peft import LoraConfig, get_peft_model
 

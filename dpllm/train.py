@@ -41,8 +41,8 @@ from dpllm.distributed import (World, all_max, all_sum, barrier, check_paralleli
                                is_sharded, make_accelerator, params_digest, reshard, world_of, wrap_model)
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
 from dpllm.logs import known_warnings_silenced
-from dpllm.models import (check_checkpointing, check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
-                          prepare_model, source_of)
+from dpllm.models import (check_checkpointing, check_dp_layers, context_length, count_parameters, load_base,
+                          position_ids_for, prepare_model, source_of, untie_output_embeddings)
 from dpllm.privacy import clipping, user_level
 from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import make_private, sequence_loss
@@ -340,7 +340,14 @@ class Trainer:
         # LoRA over a base that has no path of its own (tiny, or merged from a run) keeps a copy to save.
         keep_base = cfg.model.finetuning == "lora" and self.source["kind"] != "pretrained"
         self.lora_base = _copy(model) if keep_base else None
-        model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp)
+        # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
+        keep_tie = self.dp and self.world.kind != "fsdp" and self.p.grad_sample_mode in ("auto", "bk")
+        model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)
+        if keep_tie and cfg.model.finetuning == "full":
+            from dpllm.privacy.bk import resolve_mode
+
+            if resolve_mode(self.p.grad_sample_mode, model) != "bk":
+                self.adjustments += untie_output_embeddings(model)
         if self.t.gradient_checkpointing:
             from dpllm.privacy.bk import resolve_mode
 
@@ -410,7 +417,7 @@ class Trainer:
                 model=self.model, optimizer=self.optimizer, dataset=self.train_ds, collate_fn=self.collate,
                 cfg=self.p, plan=self.plan, logical_batch_size=self.t.logical_batch_size,
                 noise_generator=self.generators["noise"], sampling_generator=self.generators["sampling"],
-                rank=self.world.rank, world_size=self.world.size,
+                rank=self.world.rank, world_size=self.world.size, physical_batch_size=self.t.physical_batch_size,
                 **({"user_records": self.user_records} if self.uls else {}))
             self.model, self.optimizer = self.private.model, self.private.optimizer
             self.criterion = self.private.criterion
@@ -691,7 +698,9 @@ class Trainer:
             target_epsilon=p.target_epsilon, noise_multiplier=self.plan.noise_multiplier,
             sample_rate=self.plan.sample_rate, expected_batch_size=self.plan.expected_batch_size,
             max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),
-            grad_sample_mode=self.private.grad_sample_mode, poisson_sampling=True, secure_mode=p.secure_mode,
+            grad_sample_mode=self.private.grad_sample_mode,
+            grad_sample_mode_reason=self.private.grad_sample_mode_reason or None,
+            poisson_sampling=True, secure_mode=p.secure_mode,
             noise_secret=not p.reproducible_noise, history=[list(h) for h in history],
             noise_schedule=({**self.plan.schedule, "pieces_sigma_steps": [[s, n] for s, _, n in self.plan.stage_history()]}
                             if self.plan.schedule else None),

@@ -8,20 +8,21 @@ directory is a dpllm run directory (privacy_report.json, privacy_ledger.jsonl, s
 Launch commands (copy-paste):
 
     # tiny Llama built from a config, LoRA, ε = 8 on Python's own documentation (offline, CPU, ~1 min)
-    python recipes/hf_trainer_example.py --output_dir runs/hf --max_steps 20 --max_grad_norm 0 \\
+    python recipes/hf_trainer_example.py --output_dir runs/hf --max_steps 20 \\
         --per_device_train_batch_size 16 --logical_batch_size 64 --learning_rate 5e-3 --target_epsilon 8
 
     # your own model and files (one record per row; the "text" column is kept for audits)
     accelerate launch recipes/hf_trainer_example.py --model_name_or_path Qwen/Qwen2.5-0.5B \\
         --train_file train.jsonl --validation_file heldout.jsonl --output_dir runs/qwen --num_train_epochs 2 \\
-        --max_grad_norm 0 --per_device_train_batch_size 8 --logical_batch_size 256 --target_epsilon 8 --bf16
+        --per_device_train_batch_size 8 --logical_batch_size 256 --target_epsilon 8 --bf16
 
     # then, as for any dpllm run
     dpllm report runs/hf && dpllm ledger verify runs/hf && dpllm export runs/hf --out release/hf
     python -m mia audit --run runs/hf
 
-``--max_grad_norm 0`` turns off the Trainer's clipping of the whole batch's gradient (DP-SGD clips each
-record's gradient: ``--per_sample_max_grad_norm``); DPTrainer refuses to start without it.
+DP-SGD clips each record's gradient (``--per_sample_max_grad_norm``, 1.0); the Trainer's ``--max_grad_norm``
+(a clip of the whole batch's gradient, 1.0 by default) is ignored with one warning. The per-sample engine is
+chosen for the model (``--grad_sample_mode auto``: book-keeping where it applies) and named in the report.
 """
 
 import sys

@@ -20,6 +20,12 @@ mean gradient per user, the batch's rows grouped ``--records-per-user`` at a tim
     python scripts/bench_overhead.py --hidden 128 --layers 4 --seq 64 --batch 32 --steps 20 \
         --modes bk,uls_bk,hooks,uls_hooks --records-per-user 4
 
+Side by side in one process, alternating steps (``--interleave R``: median of R per-round ratios to nodp, the
+way to compare on a machine shared with other jobs; memory still from one process per mode):
+
+    OMP_NUM_THREADS=1 python scripts/bench_overhead.py --shape gpt2-small --seq 128 --batch 4 --modes nodp,bk \
+        --interleave 7 --out docs/results/bench_cpu/gpt2_small_full.json
+
 ``--chunked-loss N`` computes the per-record loss N positions at a time (no float32 B×T×V logits);
 ``--gradient-checkpointing`` recomputes activations in backward (non-reentrant; bk and nodp only).
 """
@@ -47,13 +53,29 @@ SHAPES = {
                         tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(arch="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                          num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    # CPU-sized real vocabularies (issue #26): GPT-2 small itself, and Llama 3's 128k vocabulary at width 256
+    "gpt2-small": dict(arch="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257,
+                       tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "llama-128k": dict(arch="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=4, vocab_size=128256, rope_theta=500000.0),
 }
 
 
-def build(args, device, dtype):
+def build_shape(name: str, device, dtype, seq: int):
+    """A random-init model of shape ``name`` (SHAPES), built directly on ``device``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    spec = dict(SHAPES[name])
+    arch = spec.pop("arch")
+    if "n_positions" not in spec:
+        spec["max_position_embeddings"] = max(8192, seq)
+    cfg = AutoConfig.for_model(arch, **spec)
+    with torch.device(device):  # built where it runs: an 8B model takes about a second on a GPU
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def build(args, device, dtype):
     from dpllm.config import ModelConfig
     from dpllm.models import load_base
 
@@ -61,10 +83,7 @@ def build(args, device, dtype):
                        tiny_num_layers=args.layers, tiny_num_heads=args.heads, tiny_intermediate_size=4 * args.hidden,
                        tiny_max_positions=max(256, args.seq), torch_dtype=args.dtype, lora_r=args.lora_r)
     if args.shape:
-        spec = dict(SHAPES[args.shape])
-        cfg = AutoConfig.for_model(spec.pop("arch"), max_position_embeddings=max(8192, args.seq), **spec)
-        with torch.device(device):  # built where it runs: an 8B model takes about a second on a GPU
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        model = build_shape(args.shape, device, dtype, args.seq)
     else:
         model, _, _ = load_base(mcfg, args.seq)
     return model, mcfg
@@ -83,7 +102,7 @@ def make_step(args, model, mcfg, device, mode):
     dp = mode != "nodp"
     uls = mode.startswith("uls_")
     users = [i // args.records_per_user for i in range(args.batch)]
-    model, _ = prepare_model(model, mcfg, dp=dp)
+    model, _ = prepare_model(model, mcfg, dp=dp, keep_tie=mode.endswith("bk"))  # as the trainer: bk keeps a tie
     if args.gradient_checkpointing:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -165,6 +184,46 @@ def one_mode(args) -> dict:
     return row
 
 
+def interleaved(args) -> dict:
+    """All modes in this one process, one step of each per round in turn; per-round ratios to ``nodp``.
+
+    On a machine shared with other jobs, a slow spell hits every mode of a round alike, so the median of the
+    per-round ratios is steadier than ratios of medians taken minutes apart. Wall-clock and process CPU time
+    (``time.process_time``, one thread: the work itself, whatever the load) are both recorded.
+    """
+    import torch
+
+    device = torch.device(args.device)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    modes = args.modes.split(",")
+    if modes[0] != "nodp":
+        raise SystemExit("--interleave needs nodp first in --modes (the reference of every ratio)")
+    steps, resolved = {}, {}
+    for mode in modes:
+        torch.manual_seed(0)
+        model, mcfg = build(args, device, dtype)
+        vocab = model.get_input_embeddings().num_embeddings
+        steps[mode], resolved[mode] = make_step(args, model, mcfg, device, mode)
+    batch = random_batch(args, args.batch, vocab, device)
+    wall = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}
+    for r in range(args.warmup + args.interleave):
+        for mode in modes:
+            t0, c0 = time.perf_counter(), time.process_time()
+            steps[mode](batch)
+            if r >= args.warmup:
+                wall[mode].append(time.perf_counter() - t0)
+                cpu[mode].append(time.process_time() - c0)
+    rows = []
+    for mode in modes:
+        rows.append({"mode": mode, "resolved_mode": resolved[mode], "rounds": args.interleave,
+                     "median_step_s": statistics.median(wall[mode]), "median_cpu_s": statistics.median(cpu[mode]),
+                     "wall_ratio_vs_nodp": statistics.median(w / b for w, b in zip(wall[mode], wall["nodp"])),
+                     "cpu_ratio_vs_nodp": statistics.median(c / b for c, b in zip(cpu[mode], cpu["nodp"])),
+                     "wall_s": wall[mode], "cpu_s": cpu[mode]})
+    return {"interleaved": rows, "load_average": os.getloadavg()}
+
+
 def search_batch(args, step, vocab, device) -> int:
     """Largest physical batch for which two steps run: doubling from --batch, then bisection (GPU OOM)."""
     import torch
@@ -218,15 +277,23 @@ def main(argv=None) -> dict:
     ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES + USER_MODES)}")
     ap.add_argument("--records-per-user", type=int, default=4, help="uls_* modes: rows per user")
     ap.add_argument("--out", default="runs/bench/overhead.json")
+    ap.add_argument("--interleave", type=int, default=0,
+                    help="R > 0: time the modes in one process, alternating for R rounds (median per-round ratio "
+                         "to nodp); peak memory still comes from one process per mode")
+    ap.add_argument("--memory-steps", type=int, default=2, help="--interleave: steps of each memory process")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: run one mode
     args = ap.parse_args(argv)
+    if args.mode == "interleaved":
+        print(json.dumps(interleaved(args)))
+        return {}
     if args.mode:
         print(json.dumps(one_mode(args)))
         return {}
     rows = []
     base_argv = list(argv if argv is not None else sys.argv[1:])
+    child = base_argv + (["--steps", str(args.memory_steps), "--warmup", "1"] if args.interleave else [])
     for mode in args.modes.split(","):
-        res = subprocess.run([sys.executable, __file__, *base_argv, "--mode", mode], capture_output=True, text=True,
+        res = subprocess.run([sys.executable, __file__, *child, "--mode", mode], capture_output=True, text=True,
                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         if res.returncode != 0:
             print(res.stderr[-3000:], file=sys.stderr)
@@ -239,12 +306,20 @@ def main(argv=None) -> dict:
             continue
         r["time_ratio_vs_nodp"] = r["median_step_s"] / base["median_step_s"] if base else None
         r["memory_ratio_vs_nodp"] = r["peak_memory_mib"] / base["peak_memory_mib"] if base else None
+    inter = None
+    if args.interleave:
+        res = subprocess.run([sys.executable, __file__, *base_argv, "--mode", "interleaved"], capture_output=True,
+                             text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        if res.returncode != 0:
+            print(res.stderr[-3000:], file=sys.stderr)
+            raise SystemExit("the interleaved run failed")
+        inter = json.loads(res.stdout.strip().splitlines()[-1])
     import torch
 
     setup = {k: v for k, v in vars(args).items() if k not in ("mode", "out")}
     setup.update(torch=torch.__version__, threads=torch.get_num_threads(),
                  omp_num_threads=os.environ.get("OMP_NUM_THREADS"))
-    result = {"setup": setup, "results": rows}
+    result = {"setup": setup, "results": rows, **(inter or {})}
     print(f"model={args.shape or args.model} finetuning={args.finetuning} seq={args.seq} batch={args.batch} "
           f"device={args.device} autocast={args.autocast} (median of {args.steps} steps after {args.warmup} warm-up)")
     print(f"{'mode':<10}{'ran':<10}{'step (s)':>10}{'tok/s':>10}{'× no-DP':>9}{'peak MiB':>10}{'× no-DP':>9}{'max B':>7}")
@@ -255,6 +330,13 @@ def main(argv=None) -> dict:
         print(f"{r['mode']:<10}{r['resolved_mode']:<10}{r['median_step_s']:>10.4f}{r['tokens_per_s']:>10.0f}"
               f"{r['time_ratio_vs_nodp'] or 0:>9.2f}{r['peak_memory_mib']:>10.0f}{r['memory_ratio_vs_nodp'] or 0:>9.2f}"
               f"{r['max_batch_fits'] if r['max_batch_fits'] is not None else '-':>7}")
+    if inter:
+        print(f"interleaved, one process, median of {args.interleave} per-round ratios to nodp "
+              f"(load average {inter['load_average'][0]:.1f}):")
+        print(f"{'mode':<10}{'ran':<10}{'wall (s)':>10}{'× no-DP':>9}{'cpu (s)':>10}{'× no-DP':>9}")
+        for r in inter["interleaved"]:
+            print(f"{r['mode']:<10}{r['resolved_mode']:<10}{r['median_step_s']:>10.3f}{r['wall_ratio_vs_nodp']:>9.3f}"
+                  f"{r['median_cpu_s']:>10.3f}{r['cpu_ratio_vs_nodp']:>9.3f}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out}")

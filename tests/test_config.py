@@ -97,7 +97,7 @@ def test_gpu_configs_say_what_they_promise():
     llama = parse_config(["--config", os.path.join(ROOT, "recipes/configs/llama3_8b/lora_eps8.yaml")])
     assert llama.model.finetuning == "lora" and llama.privacy.target_epsilon == 8.0
     assert llama.train.mixed_precision == "bf16" and llama.model.torch_dtype == "bfloat16"
-    assert llama.privacy.grad_sample_mode == "ghost" and llama.train.logical_batch_size >= 512
+    assert llama.privacy.grad_sample_mode == "auto" and llama.train.logical_batch_size >= 512
     gpt2 = parse_config(["--config", os.path.join(ROOT, "recipes/configs/gpt2/full_eps3.yaml")])
     assert gpt2.model.finetuning == "full" and gpt2.privacy.target_epsilon == 3.0
     assert gpt2.model.model_name_or_path.endswith("gpt2")

@@ -48,6 +48,7 @@ def test_accelerate_configs_parse(name, kind):
     ("ddp", "ghost_fsdp", True, "needs an FSDP launch"),
     ("none", "ghost_fsdp", True, "needs an FSDP launch"),
     ("fsdp", "ghost_fsdp", True, None),
+    ("fsdp", "auto", True, None),  # auto resolves to ghost_fsdp on a sharded model (test_modes)
     ("ddp", "ghost", True, None),
     ("ddp", "hooks", True, None),
     ("fsdp", "ghost", False, None),  # non-private FSDP is accelerate's business

@@ -15,7 +15,7 @@ from dpllm.config import ConfigError
 from dpllm.hf import DPTrainer, PrivacyArguments
 from tests.helpers import TEXTS, load_recipe, tiny_model
 
-SAFE = dict(max_grad_norm=0.0, report_to="none", disable_tqdm=True, use_cpu=True)
+SAFE = dict(report_to="none", disable_tqdm=True, use_cpu=True)  # max_grad_norm left at HF's 1.0: ignored
 
 
 def _args(out, **kw):
@@ -118,7 +118,6 @@ def test_one_step_equals_engine_step(tmp_path, finetuning):
 # ---- refusals ----------------------------------------------------------------------------------------------
 
 REFUSED_ARGS = [
-    ({"max_grad_norm": 1.0}, "max_grad_norm=1.0"),
     ({"gradient_accumulation_steps": 4}, "gradient_accumulation_steps=4"),
     ({"train_sampling_strategy": "group_by_length"}, "group_by_length"),
     ({"train_sampling_strategy": "sequential"}, "train_sampling_strategy='sequential'"),
@@ -144,6 +143,23 @@ def test_unsafe_training_arguments_are_refused(tmp_path, tiny, kw, named):
         DPTrainer(model=model, args=args, train_dataset=_dataset(tok, TEXTS), processing_class=tok)
     assert "DPTrainer" in str(err.value) and ";" in str(err.value)  # names the option, then the fix
     assert not (tmp_path / "run").exists()
+
+
+def test_trainers_default_max_grad_norm_is_ignored_with_one_warning(tmp_path, tiny, caplog):
+    """TrainingArguments.max_grad_norm defaults to 1.0; DPTrainer takes it without a refusal and says once why
+    it is not applied (the step-equality test above runs with it at 1.0: no batch-level clip happens)."""
+    model, tok = tiny
+    assert TrainingArguments(output_dir=str(tmp_path / "x")).max_grad_norm == 1.0
+    with caplog.at_level("WARNING", logger="dpllm.hf.arguments"):
+        DPTrainer(model=model, args=_args(tmp_path / "run"), train_dataset=_dataset(tok, TEXTS), processing_class=tok)
+    said = [r.getMessage() for r in caplog.records if "max_grad_norm" in r.getMessage()]
+    assert len(said) == 1 and "ignores TrainingArguments max_grad_norm=1" in said[0]
+    assert "per_sample_max_grad_norm=1" in said[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dpllm.hf.arguments"):
+        DPTrainer(model=model, args=_args(tmp_path / "run", max_grad_norm=0.0), train_dataset=_dataset(tok, TEXTS),
+                  processing_class=tok)
+    assert not [r for r in caplog.records if "max_grad_norm" in r.getMessage()]
 
 
 def test_unsafe_trainer_inputs_are_refused(tmp_path, tiny):
@@ -266,7 +282,7 @@ def test_example_script_report_equals_finetune_llm(tmp_path, capsys):
         "--physical_batch_size", "16", "--output_dir", str(tmp_path / "dpllm"), "--eval_every", "0",
         "--eval_max_records", "8", "--progress", "false"])
     result = load_recipe("hf_trainer_example").main([
-        *common, "--per_device_train_batch_size", "16", "--max_grad_norm", "0", "--learning_rate", "5e-3",
+        *common, "--per_device_train_batch_size", "16", "--learning_rate", "5e-3",
         "--output_dir", str(tmp_path / "hf"), "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true"])
     printed = capsys.readouterr().out
 
@@ -305,7 +321,7 @@ def test_example_script_under_accelerate_launch(tmp_path):
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     cmd = [accelerate, "launch", "--main_process_port", str(port), "--multi_gpu", "--num_processes", "2",
            os.path.join(root, "recipes", "hf_trainer_example.py"), "--output_dir", str(tmp_path / "run"),
-           "--max_steps", "2", "--max_grad_norm", "0", "--per_device_train_batch_size", "8", "--logical_batch_size",
+           "--max_steps", "2", "--per_device_train_batch_size", "8", "--logical_batch_size",
            "32", "--max_records", "120", "--report_to", "none", "--disable_tqdm", "true", "--use_cpu", "true"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=root)
     assert res.returncode == 0, res.stderr[-4000:]

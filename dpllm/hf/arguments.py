@@ -8,6 +8,7 @@ DP guarantee or that dpllm's loop would silently ignore, naming the option and t
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -15,6 +16,8 @@ from typing import Any, Optional
 from dpllm.config import (ConfigError, DataConfig, ModelConfig, PrivacyConfig, RunConfig, TrainConfig,
                           validate)
 from dpllm.privacy.plan import batches_per_epoch
+
+log = logging.getLogger(__name__)
 
 
 def _f(default: Any, help: str) -> Any:
@@ -29,12 +32,13 @@ class PrivacyArguments:
     target_delta: float = _f(1e-5, "δ; must be < 1/N for N training records.")
     noise_multiplier: Optional[float] = _f(None, "Use this noise multiplier instead of calibrating.")
     per_sample_max_grad_norm: float = _f(1.0, "Per-record clipping norm C (TrainingArguments.max_grad_norm, which "
-                                              "clips the whole batch's gradient, must be 0).")
+                                              "would clip the whole batch's noised gradient, is ignored).")
     accountant: str = _f("prv", "'prv', 'rdp' or 'gdp' (Opacus accountants): calibrates and reports ε.")
     clipping: str = _f("flat", "Per-sample clipping function (dpllm.privacy.clipping registry).")
     clipping_r: float = _f(0.1, "r of the psac/psasc clipping functions.")
     clipping_s: float = _f(1.0, "s of psasc (sensitivity C/s).")
-    grad_sample_mode: str = _f("ghost", "'ghost', 'hooks', 'bk' or 'auto' (see dpllm's PrivacyConfig).")
+    grad_sample_mode: str = _f("auto", "'auto' (bk where it applies, else Opacus hooks or ghost), 'bk', 'hooks' or "
+                                       "'ghost' (see dpllm's PrivacyConfig).")
     privacy_unit: str = _f("record", "The protected unit: 'record' (one row of train_dataset).")
     logical_batch_size: int = _f(64, "Expected records per optimizer step over all processes (Poisson "
                                      "sampling); replaces gradient accumulation.")
@@ -59,6 +63,15 @@ _SAMPLING = ("train_sampling_strategy={v!r} fixes which records share a batch; D
              "record drawn independently (Poisson sampling, which DPTrainer does itself). Leave it at 'random'")
 
 
+def ignored_batch_clip(max_grad_norm: float, per_sample: float) -> str:
+    """The one warning for ``TrainingArguments.max_grad_norm`` (1.0 by default), which DPTrainer ignores."""
+    return (f"DPTrainer ignores TrainingArguments max_grad_norm={max_grad_norm:g}: DP-SGD clips each record's "
+            f"gradient (PrivacyArguments per_sample_max_grad_norm={per_sample:g}). Clipping the whole batch's "
+            "gradient after the noise would cost no privacy, but that gradient is mostly noise (norm about "
+            "σ·C·√(parameters)/B), so it would shrink every step instead of guarding against outliers; set "
+            "max_grad_norm=0 to silence this")
+
+
 def _is_set(value: Any) -> bool:
     return bool(value) and value not in ("no", "none", [])
 
@@ -67,6 +80,9 @@ def refuse_unsafe(args, privacy: PrivacyArguments, *, data_collator=None, comput
                   train_dataset=None) -> None:
     """Refuse Trainer options that would break DP or that DPTrainer cannot honour.
 
+    ``max_grad_norm`` (the Trainer's clip of the whole batch's gradient, 1.0 by default) is not refused: it
+    is ignored with one warning (:func:`ignored_batch_clip`).
+
     Raises:
         ConfigError: naming the first offending option and the fix.
     """
@@ -74,9 +90,7 @@ def refuse_unsafe(args, privacy: PrivacyArguments, *, data_collator=None, comput
         raise ConfigError(f"DPTrainer: {msg}")
 
     if args.max_grad_norm not in (None, 0, 0.0):
-        no(f"max_grad_norm={args.max_grad_norm} clips the whole batch's gradient; DP-SGD clips each record's "
-           f"gradient instead. Set TrainingArguments max_grad_norm=0 and the per-record norm with "
-           f"PrivacyArguments per_sample_max_grad_norm (now {privacy.per_sample_max_grad_norm})")
+        log.warning(ignored_batch_clip(args.max_grad_norm, privacy.per_sample_max_grad_norm))
     if args.gradient_accumulation_steps != 1:
         no(f"gradient_accumulation_steps={args.gradient_accumulation_steps}: DPTrainer accumulates itself "
            "(one Poisson logical batch per step, in physical batches of per_device_train_batch_size); set it to 1 "

@@ -49,7 +49,7 @@ class DPTrainer(Trainer):
     """``transformers.Trainer`` with DP-SGD: pass ``privacy_args=PrivacyArguments(...)`` beside ``args``.
 
     Example:
-        >>> trainer = DPTrainer(model=model, args=TrainingArguments("runs/x", max_grad_norm=0, max_steps=50),
+        >>> trainer = DPTrainer(model=model, args=TrainingArguments("runs/x", max_steps=50),
         ...                     privacy_args=PrivacyArguments(target_epsilon=8, logical_batch_size=64),
         ...                     train_dataset=train, eval_dataset=heldout, processing_class=tokenizer)  # doctest: +SKIP
         >>> trainer.train().metrics["epsilon"]  # doctest: +SKIP
@@ -64,7 +64,7 @@ class DPTrainer(Trainer):
                  processing_class=None, *, privacy_args: Optional[PrivacyArguments] = None,
                  sft_args: Optional[SFTArguments] = None, **kwargs):
         if args is None:
-            raise ConfigError("DPTrainer: pass args=TrainingArguments(output_dir=..., max_grad_norm=0, ...)")
+            raise ConfigError("DPTrainer: pass args=TrainingArguments(output_dir=..., ...)")
         self.privacy_args = privacy_args if privacy_args is not None else PrivacyArguments()
         self.sft_args = sft_args if sft_args is not None else SFTArguments()  # untokenized chat data (dpllm.sft)
         refuse_unsafe(args, self.privacy_args, data_collator=data_collator,
@@ -210,8 +210,11 @@ class HFRun(RunTrainer):
         self.adjustments = []
         peft = hasattr(model, "peft_config")
         self.lora_base = _base_copy(model) if peft and not _base_has_name(model) else None
-        if not peft and untie_output_embeddings(model):
-            self.adjustments.append("untied output embedding from input embedding (Opacus refuses tied parameters)")
+        if not peft:  # bk clips a head tied to the input embedding as it is; the other engines need it untied
+            from dpllm.privacy.bk import resolve_mode
+
+            keep = self.world.kind != "fsdp" and resolve_mode(self.p.grad_sample_mode, model) == "bk"
+            self.adjustments += untie_output_embeddings(model, weight=not keep)
         self.adjustments.append("position_ids passed per row and contiguous (Opacus embedding norm sampler)")
         if self.t.gradient_checkpointing:
             from dpllm.privacy.bk import resolve_mode

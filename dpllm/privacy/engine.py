@@ -58,6 +58,7 @@ class PrivateTraining:
     plan: PrivacyPlan
     sampler: Any = None  # dpllm.sampling.PoissonBatchSampler: its generator is part of a resumable checkpoint
     grad_sample_mode: str = ""  # the mode that ran: cfg.grad_sample_mode with "auto" resolved
+    grad_sample_mode_reason: str = ""  # why that mode (dpllm.privacy.modes.choose_mode)
 
     def history(self) -> list[tuple[float, float, int]]:
         """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
@@ -91,6 +92,7 @@ def make_private(
     rank: int = 0,
     world_size: int = 1,
     user_records: Optional[list[list[int]]] = None,
+    physical_batch_size: Optional[int] = None,
 ) -> PrivateTraining:
     """Wrap with Opacus: Poisson sampling, per-sample clipping (ghost or hooks), Gaussian noise.
 
@@ -105,6 +107,8 @@ def make_private(
         user_records: user-level sampling (:mod:`dpllm.privacy.user_level`): each user's dataset indices;
             users are Poisson-sampled at the plan's q and each user's mean gradient is clipped once (hooks or
             bk; :meth:`PrivateTraining.set_users` names the user of every row before each backward pass).
+        physical_batch_size: records per backward pass; ``grad_sample_mode: auto`` weighs hooks' per-sample
+            gradient memory with it (:mod:`dpllm.privacy.modes`).
 
     Returns:
         A :class:`PrivateTraining` whose ``sampler`` (and ``data_loader`` over it) never ends: one
@@ -117,6 +121,7 @@ def make_private(
 
     from dpllm.models import check_checkpointing
     from dpllm.privacy import bk, clipping
+    from dpllm.privacy.modes import choose_mode
     from dpllm.sampling import PoissonBatchSampler
 
     engine = PrivacyEngine(accountant=plan.accountant, secure_mode=cfg.secure_mode)
@@ -136,7 +141,10 @@ def make_private(
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=torch.Generator())
     criterion = nn.CrossEntropyLoss(ignore_index=-100)
     fn = clipping.get(cfg.clipping)
-    mode = bk.resolve_mode(cfg.grad_sample_mode, model)
+    choice = choose_mode(cfg.grad_sample_mode, model, physical_batch_size=physical_batch_size,
+                         per_user=user_records is not None)
+    mode = choice.mode
+    log.info("privacy: grad_sample_mode=%s (%s)", mode, choice.reason)
     check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
@@ -154,7 +162,8 @@ def make_private(
     # What Opacus's Poisson mode would also do: a second backward before a step is an error, not a sum.
     getattr(model, "forbid_grad_accumulation", lambda: None)()
     return PrivateTraining(model=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
-                           engine=engine, plan=plan, sampler=sampler, grad_sample_mode=mode)
+                           engine=engine, plan=plan, sampler=sampler, grad_sample_mode=mode,
+                           grad_sample_mode_reason=choice.reason)
 
 
 def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, criterion, fn, cfg: PrivacyConfig,

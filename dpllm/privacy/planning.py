@@ -243,6 +243,9 @@ def format_plan(plan: dict) -> str:
         + (f", {plan['users_per_batch']} users per step (the rows below count users)" if plan["sampling"] == "uls"
            else f", record-level δ={plan['record_delta']:.3g}; ε below is user-level")]
     uls = plan.get("sampling") == "uls"
+    if uls:  # the training config's default runs this plan as is
+        lines.append("engine: grad_sample_mode auto (the default) clips each user's mean gradient with bk, or with "
+                     "Opacus hooks where a layer has no bk rule")
     lines += [
         (f"users U={plan['num_users']:,}  users per step B_u={plan['batch']:,}  sample rate q=1/⌈U/B_u⌉="
          if uls else f"records N={plan['num_records']:,}  batch B={plan['batch']:,}  sample rate q=1/⌈N/B⌉=")

@@ -49,6 +49,7 @@ class PrivacyReport:
     clipping: Optional[str] = None
     sensitivity: Optional[float] = None
     grad_sample_mode: Optional[str] = None
+    grad_sample_mode_reason: Optional[str] = None  # why that engine ran (grad_sample_mode: auto's choice)
     poisson_sampling: Optional[bool] = None
     secure_mode: Optional[bool] = None
     noise_secret: Optional[bool] = None
@@ -78,7 +79,7 @@ class PrivacyReport:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for key in ("note", "user_level", "release", "noise_schedule"):
+        for key in ("note", "user_level", "release", "noise_schedule", "grad_sample_mode_reason"):
             if out[key] is None:
                 del out[key]
         return out

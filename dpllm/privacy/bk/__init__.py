@@ -61,7 +61,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from dpllm.privacy.bk.layers import Record, Units, rule_for
+from dpllm.privacy.bk.layers import Record, Units, is_tied_head, rule_for, tied_cross
 
 log = logging.getLogger(__name__)
 
@@ -85,12 +85,12 @@ def _trainable_modules(model: nn.Module):
 def unsupported_layers(model: nn.Module) -> list[str]:
     """Trainable layers with no BK rule (``name (Type)``); empty when the model can run under ``bk``."""
     bad = [f"{n} ({type(m).__name__})" for n, m in _trainable_modules(model) if rule_for(m) is None]
-    seen: dict[int, str] = {}
+    seen: dict[int, tuple[str, nn.Module]] = {}
     for n, m in _trainable_modules(model):
         for pn, p in m.named_parameters(recurse=False):
-            if p.requires_grad and id(p) in seen:
-                bad.append(f"{n}.{pn} (parameter shared with {seen[id(p)]})")
-            seen[id(p)] = f"{n}.{pn}"
+            if p.requires_grad and id(p) in seen and not is_tied_head(seen[id(p)][1], m):
+                bad.append(f"{n}.{pn} (parameter shared with {seen[id(p)][0]})")
+            seen[id(p)] = (f"{n}.{pn}", m)
     return bad
 
 
@@ -117,7 +117,7 @@ class BookKeepingModule(nn.Module):
         if bad:
             raise NotImplementedError(
                 f"grad_sample_mode=bk cannot handle trainable {', '.join(bad[:5])}; freeze them, untie shared "
-                "weights, or use grad_sample_mode: ghost"
+                "weights, or use grad_sample_mode: auto (Opacus hooks or ghost for such layers)"
             )
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}; use 'mean' or 'sum'")
@@ -146,6 +146,8 @@ class BookKeepingModule(nn.Module):
         # Autograd never brings these a gradient (the rules return none) unless a parameter is used outside
         # its layer; the hook sees it before it reaches p.grad and refuses.
         self._hooks = [p.register_hook(functools.partial(_refuse_raw_gradient, n)) for n, p in named]
+        # an output head sharing the input embedding's weight: its norm needs the cross term (layers.tied_cross)
+        self._ties = [(e, h) for e in self._records for h in self._records if is_tied_head(e.module, h.module)]
 
     def set_policy(self, policy: str) -> None:
         """Per-sample norms of Linear/Conv1D weights: "auto" (the cheaper), "ghost" or "explicit" everywhere."""
@@ -236,15 +238,25 @@ class BookKeepingModule(nn.Module):
         for r in active:
             part = r.rule.norm2(r, units)
             norm2 = part if norm2 is None else norm2 + part
+        for e, h in self._ties:
+            if e in active and h in active:
+                norm2 = norm2 + 2 * tied_cross(e, h, units)
         norms = norm2.clamp(min=0).sqrt() * scale
         coef = self.clip_weights(norms).to(norms.dtype) * scale
         if units is not None:  # a user's weight, shared by its records in proportion 1/(its records)
             coef = coef[units.inverse.to(coef.device)] * units.weight.to(coef.device, coef.dtype)
-        for r in active:
-            for name, grad in r.rule.clipped(r, coef).items():
+        written = set()  # written by this pass: a tied weight's second part is added in place
+        heads = {id(e): h for e, h in self._ties if e in active and h in active}
+        for r in sorted(active, key=lambda r: id(r) in heads):  # a tied embedding after its head, rows in place
+            extra = {"into": r.module.weight.grad} if id(r) in heads else {}
+            for name, grad in r.rule.clipped(r, coef, **extra).items():
                 p = getattr(r.module, name)
                 grad = grad.to(p.dtype)
-                p.grad = grad if p.grad is None else p.grad + grad
+                if id(p) in written:
+                    p.grad.add_(grad)
+                else:
+                    p.grad = grad if p.grad is None else p.grad + grad
+                written.add(id(p))
             r.clear()
         for p in self._params:  # a layer the loss did not reach contributes zero, as under autograd
             if p.grad is None:
@@ -274,19 +286,15 @@ def _rows_of(args, kwargs) -> Optional[int]:
 
 
 def resolve_mode(requested: str, model: nn.Module) -> str:
-    """``auto`` → ``bk`` where every trainable layer has a rule, else Opacus's ghost (``ghost_fsdp`` under FSDP).
+    """``auto`` → the engine :func:`dpllm.privacy.modes.choose_mode` picks (bk where every layer has a rule).
 
     A weight used outside its layer or a layer fed sequence-first rows shows only when the model runs; bk
-    then refuses at the first backward pass. Falling back to ghost would not help: Opacus's ghost norms miss
-    such a use too, while its second backward pass includes it unclipped.
+    then refuses at the first backward pass (Opacus's ghost would not help: its norms miss such a use too,
+    while its second backward pass includes it unclipped; ``hooks`` handles it).
     """
-    if requested != "auto":
-        return requested
-    from torch.distributed.fsdp import FSDPModule
+    from dpllm.privacy.modes import choose_mode
 
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        return "ghost_fsdp"
-    return "ghost" if unsupported_layers(model) else "bk"
+    return choose_mode(requested, model).mode
 
 
 def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, clip_weights: Callable,
@@ -296,7 +304,8 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
     """Wrap ``model`` for BK and ``optimizer`` as Opacus's ghost-clipping optimizer (noise, accumulation).
 
     The caller attaches ``engine``'s accountant hook, as for every mode. The optimizer class is the one
-    Opacus picks for ``grad_sample_mode="ghost"``: it adds noise to, and accumulates, ``p.grad``.
+    Opacus picks for ``grad_sample_mode="ghost"`` (it adds noise to, and accumulates, ``p.grad``), subclassed
+    to skip two copies of the gradient (:mod:`dpllm.privacy.bk.optimizer`).
 
     ``per_user``: ULS, one clipped mean gradient per user; expected_batch_size then counts users.
 
@@ -308,15 +317,16 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
         ValueError: a noise generator under secure mode (as Opacus).
     """
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-    from opacus.optimizers import get_optimizer_class
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from dpllm.privacy.bk.optimizer import optimizer_class
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise NotImplementedError("grad_sample_mode=bk does not support FSDP yet; use grad_sample_mode: ghost_fsdp")
     if noise_generator is not None and secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
-    cls = get_optimizer_class(clipping="flat", distributed=isinstance(model, (DPDDP, DDP)), grad_sample_mode="ghost")
+    cls = optimizer_class(distributed=isinstance(model, (DPDDP, DDP)))  # Opacus's, minus two gradient copies
     dp_optimizer = cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                        expected_batch_size=expected_batch_size, loss_reduction="mean",
                        generator=engine.secure_rng if secure_mode else noise_generator, secure_mode=secure_mode)

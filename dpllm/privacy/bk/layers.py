@@ -82,6 +82,7 @@ class Record:
         self.explicit: dict[str, torch.Tensor] = {}  # parameter name -> per-sample gradients (B, ...)
         self.policy = "auto"  # Linear/Conv1D: "auto" (cheaper of the two), "ghost" or "explicit"
         self.rows_per_unit = 1  # ULS: the most rows one unit has (the ghost norm's cost grows with it)
+        self.cache: dict = {}
 
     def add_explicit(self, name: str, per_sample: torch.Tensor) -> None:
         prev = self.explicit.get(name)
@@ -89,6 +90,7 @@ class Record:
 
     def clear(self) -> None:
         self.ghost, self.explicit = [], {}
+        self.cache: dict = {}  # work norm2 and clipped share within one backward pass (EmbeddingRule)
 
     def batch_size(self) -> Optional[int]:
         for a, _ in self.ghost:
@@ -181,8 +183,7 @@ class LinearRule(Rule):
     def norm2(self, record, units=None):
         total = super().norm2(record, units)
         if record.ghost:
-            a = torch.cat([a for a, _ in record.ghost], 1)
-            g = torch.cat([g for _, g in record.ghost], 1)
+            a, g = _joined(record.ghost)
             if units is None:
                 ga, gg = torch.bmm(a, a.transpose(1, 2)), torch.bmm(g, g.transpose(1, 2))
                 ghost = (ga.to(_acc_dtype(ga)) * gg.to(_acc_dtype(gg))).sum((1, 2))
@@ -203,12 +204,23 @@ class LinearRule(Rule):
         if record.ghost:
             w = None
             for a, g in record.ghost:
-                gc = g * coef.to(g.dtype)[:, None, None]
-                part = gc.flatten(0, 1).t() @ a.flatten(0, 1)  # (out, in)
-                part = part.t() if self.transposed else part
+                # Σᵢ cᵢ gᵢᵀaᵢ: scale whichever side is narrower (an output layer's g is B×T×vocabulary)
+                if g.shape[-1] > a.shape[-1]:
+                    a = a * coef.to(a.dtype)[:, None, None]
+                else:
+                    g = g * coef.to(g.dtype)[:, None, None]
+                a2, g2 = a.flatten(0, 1), g.flatten(0, 1)
+                part = a2.t() @ g2 if self.transposed else g2.t() @ a2  # the parameter's own layout, contiguous
                 w = part if w is None else w + part
             out["weight"] = w if "weight" not in out else out["weight"] + w
         return out
+
+
+def _joined(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The calls' (a, g) joined along positions; a layer called once is not copied."""
+    if len(pairs) == 1:
+        return pairs[0]
+    return torch.cat([a for a, _ in pairs], 1), torch.cat([g for _, g in pairs], 1)
 
 
 class Conv1DRule(LinearRule):
@@ -251,9 +263,11 @@ class EmbeddingRule(Rule):
     @staticmethod
     def _grouped(record, units: Optional[Units] = None):
         """Per (sample, token id), or per (unit, token id) with the rows' weights: the summed output
-        gradient. Returns (sample or unit, row, summed (n, d), B or unit count)."""
-        ids = torch.cat([i for i, _ in record.ghost], 1)
-        g = torch.cat([g for _, g in record.ghost], 1)
+        gradient. Returns (sample or unit, row, summed (n, d), B or unit count). Record-level grouping is
+        kept for :meth:`clipped` (one sort per backward pass)."""
+        if units is None and "grouped" in record.cache:
+            return record.cache["grouped"]
+        ids, g = _joined(record.ghost)
         B, T = ids.shape
         V = record.module.num_embeddings
         owner = torch.arange(B, device=ids.device) if units is None else units.inverse.to(ids.device)
@@ -268,18 +282,72 @@ class EmbeddingRule(Rule):
             g = g * (ids.flatten() != pad).unsqueeze(1).to(g.dtype)
         uniq, inv = torch.unique(keys, return_inverse=True)
         summed = torch.zeros(len(uniq), g.shape[1], dtype=g.dtype, device=g.device).index_add_(0, inv, g)
-        return uniq // V, uniq % V, summed, B
+        out = uniq // V, uniq % V, summed, B
+        if units is None:
+            record.cache["grouped"] = out
+        return out
 
     def norm2(self, record, units=None):
         sample, _, summed, B = self._grouped(record, units)
         return torch.zeros(B, dtype=summed.dtype, device=summed.device).index_add_(0, sample, summed.pow(2).sum(1))
 
-    def clipped(self, record, coef):
+    def clipped(self, record, coef, into: Optional[torch.Tensor] = None):
+        """As :meth:`Rule.clipped`; with ``into`` (a tied head's clipped sum, already in ``weight.grad``) the
+        rows are added there in place and nothing is returned: no second vocabulary-sized tensor."""
         sample, row, summed, _ = self._grouped(record)
         w = record.module.weight
+        rows = summed * coef.to(summed.dtype)[sample, None]
+        if into is not None:
+            into.index_add_(0, row, rows.to(into.dtype))
+            return {}
         grad = torch.zeros(w.shape, dtype=summed.dtype, device=w.device)
-        grad.index_add_(0, row, summed * coef.to(summed.dtype)[sample, None])
+        grad.index_add_(0, row, rows)
         return {"weight": grad}
+
+
+# ---- an output layer tied to the input embedding (GPT-2, BERT, Llama 3.2 1B) ------------------------------
+
+def is_tied_head(embedding: nn.Module, head: nn.Module) -> bool:
+    """``head`` (a Linear d → V) uses ``embedding``'s (V, d) weight as its own: the one tie bk clips exactly."""
+    return (type(embedding) is nn.Embedding and type(head) is nn.Linear and head.weight is embedding.weight)
+
+
+def tied_cross(emb: Record, head: Record, units: Optional[Units] = None) -> torch.Tensor:
+    """⟨E, H⟩ per sample (or per unit) for a weight shared by an embedding (gradient E) and an output head (H).
+
+    The shared weight's per-sample gradient is E + H, so its squared norm is ‖E‖² + ‖H‖² + 2⟨E, H⟩; the
+    layers' own rules give the first two. With token ids xₜ and output gradients eₜ of the embedding, and
+    inputs aₛ and output gradients gₛ (over the vocabulary) of the head:
+    ⟨E, H⟩ = Σₜ Σₛ gₛ[xₜ]·(eₜ·aₛ), a B·T_e·T_h·d computation; from an explicit H it is Σₜ H[xₜ]·eₜ.
+    Under ULS the same sum runs over the pairs (i, j) of rows of one unit, weighted wᵢwⱼ.
+    """
+    ids, e = _joined(emb.ghost)
+    acc = _acc_dtype(e)
+    e = e.to(acc)
+    pad = emb.module.padding_idx
+    if pad is not None:  # F.embedding gives the padding row no gradient
+        e = e * (ids != pad).unsqueeze(-1).to(acc)
+    i, j = (None, None) if units is None else units.pairs(ids.device)
+
+    def rows(x, idx):  # record level pairs each row with itself: no copy
+        return x if idx is None else x[idx]
+
+    ids_i, e_i = rows(ids, i), rows(e, i)
+    pair = torch.zeros(ids_i.shape[0], dtype=acc, device=ids.device)
+    if head.ghost:
+        a, g = _joined(head.ghost)
+        a_j, g_j = rows(a, j), rows(g, j)
+        k = torch.bmm(e_i, a_j.to(acc).transpose(1, 2))  # (pairs, T_e, T_h): eₜ·aₛ
+        picked = g_j.gather(2, ids_i.unsqueeze(1).expand(-1, g.shape[1], -1)).to(acc)  # (pairs, T_h, T_e): gₛ[xₜ]
+        pair = pair + (k * picked.transpose(1, 2)).sum((1, 2))
+    if "weight" in head.explicit:
+        h = rows(head.explicit["weight"], j)  # (pairs, V, d)
+        pair = pair + (h.gather(1, ids_i.unsqueeze(-1).expand(-1, -1, e.shape[-1])).to(acc) * e_i).sum((1, 2))
+    if units is None:
+        return pair
+    w = units.weight.to(ids.device, acc)
+    return torch.zeros(units.count, dtype=acc, device=ids.device).index_add_(
+        0, units.inverse.to(ids.device)[i], pair * w[i] * w[j])
 
 
 # ---- LayerNorm / RMSNorm ------------------------------------------------------------------------------
