@@ -139,3 +139,25 @@ def test_dpllm_plan_and_the_trainer_plan_a_schedule_alike():
     assert cli_main(["--num-records", "4000", "--batch", "200", "--steps", "60", "--delta", "1e-5",
                      "--target-epsilon", "4", "--accountant", "rdp", "--noise-schedule", "linear",
                      "--schedule-pieces", "4", "--epsilons", ""]) == 0
+
+
+def test_dptrainer_follows_a_schedule(tmp_path):
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from dpllm.hf import DPTrainer, PrivacyArguments
+    from tests.helpers import TEXTS, tiny_model
+
+    model, tok = tiny_model("tiny-llama", "lora", dp=False)
+    texts = [f"record {i}: " + TEXTS[i % len(TEXTS)][: 10 + i] for i in range(40)]
+    train = Dataset.from_list([{"text": t, **tok(t, truncation=True, max_length=32)} for t in texts])
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", disable_tqdm=True, use_cpu=True,
+                             max_steps=6, per_device_train_batch_size=8, learning_rate=1e-3)
+    trainer = DPTrainer(model=model, args=args, train_dataset=train, processing_class=tok,
+                        privacy_args=PrivacyArguments(target_epsilon=4.0, logical_batch_size=8, accountant="rdp",
+                                                      noise_schedule="linear", noise_schedule_pieces=3))
+    trainer.train()
+    report = trainer.privacy_report
+    s0, q = report.noise_multiplier, report.sample_rate
+    assert [list(h) for h in report.history] == [[s0, q, 2], [s0 * 0.75, q, 2], [s0 * 0.5, q, 2]]
+    assert report.epsilon <= 4.0 and report.noise_schedule["kind"] == "linear"

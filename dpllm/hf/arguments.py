@@ -48,6 +48,10 @@ class PrivacyArguments:
     secure_mode: bool = _f(False, "Noise from Opacus's cryptographically secure generator (torchcsprng).")
     reproducible_noise: bool = _f(False, "Derive noise and sampling from TrainingArguments.seed (tests ONLY: "
                                          "the run is marked not releasable).")
+    noise_schedule: str = _f("constant", "σ over training: 'constant', 'linear' or 'exponential' (dpllm.privacy."
+                                         "schedule; σ₀ calibrated so the whole schedule meets target_epsilon).")
+    noise_schedule_end: float = _f(0.5, "Last piece's σ / first piece's σ.")
+    noise_schedule_pieces: int = _f(10, "Constant pieces of a linear or exponential schedule.")
 
     def privacy_config(self) -> PrivacyConfig:
         return PrivacyConfig(
@@ -55,7 +59,8 @@ class PrivacyArguments:
             noise_multiplier=self.noise_multiplier, max_grad_norm=self.per_sample_max_grad_norm,
             accountant=self.accountant, grad_sample_mode=self.grad_sample_mode, clipping=self.clipping,
             clipping_r=self.clipping_r, clipping_s=self.clipping_s, secure_mode=self.secure_mode,
-            reproducible_noise=self.reproducible_noise)
+            reproducible_noise=self.reproducible_noise, noise_schedule=self.noise_schedule,
+            noise_schedule_end=self.noise_schedule_end, noise_schedule_pieces=self.noise_schedule_pieces)
 
 
 # TrainingArguments value → why it cannot run under DPTrainer and what to do instead.
