@@ -203,12 +203,19 @@ def cmd_audit(args) -> int:
         attack_params={"k": args.k}, n_bootstrap=args.n_bootstrap, seed=args.seed,
         max_records=args.max_records, progress=not args.no_progress)
     rep = {"checkpoint": str(target), "reference": args.reference, **rep}
+    return _write_audit(args, rep, scores, out=out, run_dir=run_dir, bound=bound, write=report.write_audit_report)
+
+
+def _write_audit(args, rep: dict, scores: dict, *, out, run_dir: bool, bound, write) -> int:
+    """Settings every audit report states (the split, the DP bound), then the files and the table."""
+    from mia import report
+
     if run_dir and not (args.members or args.nonmembers):
         rep["split"] = ("members and non-members are the run's own random (IID) train/heldout split "
                         "(splits.json): no distribution shift by construction")
     if bound:
         rep["dp_bound"] = {"epsilon": bound[0], "delta": bound[1]}
-    paths = report.write_audit_report(rep, scores, out)
+    paths = write(rep, scores, out)
     print(report.markdown_table(rep))
     if "blind" in rep:
         print(f"\nblind baseline: {rep['blind']['message']}")
@@ -226,17 +233,7 @@ def _embedding_audit(args, model, tok, members, nonmembers, *, max_length, bound
         max_length=max_length, batch_size=args.batch_size, device=args.device, n_bootstrap=args.n_bootstrap,
         seed=args.seed, max_records=args.max_records, progress=not args.no_progress)
     rep = {"checkpoint": str(target), "reference_path": args.reference, **rep}
-    if run_dir and not (args.members or args.nonmembers):
-        rep["split"] = ("members and non-members are the run's own random (IID) train/heldout split "
-                        "(splits.json): no distribution shift by construction")
-    if bound:
-        rep["dp_bound"] = {"epsilon": bound[0], "delta": bound[1]}
-    paths = report.write_embedding_report(rep, scores, out)
-    print(report.markdown_table(rep))
-    if "blind" in rep:
-        print(f"\nblind baseline: {rep['blind']['message']}")
-    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
-    return 0
+    return _write_audit(args, rep, scores, out=out, run_dir=run_dir, bound=bound, write=report.write_embedding_report)
 
 
 def cmd_canaries(args) -> int:

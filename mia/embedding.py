@@ -143,6 +143,8 @@ def embed_ids(model, ids: list[list[int]], *, layer: int, batch_size: int = 8, p
     import torch
     from tqdm.auto import tqdm
 
+    from mia.signals import right_padded
+
     device = next(model.parameters()).device
     out = [None] * len(ids)
     scores = np.full(len(ids), np.nan)
@@ -150,12 +152,7 @@ def embed_ids(model, ids: list[list[int]], *, layer: int, batch_size: int = 8, p
     with torch.no_grad():
         for start in tqdm(range(0, len(ids), batch_size), desc=desc, disable=not progress, leave=False):
             batch = order[start:start + batch_size]
-            width = max(len(ids[i]) for i in batch)
-            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):
-                input_ids[row, :len(ids[i])] = torch.tensor(ids[i])
-                mask[row, :len(ids[i])] = 1
+            input_ids, mask = right_padded([ids[i] for i in batch], pad_id)
             hidden = model(input_ids=input_ids.to(device), attention_mask=mask.to(device),
                            output_hidden_states=True).hidden_states[layer]
             pooled = _pool(hidden.float(), mask.to(device)).double().cpu().numpy()

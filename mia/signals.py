@@ -122,6 +122,17 @@ def sft_answer_masks(tokenizer, texts: list[str], *, max_length: int):
     return ids, masks
 
 
+def right_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` of token rows padded on the right to the longest."""
+    width = max(len(r) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        input_ids[i, :len(r)] = torch.tensor(r)
+        mask[i, :len(r)] = 1
+    return input_ids, mask
+
+
 @torch.no_grad()
 def compute_signals(
     model,
@@ -176,12 +187,7 @@ def compute_signals(
     bar = tqdm(total=n, desc=desc, disable=not progress, leave=False)
     for start in range(0, n, batch_size):
         batch = order[start:start + batch_size]
-        width = max(len(ids[i]) for i in batch)
-        input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, i in enumerate(batch):
-            input_ids[row, :len(ids[i])] = torch.tensor(ids[i])
-            mask[row, :len(ids[i])] = 1
+        input_ids, mask = right_padded([ids[i] for i in batch], pad_id)
         # Right padding keeps each real token at the position it had when run alone (a causal
         # model never attends forward), so padding cannot change a record's signals.
         logits = model(input_ids=input_ids.to(run_device), attention_mask=mask.to(run_device)).logits
