@@ -133,8 +133,9 @@ class TrainConfig:
     seed: int = _f(0, "Seed for model init, the data split's shuffles and non-private batches. DP noise and "
                       "Poisson sampling never use it (fresh OS entropy), unless privacy.reproducible_noise.")
     mixed_precision: str = _f("no", "'no' or 'bf16' (autocast on GPU; CPU falls back to fp32).")
-    gradient_checkpointing: bool = _f(False, "Recompute activations in backward (non-private runs only; "
-                                             "refused under DP, see docs/operations.md).")
+    gradient_checkpointing: bool = _f(False, "Recompute activations in backward; under DP only with "
+                                             "grad_sample_mode bk (or auto resolving to bk), which clips once per "
+                                             "record over the recomputation; see docs/operations.md.")
     save_every: Optional[int] = _f(None, "Write a resumable checkpoint every N steps and at the end, under "
                                          "OUTPUT_DIR/checkpoints/ (the last 2 are kept).")
     resume_from: Optional[str] = _f(None, "'latest' (OUTPUT_DIR/checkpoints/latest; a new run if OUTPUT_DIR does "
