@@ -132,6 +132,18 @@ def release_report(report: PrivacyReport, *, declare_public: Sequence[str] = ())
     return PrivacyReport.from_dict(data)
 
 
+def _strip_local_base(path: Path) -> None:
+    """peft writes the base's path into adapter_config.json; a local path names the publisher's directories (a Hub
+    id, or a base shipped as base_model/, is how the bundle is loaded), so only its last component is kept."""
+    import json
+
+    cfg = json.loads(path.read_text())
+    base = cfg.get("base_model_name_or_path")
+    if base and looks_local(str(base)):
+        cfg["base_model_name_or_path"] = Path(str(base)).name
+        write_text_atomic(path, json.dumps(cfg, indent=2) + "\n")
+
+
 def compliance_section(run_dir: Path) -> str:
     """The model card's compliance checklist (:mod:`dpllm.compliance`): every item's status; the evidence only where
     it is a public parameter (items decided on private files say so instead)."""
@@ -279,6 +291,8 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
     with atomic_directory(out) as tmp:
         for f in _released_files(ckpt):
             shutil.copy2(f, tmp / f.name)
+        if lora:
+            _strip_local_base(tmp / "adapter_config.json")
         if has_base:
             (tmp / "base_model").mkdir()
             for f in _released_files(ckpt / "base_model"):

@@ -355,3 +355,13 @@ def test_composition_after_a_non_private_warm_up(tmp_path, records):
     assert [s["enabled"] for s in released["stages"]] == [False, True, True]
     assert released["history"] == dp2["history"] and released["composition"].startswith("1 (σ, q, steps) entries of earlier private stages")
     assert not any("records_sha256" in s or "num_records" in s for s in released["stages"])
+
+
+def test_a_local_base_path_does_not_leave_in_the_adapter_config(tmp_path):
+    from dpllm.export import _strip_local_base
+
+    for base, want in (("/home/alice/models/llama-ft", "llama-ft"), ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B")):
+        path = tmp_path / "adapter_config.json"
+        path.write_text(json.dumps({"base_model_name_or_path": base, "r": 8}))
+        _strip_local_base(path)
+        assert json.loads(path.read_text()) == {"base_model_name_or_path": want, "r": 8}
