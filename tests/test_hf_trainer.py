@@ -373,3 +373,12 @@ def test_held_out_losses_stay_in_the_private_run_directory(tmp_path, caplog, cap
     for r in evals:  # full precision, or as the log line used to show it
         for shown in (repr(r["loss"]), repr(r["ppl"]), f"held-out loss {r['loss']:.4f}"):
             assert shown not in text, shown
+    # The training loss (un-noised, on sampled members) reaches callbacks and the result only when asked for.
+    assert not any("loss" in s for s in cb.seen) and out.training_loss is None and "train_loss" not in out.metrics
+    cb2 = Everything()
+    trainer = DPTrainer(model=tiny_model()[0], args=_args(tmp_path / "run2", max_steps=1, logging_steps=1,
+                                                          per_device_train_batch_size=8),
+                        privacy_args=PrivacyArguments(target_epsilon=8, logical_batch_size=8, log_train_loss=True),
+                        train_dataset=_dataset(tok, texts[:16]), processing_class=tok, callbacks=[cb2])
+    out = trainer.train()
+    assert any(s.get("loss", 0) > 0 for s in cb2.seen) and out.training_loss > 0

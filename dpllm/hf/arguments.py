@@ -48,6 +48,10 @@ class PrivacyArguments:
     secure_mode: bool = _f(False, "Noise from Opacus's cryptographically secure generator (torchcsprng).")
     reproducible_noise: bool = _f(False, "Derive noise and sampling from TrainingArguments.seed (tests ONLY: "
                                          "the run is marked not releasable).")
+    log_train_loss: bool = _f(False, "Also hand the un-noised training loss to callbacks (report_to integrations "
+                                     "upload it) and to train()'s result. Off by default: it is a statistic of the "
+                                     "sampled private records that the DP guarantee does not cover; it stays in the "
+                                     "run directory's metrics.jsonl either way.")
     noise_schedule: str = _f("constant", "σ over training: 'constant', 'linear' or 'exponential' (dpllm.privacy."
                                          "schedule; σ₀ calibrated so the whole schedule meets target_epsilon).")
     noise_schedule_end: float = _f(0.5, "Last piece's σ / first piece's σ.")

@@ -7,8 +7,9 @@ batches of ``per_device_train_batch_size``, Opacus's clipping and noise, the acc
 dpllm run directory in ``output_dir`` (config.yaml, splits.json, records.jsonl, metrics.jsonl, checkpoint/,
 privacy_report.json, privacy_ledger.jsonl) that ``dpllm report``, ``dpllm export`` and
 ``python -m mia audit`` read. The Trainer's optimizer (``optim``, ``learning_rate``, ``weight_decay``...),
-scheduler and callbacks are used; callbacks see ``epsilon`` in every ``on_log``, and ``on_evaluate`` without
-the held-out loss (un-noised, on private records: it stays in the run directory's ``metrics.jsonl``).
+scheduler and callbacks are used; callbacks see ``epsilon`` in every ``on_log`` (the training loss only with
+``PrivacyArguments.log_train_loss``), and ``on_evaluate`` without the held-out loss (un-noised, on private
+records: both stay in the run directory's ``metrics.jsonl``).
 ``save_steps`` (with the default ``save_strategy="steps"``) writes dpllm's resumable checkpoints
 (:mod:`dpllm.resume`) under ``OUTPUT_DIR/checkpoints/``, and ``trainer.train(resume_from_checkpoint=True)``
 continues from the newest one with the same batches, noise and accountant as an uninterrupted run.
@@ -116,13 +117,17 @@ class DPTrainer(Trainer):
 
         # the held-out loss is un-noised and computed on private records: it stays in the run directory
         # (metrics.jsonl, run_summary.json), not in what scripts log or push
-        metrics = {"train_runtime": summary.get("wall_time_s"), "train_loss": run.train_loss}
+        # and so is the training loss unless the user opts in (PrivacyArguments.log_train_loss)
+        train_loss = run.train_loss if self.privacy_args.log_train_loss else None
+        metrics = {"train_runtime": summary.get("wall_time_s")}
+        if train_loss is not None:
+            metrics["train_loss"] = train_loss
         if summary:
             self.privacy_report = PrivacyReport.read(run.out)
             metrics.update(epsilon=summary["epsilon"], delta=summary["delta"],
                            noise_multiplier=summary["noise_multiplier"], sample_rate=summary["sample_rate"])
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
-        return TrainOutput(run.step, run.train_loss, metrics)
+        return TrainOutput(run.step, train_loss, metrics)
 
 
 def release(model):
@@ -297,7 +302,10 @@ class HFRun(RunTrainer):
         super().log_train()
         if self.world.is_main:
             row = _last_line(self.metrics_path)
-            self.hf.log({"loss": row["loss"], "learning_rate": row["lr"], "epsilon": row["epsilon"]})
+            shown = {"learning_rate": row["lr"], "epsilon": row["epsilon"]}
+            if self.hf.privacy_args.log_train_loss:  # opt-in: an un-noised statistic of the sampled records
+                shown["loss"] = row["loss"]
+            self.hf.log(shown)
 
     def evaluate(self, final: bool = False) -> dict:
         if len(self.eval_ds) == 0:
