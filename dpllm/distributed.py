@@ -71,6 +71,19 @@ def die_with_parent(sig: int = 15) -> bool:
     return True
 
 
+def release_process_group() -> None:
+    """Destroy the default process group, if any, before the process exits (a command's last step).
+
+    A gloo group left for interpreter shutdown can abort a finished worker ("terminate called without an active
+    exception" while its threads are torn down), failing a run whose checkpoint and report were already written.
+    Every process has passed the run's last barrier when this is called.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def make_accelerator(mixed_precision: str):
     """An ``Accelerator``; multi-process on CPU gets ``cpu=True`` so accelerate starts a gloo group.
 

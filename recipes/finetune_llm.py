@@ -40,6 +40,7 @@ import os
 import sys
 
 from dpllm.config import parse_config
+from dpllm.distributed import release_process_group
 from dpllm.logs import setup_logging
 from dpllm.privacy.report import PrivacyReport
 from dpllm.resume import Interrupted, interrupted_message, program_of
@@ -87,6 +88,8 @@ def cli(argv: list[str] | None = None) -> int:
     except TrainingError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    finally:
+        release_process_group()
     return 0
 
 
