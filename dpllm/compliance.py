@@ -84,8 +84,8 @@ def _epsilon_fixed(report, entries) -> Item:
     sq = (first.get("noise_multiplier"), first.get("sample_rate"))
     changed = [e["index"] for e in entries if (e.get("noise_multiplier"), e.get("sample_rate")) != sq]
     if changed:
-        return Item("epsilon_fixed", req, NOT_MET, f"privacy_ledger.jsonl: line(s) {changed} carry a (σ, q) other than "
-                                                   f"the (σ, q) = {sq} committed on line 1 at step 0")
+        return Item("epsilon_fixed", req, NOT_MET, f"privacy_ledger.jsonl: line(s) {changed} carry a (σ, q) other "
+                                                   f"than the (σ, q) = {sq} committed on line 1 at step 0")
     target = report.target_epsilon
     if target is not None and report.epsilon is not None and report.epsilon > target * (1 + 1e-6):
         return Item("epsilon_fixed", req, NOT_MET, f"privacy_report.json: ε = {report.epsilon:.4g} exceeds "
@@ -97,15 +97,18 @@ def _epsilon_fixed(report, entries) -> Item:
 
 
 def _single_epoch(report) -> Item:
+    from dpllm.privacy.plan import passes_warning  # the plan's own test, which warned at training time
+
     req = "single-epoch training (each extra pass multiplies ε)"
     if not report.enabled:
         return Item("single_epoch", req, NA, "privacy_report.json: enabled = false")
     q = report.sample_rate or 0.0
-    passes = q * report.steps
-    ev = f"privacy_report.json: sample_rate = {q:.4g} × steps = {report.steps} = {passes:.3g} expected passes"
-    return Item("single_epoch", req, MET if passes <= 1 + 1e-9 else NOT_MET,
-                ev + ("" if passes <= 1 + 1e-9 else "; multi-epoch training needs a justification in the model "
-                                                     "risk documentation"))
+    one_pass = passes_warning(q, report.steps) is None
+    ev = (f"privacy_report.json: sample_rate = {q:.4g} × steps = {report.steps} = {q * report.steps:.3g} expected "
+          "passes")
+    return Item("single_epoch", req, MET if one_pass else NOT_MET,
+                ev + ("" if one_pass else "; multi-epoch training needs a justification in the model risk "
+                                          "documentation"))
 
 
 def _gradient_checkpointing(report, config: dict) -> Item:
@@ -122,11 +125,8 @@ def _gradient_checkpointing(report, config: dict) -> Item:
                 + (" (clips once per record with recomputed activations)" if ok else ""))
 
 
-def _epsilon_logged(run_dir: Path, report, entries) -> Item:
-    from dpllm import ledger
-
+def _epsilon_logged(run_dir: Path, report, entries, result) -> Item:
     req = "ε logged at every checkpoint, in a tamper-evident trail"
-    result = ledger.verify(run_dir)
     if not result.ok:
         return Item("epsilon_logged", req, NOT_MET, f"privacy_ledger.jsonl: does not verify ({result.message})")
     saved = [e for e in entries if e.get("kind") == "checkpoint"]
@@ -200,8 +200,13 @@ def _audit(run_dir: Path, report) -> Item:
     return Item("mia_audit", req, NOT_MET if bad else MET, ev)
 
 
-def check(run_dir: str | Path) -> list[Item]:
+def check(run_dir: str | Path, *, verified=None) -> list[Item]:
     """Every checklist item for a finished run directory.
+
+    Args:
+        run_dir: the run directory.
+        verified: its :func:`dpllm.ledger.verify` result when the caller has it (``dpllm export`` does);
+            verified here otherwise.
 
     Raises:
         dpllm.privacy.report.ReportError: no readable privacy report (not a finished dpllm run).
@@ -217,8 +222,11 @@ def check(run_dir: str | Path) -> list[Item]:
         entries = []
     config_path = run_dir / "config.yaml"
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
-    return [_dp(report), _epsilon_fixed(report, entries), _single_epoch(report), _gradient_checkpointing(report, config or {}),
-            _epsilon_logged(run_dir, report, entries), _noise_secret(report), _tiers(report),
+    if verified is None:
+        verified = ledger.verify(run_dir)
+    return [_dp(report), _epsilon_fixed(report, entries), _single_epoch(report),
+            _gradient_checkpointing(report, config or {}), _epsilon_logged(run_dir, report, entries, verified),
+            _noise_secret(report), _tiers(report),
             Item("data_sovereignty", "training data kept in jurisdiction-compliant storage", MANUAL,
                  "not visible in the run directory: document where the dataset and the run directory are stored"),
             _audit(run_dir, report)]

@@ -144,12 +144,12 @@ def _strip_local_base(path: Path) -> None:
         write_text_atomic(path, json.dumps(cfg, indent=2) + "\n")
 
 
-def compliance_section(run_dir: Path) -> str:
+def compliance_section(run_dir: Path, *, verified=None) -> str:
     """The model card's compliance checklist (:mod:`dpllm.compliance`): every item's status; the evidence only where
     it is a public parameter (items decided on private files say so instead)."""
     from dpllm import compliance
 
-    items = compliance.check(run_dir)
+    items = compliance.check(run_dir, verified=verified)
     return ("\n## Compliance checklist\n\nChecked by `dpllm report --compliance` on the private run directory when "
             "this bundle was exported. The status of the items decided on private files (the ledger, earlier stages, "
             "the membership audit) is one bit each about the private run, released by the publisher's choice.\n\n"
@@ -230,13 +230,16 @@ directory.
 """
 
 
-def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, what: str = "export") -> PrivacyReport:
+def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, what: str = "export",
+                     verified=None) -> PrivacyReport:
     """The checks every release path makes (``dpllm export``, ``dpllm synthesize``) before anything leaves the run.
 
     Args:
         run_dir: a finished dpllm run directory.
         allow_non_private: accept a run trained without DP (its release must then say there is no guarantee).
         what: the verb used in the refusal message.
+        verified: the run's :func:`dpllm.ledger.verify` result, when the caller has it already (verifying hashes
+            every checkpoint file, gigabytes for a large model); computed here otherwise.
 
     Returns:
         The run's privacy report.
@@ -260,7 +263,7 @@ def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, wh
     if not report.enabled and not allow_non_private:
         raise ExportError(f"refusing to {what} {run_dir}: it was trained without DP; pass --allow-non-private to "
                           "release it anyway (the card will say there is no DP guarantee)")
-    checked = ledger.verify(run_dir)
+    checked = verified if verified is not None else ledger.verify(run_dir)
     if not checked.ok:
         raise ExportError(f"refusing to {what} {run_dir}: its privacy ledger does not verify ({checked.message})")
     return report
@@ -282,7 +285,10 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
     """
     run_dir, out = Path(run_dir), Path(out)
     ckpt = run_dir / "checkpoint"
-    report = check_releasable(run_dir, allow_non_private=allow_non_private)
+    from dpllm import ledger
+
+    verified = ledger.verify(run_dir)  # once, for the release checks and the card's checklist
+    report = check_releasable(run_dir, allow_non_private=allow_non_private, verified=verified)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not empty; pick a new directory")
     released = release_report(report, declare_public=declare_public)
@@ -299,7 +305,7 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
                 shutil.copy2(f, tmp / "base_model" / f.name)
         released.write(tmp / "privacy_report.json")
         write_text_atomic(tmp / "README.md", model_card(released, lora=lora, has_base=has_base)
-                          + compliance_section(run_dir))
+                          + compliance_section(run_dir, verified=verified))
     return out
 
 

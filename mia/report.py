@@ -140,6 +140,18 @@ def write_attack_report(report: dict, scores: dict[str, tuple[np.ndarray, np.nda
     return paths
 
 
+def _set_notes(report: dict) -> list[str]:
+    """What an audit's markdown says about its member and non-member sets: how they were drawn, and the blind
+    baseline's verdict on whether they differ without the model."""
+    notes = []
+    if report.get("split"):
+        notes.append(f"Sets: {report['split']}.")
+    if report.get("blind"):
+        b = report["blind"]
+        notes.append(f"**Blind baseline** ({b['method']}): {b['message']}")
+    return notes
+
+
 def write_audit_report(report: dict, scores: dict[str, tuple[np.ndarray, np.ndarray]],
                        out_dir: str | Path, *, plot: bool = True) -> dict[str, Path]:
     """Write ``mia_report.json``, ``mia_scores.json``, ``mia_report.md`` and ``mia_roc.png`` of an audit.
@@ -152,13 +164,8 @@ def write_audit_report(report: dict, scores: dict[str, tuple[np.ndarray, np.ndar
     """
     summary = (f"{report['n_members']} members, {report['n_nonmembers']} non-members; "
                f"max_length={report.get('max_length')}; CIs {report.get('ci_confidence', 0.95):.0%}.")
-    notes = []
-    if report.get("split"):
-        notes.append(f"Sets: {report['split']}.")
-    if report.get("blind"):
-        b = report["blind"]
-        notes.append(f"**Blind baseline** ({b['method']}): {b['message']}")
-    return write_attack_report(report, scores, out_dir, stem="mia", plot=plot, summary=summary, notes=notes,
+    return write_attack_report(report, scores, out_dir, stem="mia", plot=plot, summary=summary,
+                               notes=_set_notes(report),
                                title=f"# Membership-inference audit of `{report.get('checkpoint', '?')}`")
 
 
@@ -170,12 +177,7 @@ def write_embedding_report(report: dict, scores: dict[str, tuple[np.ndarray, np.
                f"{report['pooling']}; dimension {report['embedding_dim']}). {report['n_members']} members, "
                f"{report['n_nonmembers']} non-members; max_length={report.get('max_length')}; reference: "
                f"{report.get('reference') or 'none'}; CIs {report.get('ci_confidence', 0.95):.0%}.")
-    notes = [f"- `{k}`: {v}" for k, v in report.get("attack_help", {}).items()]
-    if report.get("split"):
-        notes.append(f"Sets: {report['split']}.")
-    if report.get("blind"):
-        b = report["blind"]
-        notes.append(f"**Blind baseline** ({b['method']}): {b['message']}")
+    notes = [f"- `{k}`: {v}" for k, v in report.get("attack_help", {}).items()] + _set_notes(report)
     return write_attack_report(report, scores, out_dir, stem="embedding", plot=plot, summary=summary, notes=notes,
                                plot_title=f"Embedding-interface MIA (layer {report['layer']})",
                                title=f"# Embedding-interface membership audit of `{report.get('checkpoint', '?')}`")
