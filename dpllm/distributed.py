@@ -72,16 +72,36 @@ def die_with_parent(sig: int = 15) -> bool:
 
 
 def release_process_group() -> None:
-    """Destroy the default process group, if any, before the process exits (a command's last step).
-
-    A gloo group left for interpreter shutdown can abort a finished worker ("terminate called without an active
-    exception" while its threads are torn down), failing a run whose checkpoint and report were already written.
-    Every process has passed the run's last barrier when this is called.
-    """
+    """Destroy the default process group, if any (a command's last step; every process has passed the last barrier)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def finish_process(code: int) -> int:
+    """End a command: release the process group; a launched worker then exits at once with ``code``.
+
+    A worker started by ``accelerate launch`` / ``torchrun`` can abort in interpreter teardown after its work is
+    done: "terminate called without an active exception", SIGABRT, with no Python frame left, even after
+    ``destroy_process_group`` (gloo's C++ threads are torn down with the interpreter). The launcher then reports
+    a run whose checkpoint and report were already written as failed. Measured on 2 CPU cores with 3 concurrent
+    2-process runs of tests/fsdp_worker.py: 1 abort in 27 runs before, none in 75 after (issue 21's note).
+    So a launched worker flushes its streams and logs and leaves with ``os._exit`` (no teardown to abort in);
+    any other process returns ``code`` for ``sys.exit``.
+    """
+    import sys
+
+    release_process_group()
+    if "LOCAL_RANK" not in os.environ:
+        return code
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    logging.shutdown()
+    os._exit(code)
 
 
 def make_accelerator(mixed_precision: str):

@@ -40,7 +40,7 @@ import os
 import sys
 
 from dpllm.config import parse_config
-from dpllm.distributed import release_process_group
+from dpllm.distributed import finish_process, release_process_group
 from dpllm.logs import setup_logging
 from dpllm.privacy.report import PrivacyReport
 from dpllm.resume import Interrupted, interrupted_message, program_of
@@ -94,4 +94,4 @@ def cli(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(finish_process(cli()))

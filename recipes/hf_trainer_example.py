@@ -33,6 +33,7 @@ import torch
 from datasets import Dataset, DatasetDict, load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, TrainingArguments
 
+from dpllm.distributed import finish_process
 from dpllm.hf import DPTrainer, PrivacyArguments  # DP
 
 PROMPTS = ["The for statement", "A class definition", "Exceptions are"]
@@ -133,8 +134,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
+    code = 0
     try:
         main()
     except ValueError as err:  # dpllm's refusals say what to change
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
+    sys.exit(finish_process(code))  # under accelerate launch: no interpreter teardown to abort a finished run in

@@ -6,6 +6,7 @@ save/load of sharded weights and optimizer state, and the final checkpoint's gat
 Rank 0 writes its findings for full fine-tuning and LoRA as JSON to argv[1].
 """
 
+import faulthandler
 import json
 import os
 import sys
@@ -16,13 +17,14 @@ import torch
 import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
+faulthandler.enable(all_threads=True)  # an abort (SIGABRT) prints every thread's Python stack
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dpllm import resume as R  # noqa: E402
 from dpllm.checkpoint import load_model, save_checkpoint, unwrap  # noqa: E402
 from dpllm.config import PrivacyConfig  # noqa: E402
 from dpllm.data import TokenizedRecords, make_collate  # noqa: E402
-from dpllm.distributed import World, full_state_dict, is_sharded, wrap_model  # noqa: E402
+from dpllm.distributed import World, finish_process, full_state_dict, is_sharded, wrap_model  # noqa: E402
 from dpllm.privacy.engine import PrivacyPlan, make_private  # noqa: E402
 from dpllm.train import evaluate, forward_loss  # noqa: E402
 from tests.helpers import TEXTS, tiny_model  # noqa: E402
@@ -95,4 +97,4 @@ if __name__ == "__main__":
     results = {ft: check(ft, Path(sys.argv[2]) / ft) for ft in ("full", "lora")}
     if dist.get_rank() == 0:
         Path(sys.argv[1]).write_text(json.dumps(results))
-    dist.destroy_process_group()
+    finish_process(0)

@@ -173,6 +173,26 @@ def test_two_processes_without_privacy_use_ddp(tmp_path):
     assert summary["tokens_seen"] > 0 and summary["epsilon"] is None
 
 
+@pytest.mark.parametrize("launched", [True, False])
+def test_finish_process_ends_a_launched_worker_without_teardown(launched):
+    """Under a launcher (LOCAL_RANK set) the worker leaves with os._exit: output flushed, exit code kept, no
+    interpreter teardown (no atexit handler runs); elsewhere the code is returned for sys.exit."""
+    script = ("import atexit, logging, sys\n"
+              "from dpllm.distributed import finish_process\n"
+              "atexit.register(lambda: print('teardown ran'))\n"
+              "logging.basicConfig(stream=sys.stderr)\n"
+              "print('result written'); logging.getLogger('x').warning('logged')\n"
+              "sys.exit(finish_process(3))\n")
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    if launched:
+        env["LOCAL_RANK"] = "0"
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, env=env,
+                         timeout=120)
+    assert res.returncode == 3
+    assert "result written" in res.stdout and "logged" in res.stderr
+    assert ("teardown ran" in res.stdout) is not launched
+
+
 def test_fsdp_private_path_on_cpu(tmp_path):
     """FSDP2 + ghost_fsdp: uneven/empty shares, eval, resumable save/load, gathered final weights (2 gloo processes)."""
     out = tmp_path / "found.json"
