@@ -154,6 +154,10 @@ def make_private(
             secure_mode=cfg.secure_mode, per_user=user_records is not None)
         criterion = None
     else:
+        from dpllm.privacy.owners import guard_parameter_uses
+
+        if mode != "ghost_fsdp":  # FSDP's forward sees unsharded copies, never the registered parameters
+            guard_parameter_uses(model, mode)  # a weight used outside its layer: refused at the first forward pass
         model, optimizer, criterion = _wrap_opacus(
             engine=engine, model=model, optimizer=optimizer, criterion=criterion, fn=fn, cfg=cfg, mode=mode,
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size / world_size,
