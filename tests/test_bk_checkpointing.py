@@ -1,4 +1,4 @@
-"""Book-keeping clipping under gradient checkpointing (reentrant or not) and with a chunked loss.
+"""Book-keeping clipping under gradient checkpointing (reentrant or not); the chunked loss is in test_bk_vocab.py.
 
 Layers run twice (forward, then recomputation in backward) but record once: activations are read from
 the autograd function's saved tensors in backward, which checkpointing fills by recomputing them. The
@@ -106,29 +106,6 @@ def test_clipping_at_the_end_of_a_nested_pass_is_refused_or_deferred(head_traina
         with pytest.raises(RuntimeError, match="runs inside another one.*use_reentrant': False"):
             bk(x).pow(2).mean().backward()
         assert body.weight.grad is None  # nothing was clipped or written
-
-
-@pytest.mark.parametrize("kind, finetuning", [("tiny-llama", "full"), ("tiny-gpt2", "lora")])
-def test_chunked_loss_equals_sequence_loss_and_its_clipped_sum(kind, finetuning):
-    from dpllm.models import position_ids_for
-    from dpllm.privacy.bk.loss import causal_lm_chunked_loss
-
-    results = []
-    for chunked in (False, True):
-        model, tok = tiny_model(kind, finetuning)
-        bk = BookKeepingModule(model.double(), clip_weights=lambda n: 1.0 / (n + 0.1))
-        batch = batch_of(tok)
-        if chunked:  # 7 positions per chunk: several chunks and a ragged last one
-            loss = causal_lm_chunked_loss(bk, batch, position_ids_for(batch["input_ids"]), chunk_tokens=7)
-        else:
-            loss = forward_loss(bk, batch)
-        loss.backward()
-        results.append((loss.detach(), bk.last_norms, [p.grad for p in model.parameters() if p.requires_grad]))
-    (loss, norms, grads), (loss_c, norms_c, grads_c) = results
-    torch.testing.assert_close(loss_c, loss)
-    torch.testing.assert_close(norms_c, norms)
-    for a, b in zip(grads_c, grads):
-        torch.testing.assert_close(a, b)
 
 
 def test_bf16_autocast_runs_and_stays_close_to_fp32():

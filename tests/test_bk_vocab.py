@@ -96,27 +96,34 @@ def test_tied_gpt2_full_finetuning_matches_explicit(policy):
         assert_close(p.grad, e)
 
 
-def test_tied_gpt2_chunked_loss_matches_the_whole_loss():
-    """The head applied over several chunks (large-vocabulary loss) records several calls: same norms and sums."""
+@pytest.mark.parametrize("kind, finetuning, tied, clip", [
+    ("tiny-llama", "full", False, lambda n: 1.0 / (n + 0.1)),
+    ("tiny-gpt2", "lora", False, lambda n: 1.0 / (n + 0.1)),
+    ("tiny-gpt2", "full", True, lambda n: (0.05 / n).clamp(max=1.0)),  # the head shares the embedding's weight
+], ids=["llama-full", "gpt2-lora", "gpt2-full-tied"])
+def test_chunked_loss_equals_sequence_loss_and_its_clipped_sum(kind, finetuning, tied, clip):
+    """The head applied over several chunks (large-vocabulary loss) records several calls: the same loss, norms
+    and clipped sums as the whole sequence loss."""
     from dpllm.models import position_ids_for
     from dpllm.privacy.bk.loss import causal_lm_chunked_loss
     from dpllm.train import forward_loss
 
     results = []
     for chunked in (False, True):
-        model, tok = tiny_model("tiny-gpt2", "full", dp=False)
-        model = model.double()
-        bk = BookKeepingModule(model, clip_weights=lambda n: (0.05 / n).clamp(max=1.0))
+        model, tok = tiny_model(kind, finetuning, dp=not tied)  # dp=False keeps GPT-2's head tied
+        bk = BookKeepingModule(model.double(), clip_weights=clip)
         batch = batch_of(tok)
         if chunked:  # 7 positions per chunk: several chunks and a ragged last one
             loss = causal_lm_chunked_loss(bk, batch, position_ids_for(batch["input_ids"]), chunk_tokens=7)
         else:
             loss = forward_loss(bk, batch)
         loss.backward()
-        results.append((bk.last_norms, [p.grad for p in model.parameters()]))
-    assert_close(results[1][0], results[0][0])
-    for a, b in zip(results[1][1], results[0][1]):
-        assert_close(a, b)
+        results.append((loss.detach(), bk.last_norms, [p.grad for p in model.parameters() if p.requires_grad]))
+    (loss, norms, grads), (loss_c, norms_c, grads_c) = results
+    torch.testing.assert_close(loss_c, loss)
+    torch.testing.assert_close(norms_c, norms)
+    for a, b in zip(grads_c, grads):
+        torch.testing.assert_close(a, b)
 
 
 def test_other_shared_parameters_are_still_refused():
