@@ -89,36 +89,51 @@ def build(args, device, dtype):
     return model, mcfg
 
 
-def make_step(args, model, mcfg, device, mode):
+def setup_mode(model, mcfg, mode: str, batch_size: int, device, *, gradient_checkpointing: bool = False,
+               users: list[int] | None = None):
+    """``(model, optimizer, criterion, private)`` for one benchmarked engine, prepared as the trainer does
+    (bk keeps a tied head). ``mode`` is ``nodp`` or a ``grad_sample_mode``; ``users`` names each row's user
+    (user-level sampling). ``private`` (Opacus's ``PrivateTraining``) and ``criterion`` are None without DP."""
     import torch
 
     from dpllm.config import PrivacyConfig
     from dpllm.data import make_collate
-    from dpllm.models import position_ids_for, prepare_model
+    from dpllm.models import prepare_model
     from dpllm.privacy.engine import make_private
     from dpllm.privacy.plan import PrivacyPlan
-    from dpllm.train import forward_loss
 
     dp = mode != "nodp"
-    uls = mode.startswith("uls_")
-    users = [i // args.records_per_user for i in range(args.batch)]
-    model, _ = prepare_model(model, mcfg, dp=dp, keep_tie=mode.endswith("bk"))  # as the trainer: bk keeps a tie
-    if args.gradient_checkpointing:
+    model, _ = prepare_model(model, mcfg, dp=dp, keep_tie=mode == "bk")  # as the trainer: bk keeps a tie
+    if gradient_checkpointing:
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.to(device).train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    criterion, resolved = None, mode
-    if dp:
-        # A dataset of exactly one physical batch: q = 1, so every step sees the same shapes as no-DP.
-        records = [torch.full((8,), 3, dtype=torch.long) for _ in range(args.batch)]
-        plan = PrivacyPlan(num_records=args.batch, sample_rate=1.0, steps=1, noise_multiplier=1.0, delta=1e-5,
-                           accountant="rdp", expected_batch_size=args.batch)
-        user_records = [[i for i, u in enumerate(users) if u == v] for v in sorted(set(users))] if uls else None
-        pt = make_private(model=model, optimizer=opt, dataset=records, collate_fn=make_collate(0),
-                          cfg=PrivacyConfig(grad_sample_mode=mode.removeprefix("uls_")), plan=plan,
-                          logical_batch_size=args.batch, user_records=user_records)
-        model, opt, criterion, resolved = pt.model, pt.optimizer, pt.criterion, pt.grad_sample_mode
+    if not dp:
+        return model, opt, None, None
+    # A dataset of exactly one physical batch: q = 1, so every step sees the same shapes as no-DP.
+    records = [torch.full((8,), 3, dtype=torch.long) for _ in range(batch_size)]
+    plan = PrivacyPlan(num_records=batch_size, sample_rate=1.0, steps=1, noise_multiplier=1.0, delta=1e-5,
+                       accountant="rdp", expected_batch_size=batch_size)
+    user_records = [[i for i, u in enumerate(users) if u == v] for v in sorted(set(users))] if users else None
+    pt = make_private(model=model, optimizer=opt, dataset=records, collate_fn=make_collate(0),
+                      cfg=PrivacyConfig(grad_sample_mode=mode), plan=plan, logical_batch_size=batch_size,
+                      user_records=user_records)
+    return pt.model, pt.optimizer, pt.criterion, pt
+
+
+def make_step(args, model, mcfg, device, mode):
+    import torch
+
+    from dpllm.models import position_ids_for
+    from dpllm.train import forward_loss
+
+    uls = mode.startswith("uls_")
+    users = [i // args.records_per_user for i in range(args.batch)]
+    model, opt, criterion, pt = setup_mode(model, mcfg, mode.removeprefix("uls_"), args.batch, device,
+                                           gradient_checkpointing=args.gradient_checkpointing,
+                                           users=users if uls else None)
+    resolved = pt.grad_sample_mode if pt is not None else mode
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if args.autocast == "bf16" else None
 
     def loss_of(batch):

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_overhead import SHAPES, build_shape  # noqa: E402
+from bench_overhead import SHAPES, build_shape, setup_mode  # noqa: E402
 
 
 def label_rules():
@@ -51,31 +51,25 @@ def label_rules():
     layers._EmbeddingFn.backward = staticmethod(emb_backward)
 
 
+def _setup(args, mode: str):
+    """``(model, optimizer, criterion)`` for ``mode`` (nodp or a grad_sample_mode) on the chosen shape, on CPU."""
+    import torch
+
+    from dpllm.config import ModelConfig
+
+    torch.manual_seed(0)
+    model = build_shape(args.shape, torch.device("cpu"), torch.float32, args.seq)
+    return setup_mode(model, ModelConfig(finetuning=args.finetuning, lora_r=16), mode, args.batch,
+                      torch.device("cpu"))[:3]
+
+
 def profile(args, mode: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, record_function
 
-    from dpllm.config import ModelConfig, PrivacyConfig
-    from dpllm.data import make_collate
-    from dpllm.models import prepare_model
-    from dpllm.privacy.engine import make_private
-    from dpllm.privacy.plan import PrivacyPlan
     from dpllm.train import forward_loss
 
-    torch.manual_seed(0)
-    model = build_shape(args.shape, torch.device("cpu"), torch.float32, args.seq)
-    model, _ = prepare_model(model, ModelConfig(finetuning=args.finetuning, lora_r=16), dp=mode != "nodp",
-                             keep_tie=mode == "bk")
-    model.train()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-    criterion = None
-    if mode != "nodp":
-        plan = PrivacyPlan(num_records=args.batch, sample_rate=1.0, steps=1, noise_multiplier=1.0, delta=1e-5,
-                           accountant="rdp", expected_batch_size=args.batch)
-        pt = make_private(model=model, optimizer=opt, dataset=[torch.ones(4, dtype=torch.long)] * args.batch,
-                          collate_fn=make_collate(0), cfg=PrivacyConfig(grad_sample_mode=mode), plan=plan,
-                          logical_batch_size=args.batch)
-        model, opt, criterion = pt.model, pt.optimizer, pt.criterion
+    model, opt, criterion = _setup(args, mode)
     vocab = (model._module if hasattr(model, "_module") else model).get_input_embeddings().num_embeddings
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, vocab, (args.batch, args.seq), generator=g)
@@ -112,12 +106,7 @@ def phases(args, rounds: int) -> dict:
 
     import torch
 
-    from dpllm.config import ModelConfig, PrivacyConfig
-    from dpllm.data import make_collate
-    from dpllm.models import prepare_model
     from dpllm.privacy import bk
-    from dpllm.privacy.engine import make_private
-    from dpllm.privacy.plan import PrivacyPlan
     from dpllm.train import forward_loss
 
     finish = {"s": 0.0}
@@ -131,20 +120,7 @@ def phases(args, rounds: int) -> dict:
     bk.BookKeepingModule._finish_backward = timed
     runs = {}
     for mode in ("nodp", "bk"):
-        torch.manual_seed(0)
-        model = build_shape(args.shape, torch.device("cpu"), torch.float32, args.seq)
-        model, _ = prepare_model(model, ModelConfig(finetuning=args.finetuning, lora_r=16), dp=mode != "nodp",
-                                 keep_tie=mode == "bk")
-        model.train()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
-        if mode == "bk":
-            plan = PrivacyPlan(num_records=args.batch, sample_rate=1.0, steps=1, noise_multiplier=1.0, delta=1e-5,
-                               accountant="rdp", expected_batch_size=args.batch)
-            pt = make_private(model=model, optimizer=opt, dataset=[torch.ones(4, dtype=torch.long)] * args.batch,
-                              collate_fn=make_collate(0), cfg=PrivacyConfig(grad_sample_mode="bk"), plan=plan,
-                              logical_batch_size=args.batch)
-            model, opt = pt.model, pt.optimizer
-        runs[mode] = (model, opt)
+        runs[mode] = _setup(args, mode)[:2]
     vocab = runs["nodp"][0].get_input_embeddings().num_embeddings
     ids = torch.randint(3, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
