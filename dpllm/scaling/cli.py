@@ -44,6 +44,21 @@ COLUMNS = {"tokens": "tokens_seen", "loss": "final_eval_loss", "steps": "steps",
            "epsilon": "epsilon", "noise": "noise_multiplier"}
 
 
+def _fit_source(p: argparse.ArgumentParser, groups: bool = True) -> None:
+    """--fit (and --epsilon, the ε group to use) for the commands that read a fit."""
+    p.add_argument("--fit", required=True, help="fit.json written by `dpllm scaling fit`, or published:NAME")
+    if groups:
+        p.add_argument("--epsilon", help="which ε group's fit to use ('inf' = non-private); needed when the fit "
+                       "has several")
+
+
+def _range_options(p: argparse.ArgumentParser, verb: str) -> None:
+    """--extrapolate and --force for the commands that use a fit beyond what it was fitted on."""
+    p.add_argument("--extrapolate", type=float, default=1.0, help="allow inputs up to this factor beyond the "
+                   "fitted range of each (default 1: refuse anything outside), with a warning")
+    p.add_argument("--force", action="store_true", help=f"{verb} from a degenerate fit anyway (with a warning)")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="dpllm scaling", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -66,23 +81,18 @@ def _parser() -> argparse.ArgumentParser:
                    "non-private only")
     f.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     e = sub.add_parser("predict", help="predicted loss with its 95%% prediction interval at given N, D (S, σ̄)")
-    e.add_argument("--fit", required=True, help="fit.json written by `dpllm scaling fit`, or published:NAME")
+    _fit_source(e)
     e.add_argument("--params", required=True, help="model size N (comma-separated for several)")
     e.add_argument("--tokens", help="tokens D (chinchilla, dp_noise; comma-separated)")
     e.add_argument("--steps", help="optimizer steps S (noise_batch; comma-separated)")
     e.add_argument("--sigma-bar", help="noise multiplier / logical batch (dp_noise, noise_batch; 0 = "
                    "non-private; comma-separated)")
-    e.add_argument("--epsilon", help="which ε group's fit ('inf' = non-private); needed when the fit has several")
     e.add_argument("--level", type=float, default=0.95, help="interval coverage (default 0.95)")
-    e.add_argument("--extrapolate", type=float, default=1.0, help="allow inputs up to this factor beyond the "
-                   "fitted range (default 1: refuse), with a warning")
-    e.add_argument("--force", action="store_true", help="predict from a degenerate fit anyway (with a warning)")
+    _range_options(e, "predict")
     e.add_argument("--json", action="store_true", help="print the predictions as JSON")
     sub.add_parser("published", help="list the published laws usable as --fit published:NAME (priors)")
     q = sub.add_parser("plan", help="plan N, D or compute for a target perplexity from a fit.json")
-    q.add_argument("--fit", required=True, help="fit.json written by `dpllm scaling fit`, or published:NAME")
-    q.add_argument("--epsilon", help="which ε group's fit to use ('inf' = non-private); needed when "
-                   "the fit has several")
+    _fit_source(q)
     q.add_argument("--target-ppl", type=float, help="target eval perplexity (loss = ln ppl)")
     q.add_argument("--target-loss", type=float, help="target eval loss in nats (instead of --target-ppl)")
     q.add_argument("--records", type=int, help="noise_batch fits: private records (the privacy unit)")
@@ -95,9 +105,7 @@ def _parser() -> argparse.ArgumentParser:
                    "the fitted range)")
     q.add_argument("--batches", help="noise_batch fits: comma-separated logical batches (default 16, 32, … ≤ records)")
     q.add_argument("--top", type=int, default=5, help="noise_batch fits: candidates to print (default 5)")
-    q.add_argument("--extrapolate", type=float, default=1.0, help="allow plans up to this factor beyond the fitted "
-                   "range of each input (default 1: refuse anything outside), with a warning")
-    q.add_argument("--force", action="store_true", help="plan from a degenerate fit anyway (with a warning)")
+    _range_options(q, "plan")
     q.add_argument("--sigma-bar", type=float, help="noise multiplier / logical batch, for dp_noise fits "
                    "(default: the ε group's σ̄ from the runs)")
     what = q.add_mutually_exclusive_group()
@@ -106,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     what.add_argument("--compute", type=float, help="FLOPs C = 6ND: print the compute-optimal N, D and loss")
     q.add_argument("--json", action="store_true", help="print the answer as JSON")
     r = sub.add_parser("frontier", help="best predicted loss vs compute at several ε, from a noise_batch fit")
-    r.add_argument("--fit", required=True)
+    _fit_source(r, groups=False)
     r.add_argument("--records", type=int, required=True)
     r.add_argument("--delta", type=float, required=True)
     r.add_argument("--epsilons", default="2,4,8", help="comma-separated ε (default 2,4,8)")
@@ -114,8 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--compute-max", type=float, help="largest compute (default: 10× the sweep's largest run)")
     r.add_argument("--points", type=int, default=9, help="computes on the log grid (default 9)")
     r.add_argument("--accountant", default="prv")
-    r.add_argument("--extrapolate", type=float, default=1.0)
-    r.add_argument("--force", action="store_true")
+    _range_options(r, "plan")
     r.add_argument("--out", required=True, help="folder for frontier.json and frontier.png")
     return p
 
