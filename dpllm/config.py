@@ -138,6 +138,9 @@ class TrainConfig:
                                              "record over the recomputation; see docs/operations.md.")
     save_every: Optional[int] = _f(None, "Write a resumable checkpoint every N steps and at the end, under "
                                          "OUTPUT_DIR/checkpoints/ (the last 2 are kept).")
+    save_every_minutes: Optional[float] = _f(30.0, "Also write a resumable checkpoint when this many minutes have "
+                                                   "passed since the last one, so a preempted job loses at most "
+                                                   "that much (0 turns it off). SIGTERM and Ctrl-C also save one.")
     resume_from: Optional[str] = _f(None, "'latest' (OUTPUT_DIR/checkpoints/latest; a new run if OUTPUT_DIR does "
                                           "not exist) or a checkpoint directory of this run; the config must match.")
     runs_file: Optional[str] = _f(None, "Append this run's summary line to a runs table (JSONL).")
@@ -412,6 +415,7 @@ _RANGES: dict[str, tuple[float, bool, Optional[float], str]] = {
     "eval_max_records": (1, True, None, "unset it to use every held-out record"),
     "log_every": (1, True, None, "1 logs every step"),
     "save_every": (0, True, None, "0 or unset writes no resumable checkpoints"),
+    "save_every_minutes": (0, True, None, "0 writes no time-based checkpoints"),
     "max_records": (1, True, None, "unset it to use every record"),
     "min_chars": (0, True, None, "0 keeps every non-empty record"),
     "num_canaries": (0, True, None, "0 adds none"),

@@ -51,7 +51,8 @@ log = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 KEEP = 2
 # Fields that may differ between a run and its resumption: where it writes, whether it resumes, display.
-NOT_COMPARED = {"output_dir", "overwrite_output_dir", "resume_from", "progress", "runs_file"}
+NOT_COMPARED = {"output_dir", "overwrite_output_dir", "resume_from", "progress", "runs_file",
+                "save_every_minutes"}
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -363,30 +364,38 @@ def sync_ledger(run_dir: Path, ckpt: Path, *, step: int, privacy: dict) -> None:
     ledger.append(run_dir, kind="resume", step=step, privacy=privacy, checkpoint=rel)
 
 
-# ---- Ctrl-C ---------------------------------------------------------------------------------------------
+# ---- Ctrl-C and SIGTERM -----------------------------------------------------------------------------------
 
 class Interrupted(KeyboardInterrupt):
-    """A run stopped by Ctrl-C (SIGINT): where it was, for :func:`interrupted_message`.
+    """A run stopped by Ctrl-C (SIGINT) or a scheduler's SIGTERM: where it was, for :func:`interrupted_message`.
 
     Attributes:
         run_dir: the run directory; step, steps: steps done and planned (None before the plan);
-        started: whether the run directory was (re)written; main: whether this is the process that reports.
+        started: whether the run directory was (re)written; main: whether this is the process that reports;
+        signal: the signal that stopped it (``signal.SIGINT`` or ``signal.SIGTERM``; see :mod:`dpllm.stopping`).
     """
 
-    def __init__(self, run_dir: Path, *, step: int, steps: Optional[int], started: bool, main: bool):
+    def __init__(self, run_dir: Path, *, step: int, steps: Optional[int], started: bool, main: bool,
+                 signal: Optional[int] = None):
+        import signal as signals
+
         super().__init__(f"interrupted at step {step}")
         self.run_dir, self.step, self.steps, self.started, self.main = Path(run_dir), step, steps, started, main
+        self.signal = signal or signals.SIGINT
 
     def __str__(self) -> str:
         """Where the run stopped and what a resume would continue from (what a ``DPTrainer`` script shows)."""
+        import signal as signals
+
+        what = "interrupted" if self.signal == signals.SIGINT else f"stopped by {signals.Signals(self.signal).name}"
         where = (f"at step {self.step} of {self.steps}" if self.steps is not None and self.started
                  else "before training started")
         latest = latest_checkpoint(self.run_dir) if self.started else None
         if latest is not None:
-            return f"interrupted {where}; the last resumable checkpoint is {latest[0]} (step {latest[1]})"
+            return f"{what} {where}; the last resumable checkpoint is {latest[0]} (step {latest[1]})"
         if self.started:
-            return f"interrupted {where}; no resumable checkpoint was written"
-        return f"interrupted {where}; nothing was written to {self.run_dir}"
+            return f"{what} {where}; no resumable checkpoint was written"
+        return f"{what} {where}; nothing was written to {self.run_dir}"
 
 
 def latest_checkpoint(run_dir: Path) -> Optional[tuple[Path, int]]:

@@ -24,6 +24,7 @@ import json
 import logging
 import math
 import random
+import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -51,6 +52,7 @@ from dpllm.privacy.plan import PrivacyPlan, plan_privacy, sample_rate_for, steps
 from dpllm.privacy.randomness import privacy_generators
 from dpllm.privacy.report import PrivacyReport
 from dpllm.sampling import ShuffledBatchSampler
+from dpllm.stopping import StopRequests
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,8 @@ class Trainer:
         self.sft_format: Optional[str] = None  # the record shape of instruction / chat data (dpllm.sft), None for text
         self.criterion = None
         self.step = self.start_step = self.tokens_seen = 0
+        self.last_saved: Optional[int] = None  # the step of the last resumable checkpoint written by this process
+        self.stops = StopRequests()  # SIGINT / SIGTERM while run() is on (dpllm.stopping)
         self.window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
         self.initial_eval: Optional[dict] = None
         self.bar = None
@@ -149,7 +153,7 @@ class Trainer:
     # ---- the stages ---------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        with known_warnings_silenced():
+        with known_warnings_silenced(), StopRequests() as self.stops:
             try:
                 self.setup_process()
                 finished = resume.finished_summary(self.out) if self.resume_from is not None else None
@@ -164,11 +168,10 @@ class Trainer:
                 self.start()
                 self.train_steps()
                 return self.finish()
+            except resume.Interrupted:  # stopped at a step boundary (SIGTERM), checkpoint written
+                raise
             except KeyboardInterrupt:  # Ctrl-C: the command prints where to resume from, not a traceback
-                raise resume.Interrupted(self.out, step=self.step, steps=getattr(self, "steps", None),
-                                         started=self.lock is not None or getattr(self, "resume_from", None)
-                                         is not None,
-                                         main=self.world.is_main if hasattr(self, "world") else True) from None
+                raise self.interrupted(self.stops.requested) from None
             finally:
                 if self.bar is not None:
                     self.bar.close()
@@ -436,7 +439,7 @@ class Trainer:
                                 scheduler=self.scheduler, world=self.world, generators=self.generators,
                                 plan=self.plan.to_json() if self.plan else None,
                                 accountant=self.private.engine.accountant if self.dp else None)
-            self.step = self.start_step = state["step"]
+            self.step = self.start_step = self.last_saved = state["step"]
             self.tokens_seen = state["tokens_seen"] if self.world.is_main else 0  # the sum over processes counts
             if self.world.is_main:
                 resume.truncate_metrics(self.metrics_path, state["metrics_bytes"])
@@ -459,14 +462,39 @@ class Trainer:
 
             self.bar = tqdm(total=self.steps, initial=self.step, desc="dp-train" if self.dp else "train",
                             dynamic_ncols=True, mininterval=1.0)
-        self.started = time.time()
+        self.started = self.last_saved_at = time.time()
         batches = iter(self.batches)  # endless; Poisson under DP, fixed-size shuffled batches otherwise
+        self.stops.defer_term = True  # SIGTERM: finish the step, checkpoint, stop (dpllm.stopping)
         while self.step < self.steps:
             self.optimizer_step(next(batches))
             self.after_step()
-        if self.t.save_every and self.step > self.start_step:
+            self.stop_or_save()
+        self.stops.defer_term = False
+        if self.t.save_every and self.step > self.start_step and self.last_saved != self.step:
             self.save_resumable()
         self.wall = time.time() - self.started
+
+    def stop_or_save(self) -> None:
+        """At a step boundary: a resumable checkpoint when one is due by time or a stop was requested, then stop.
+
+        All processes take the same decision (one all-reduce): they stop, or save, at the same step.
+        """
+        sig = self.stops.requested or 0
+        minutes = self.t.save_every_minutes
+        due = bool(minutes) and time.time() - self.last_saved_at >= 60 * minutes and self.step < self.steps
+        if self.world.distributed:
+            term, intr, due = all_sum([sig == signal.SIGTERM, sig == signal.SIGINT, due], self.world)
+            sig = signal.SIGTERM if term else signal.SIGINT if intr else 0
+        if (due or sig) and self.last_saved != self.step:
+            self.save_resumable()
+        if sig:
+            raise self.interrupted(sig)
+
+    def interrupted(self, sig: Optional[int]) -> resume.Interrupted:
+        """What the command reports when a signal stopped the run (see :class:`dpllm.resume.Interrupted`)."""
+        return resume.Interrupted(self.out, step=self.step, steps=getattr(self, "steps", None),
+                                  started=self.lock is not None or getattr(self, "resume_from", None) is not None,
+                                  main=self.world.is_main if hasattr(self, "world") else True, signal=sig)
 
     def finish(self) -> dict:
         final = self.evaluate(final=True)
@@ -649,6 +677,7 @@ class Trainer:
         return out
 
     def save_resumable(self) -> None:
+        self.last_saved, self.last_saved_at = self.step, time.time()
         tokens = int(all_sum([self.tokens_seen], self.world)[0])
         privacy = self.privacy_now() if self.world.is_main else {}
         state = {"step": self.step, "tokens_seen": tokens, "plan": self.plan.to_json() if self.plan else None,

@@ -44,6 +44,7 @@ from dpllm.distributed import finish_process, release_process_group
 from dpllm.logs import setup_logging
 from dpllm.privacy.report import PrivacyReport
 from dpllm.resume import Interrupted, interrupted_message, program_of
+from dpllm.stopping import EXIT_CODES
 from dpllm.train import TrainingError, train
 
 
@@ -76,12 +77,13 @@ def interrupted(err: KeyboardInterrupt, argv: list[str]) -> None:
 
 def cli(argv: list[str] | None = None) -> int:
     """``main`` with the exit codes of a command: 0 done, 2 bad input (one line saying what to change), 1 failed,
-    130 interrupted (Ctrl-C; one line saying where to resume from)."""
+    130 interrupted by Ctrl-C, 143 stopped by SIGTERM (a scheduler's preemption: a resumable checkpoint is written
+    at the end of the current step); both print one line saying where to resume from."""
     try:
         main(argv)
     except KeyboardInterrupt as err:
         interrupted(err, list(sys.argv[1:] if argv is None else argv))
-        return 130
+        return EXIT_CODES.get(getattr(err, "signal", None), 130)
     except ValueError as err:  # config, data, model and privacy-plan errors all say what to change
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -233,7 +233,10 @@ def run_config(args, privacy: PrivacyArguments, *, model_name: str, finetuning: 
                           eval_max_records=None, log_every=log_every, seed=args.seed,
                           mixed_precision="bf16" if args.bf16 else "no",
                           gradient_checkpointing=bool(args.gradient_checkpointing), progress=False,
-                          save_every=save_every or None),
+                          save_every=save_every or None,
+                          # save_strategy="no" asks for no checkpoints, time-based ones (preemption) included
+                          **({} if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
+                             else {"save_every_minutes": 0})),
         privacy=privacy.privacy_config())
     validate(cfg)
     return cfg

@@ -1,0 +1,104 @@
+"""Stop requests (dpllm.stopping): SIGTERM from a job scheduler, a lost Ctrl-C, time-based checkpoints."""
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+from dpllm import ledger
+from tests.helpers import load_recipe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--logical_batch_size", "16", "--physical_batch_size", "16", "--max_length", "32", "--tiny_hidden_size",
+        "32", "--tiny_num_heads", "2", "--eval_every", "0", "--eval_max_records", "8", "--progress", "false",
+        "--max_records", "120", "--accountant", "rdp"]
+recipe = load_recipe("finetune_llm")
+
+
+def _default_signals():
+    """The child handles SIGINT and SIGTERM at their defaults, whatever this test process inherited."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_sigterm_checkpoints_at_the_step_boundary_and_the_printed_command_resumes(tmp_path):
+    """A scheduler's SIGTERM, with no save_every: the step finishes, a resumable checkpoint is written there, one
+    line names it and the resume command, exit 143; the printed command finishes the run with the planned ε."""
+    out = tmp_path / "run"
+    argv = [*FAST, "--max_steps", "200", "--log_every", "1", "--output_dir", str(out)]
+    cmd = [sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            preexec_fn=_default_signals)
+    metrics, deadline = out / "metrics.jsonl", time.time() + 180  # a liveness guard for a loaded machine
+    while not (metrics.is_file() and '"split": "train"' in metrics.read_text()):
+        assert time.time() < deadline and proc.poll() is None, "training never started"
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM at step "), err[-3000:]
+    step = int(lines[0].split("at step ", 1)[1].split(" ", 1)[0])
+    assert 0 < step < 200
+    ckpt = out / "checkpoints" / f"step-{step:06d}"
+    assert f"the last resumable checkpoint is {ckpt} (step {step}); resume with: " in lines[0]
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == step
+    command = shlex.split(lines[0].split("resume with: ", 1)[1])
+    assert command[-2:] == ["--resume_from", "latest"] and command[2:-2] == argv
+    short = [*command[2:-2], "--resume_from", "latest"]
+    assert recipe.cli(short) == 0
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert report["steps"] == 200 and sum(h[2] for h in report["history"]) == 200
+    assert json.loads((out / "run_summary.json").read_text())["resumed_from_step"] == step
+    assert ledger.verify(out).ok
+
+
+def test_a_lost_ctrl_c_still_stops_the_run_at_the_next_step(tmp_path, capsys, monkeypatch):
+    """An interrupt that Python loses (raised where a destructor or a library swallows it) is still a request:
+    the run stops at the step boundary with a resumable checkpoint."""
+    import dpllm.train
+
+    after = dpllm.train.Trainer.after_step
+
+    def swallowed_ctrl_c(self):
+        after(self)
+        if self.step == 2:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(1)  # the handler runs here, in this frame
+            except KeyboardInterrupt:
+                pass  # what a careless `except BaseException` in some callback would do
+
+    monkeypatch.setattr(dpllm.train.Trainer, "after_step", swallowed_ctrl_c)
+    out = tmp_path / "run"
+    assert recipe.cli([*FAST, "--max_steps", "5", "--output_dir", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted at step 2 of 5; the last resumable checkpoint is {out / 'checkpoints' / 'step-000002'}" in err
+    assert not (out / "privacy_report.json").exists()
+
+
+def test_time_based_checkpoints(tmp_path):
+    """save_every_minutes writes resumable checkpoints with no save_every (here: due at every step)."""
+    out = tmp_path / "run"
+    assert recipe.cli([*FAST, "--max_steps", "4", "--output_dir", str(out), "--save_every_minutes", "1e-9"]) == 0
+    steps = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert steps == ["step-000002", "step-000003"]  # every step before the last; the last 2 are kept
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-000003"
+    assert ledger.verify(out).ok
+
+
+def test_a_signal_started_ignored_stays_ignored():
+    """nohup and background jobs start with SIGINT ignored: dpllm does not take that decision back."""
+    from dpllm.stopping import StopRequests
+
+    previous, term = signal.signal(signal.SIGINT, signal.SIG_IGN), signal.getsignal(signal.SIGTERM)
+    try:
+        with StopRequests() as stops:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == stops._handle
+        assert signal.getsignal(signal.SIGTERM) is term
+    finally:
+        signal.signal(signal.SIGINT, previous)
