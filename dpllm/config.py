@@ -237,6 +237,23 @@ def build_parser(defaults: Optional[dict[str, Any]] = None):
     return parser
 
 
+@dataclass(frozen=True)
+class OptionNames:
+    """How a user sets the options that error messages tell them to change: the recipe's flags, or the
+    ``DPTrainer`` fields and ``train()`` argument (a message names what the reader actually types)."""
+
+    overwrite: str = "--overwrite_output_dir true"
+    resume: str = "--resume_from latest"
+    save: str = "--save_every N"
+    output_dir: str = "--output_dir"
+
+
+CLI_OPTIONS = OptionNames()
+TRAINER_OPTIONS = OptionNames(overwrite="PrivacyArguments(overwrite_output_dir=True)",
+                              resume="trainer.train(resume_from_checkpoint=True)",
+                              save="TrainingArguments(save_steps=N)", output_dir="TrainingArguments(output_dir=...)")
+
+
 def parse_config(argv: Optional[list[str]] = None) -> RunConfig:
     """Parse ``--config file.yaml`` plus ``--key value`` overrides into a validated :class:`RunConfig`.
 
@@ -257,7 +274,10 @@ def parse_config(argv: Optional[list[str]] = None) -> RunConfig:
             raise ConfigError("--config needs a YAML file path")
         path = Path(argv[i + 1])
         if not path.is_file():
-            raise ConfigError(f"--config {path}: file not found")
+            from dpllm.io import suggest_path
+
+            near = suggest_path(str(path))
+            raise ConfigError(f"--config {path}: file not found" + (f"; did you mean {near}?" if near else ""))
         defaults = flatten_yaml(yaml.safe_load(path.read_text()) or {}, source=str(path))
     argv = _undot(argv)
     parser = build_parser(defaults)
@@ -267,7 +287,30 @@ def parse_config(argv: Optional[list[str]] = None) -> RunConfig:
         raise ConfigError(f"{err}; run with --help for the list of options") from err
     cfg = RunConfig(*parsed[: len(SECTIONS)])
     validate(cfg)
+    check_paths(cfg)
     return cfg
+
+
+def check_paths(cfg: RunConfig) -> None:
+    """Refuse a local data or model path that does not exist ("did you mean ...?") and an output directory
+    that cannot be created, in milliseconds, before torch or a model is loaded.
+
+    Names that are not paths (Hub ids, built-in data sets, tiny models) pass; the loaders check them.
+
+    Raises:
+        ConfigError: naming the option, the value and the closest existing path.
+    """
+    from dpllm.io import missing_path_error, output_dir_error
+
+    checks = [missing_path_error(cfg.data.dataset, option="dataset"),
+              missing_path_error(cfg.model.model_name_or_path, option="model_name_or_path"),
+              output_dir_error(cfg.train.output_dir)]
+    resume_from = cfg.train.resume_from
+    if resume_from and resume_from != "latest":
+        checks.append(missing_path_error(resume_from, option="resume_from"))
+    for problem in checks:
+        if problem:
+            raise ConfigError(problem)
 
 
 def _undot(argv: list[str]) -> list[str]:

@@ -213,13 +213,12 @@ FILE_TYPES = (".jsonl", ".json", ".csv", ".txt")
 
 def _hub_records(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
     """A Hub dataset, for names that cannot be local paths; a local-looking name that is missing is an error."""
-    from dpllm.io import looks_local
+    from dpllm.io import missing_path_error, path_like
 
     name = cfg.dataset
-    if looks_local(name) or Path(name).suffix.lower() in FILE_TYPES:
-        near = [f"{name}{ext}" for ext in FILE_TYPES if Path(f"{name}{ext}").is_file()]
-        hint = f"; did you mean {near[0]}?" if near else "; check the path (a Hub dataset id looks like org/name)"
-        raise DataError(f"dataset={name}: file not found{hint}")
+    if path_like(name):
+        raise DataError(missing_path_error(name, option="dataset") or f"dataset={name}: cannot be read as a file "
+                        f"of records; give a {'/'.join(FILE_TYPES)} file, a .parquet file or a save_to_disk folder")
     import datasets
 
     try:

@@ -118,7 +118,55 @@ def make_accelerator(mixed_precision: str):
         log.warning("accelerate's mixed_precision=%s is not used: dpllm autocasts per train.mixed_precision (%s here); "
                     "set it in the dpllm config", launched, mixed_precision)
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    warn_if_fewer_processes()
     return Accelerator(mixed_precision=mixed_precision, cpu=cpu)
+
+
+def requested_processes(parent_cmdline: Optional[list[str]] = None) -> Optional[int]:
+    """How many processes ``accelerate launch`` was asked for (``--num_processes``, or its ``--config_file``), read
+    from the launcher's command line (Linux); None when not launched by accelerate or not readable.
+
+    >>> requested_processes(["accelerate", "launch", "--num_processes", "2", "train.py"])
+    2
+    >>> requested_processes(["python", "train.py"]) is None
+    True
+    """
+    import yaml
+
+    args = parent_cmdline
+    if args is None:
+        if not any(k.startswith("ACCELERATE_") for k in os.environ):
+            return None
+        try:
+            args = [a.decode() for a in open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\0") if a]
+        except (OSError, UnicodeDecodeError):
+            return None
+    if "launch" not in args:
+        return None
+    args = args[args.index("launch") + 1:]
+    found = None
+    for i, a in enumerate(args):
+        name, _, value = a.partition("=")
+        if name in ("--num_processes", "--num-processes", "--config_file", "--config-file"):
+            value = value or (args[i + 1] if i + 1 < len(args) else "")
+            try:
+                found = (int(value) if "num" in name else
+                         int((yaml.safe_load(open(value).read()) or {}).get("num_processes") or 0) or found)
+            except (OSError, ValueError, TypeError, yaml.YAMLError):
+                continue
+        if not a.startswith("-") and a.endswith(".py"):  # the script: what follows are its own options
+            break
+    return found
+
+
+def warn_if_fewer_processes() -> None:
+    """``accelerate launch --num_processes 2 x.py`` without ``--multi_gpu`` on a machine without GPUs starts ONE
+    process, silently: say so (from :func:`make_accelerator` and DPTrainer's setup)."""
+    asked, started = requested_processes(), int(os.environ.get("WORLD_SIZE", "1"))
+    if asked is not None and asked > started:
+        log.warning("accelerate launch was asked for %d processes but started %d: the run trains on %d process(es). "
+                    "Add --multi_gpu (two CPU processes work too: accelerate launch --multi_gpu --num_processes %d), "
+                    "or --config_file recipes/accelerate/multi_gpu.yaml", asked, started, started, asked)
 
 
 def world_of(accelerator) -> World:

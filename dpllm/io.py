@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 
 def _umask() -> int:
@@ -81,6 +81,82 @@ def looks_local(name: str) -> bool:
     p = Path(name).expanduser()
     return (name.startswith((".", "/", "~")) or name.count("/") >= 2 or p.exists()
             or (len(p.parts) > 1 and Path(p.parts[0]).is_dir()))
+
+
+#: suffixes that make a name a file path, never a Hub id (datasets' loaders read these kinds)
+FILE_SUFFIXES = (".jsonl", ".json", ".csv", ".txt", ".parquet", ".arrow", ".yaml", ".yml")
+
+
+def path_like(name: str) -> bool:
+    """A name that can only be a local path: :func:`looks_local`, or a file suffix (``data.jsonl``).
+
+    >>> path_like("org/dataset"), path_like("records.jsonl"), path_like("./x")
+    (False, True, True)
+    """
+    return looks_local(name) or Path(name).suffix.lower() in FILE_SUFFIXES
+
+
+def suggest_path(name: str) -> Optional[str]:
+    """The existing path closest to a mistyped ``name``, component by component (difflib), or None.
+
+    >>> suggest_path("/usr/bni") in ("/usr/bin", None)
+    True
+    """
+    import difflib
+
+    p = Path(name).expanduser()
+    for extra in FILE_SUFFIXES[:5]:  # a missing suffix: data → data.jsonl
+        if Path(f"{p}{extra}").is_file():
+            return f"{name}{extra}"
+    parts = p.parts
+    here = Path(parts[0]) if p.is_absolute() else Path(".")
+    for part in parts[1:] if p.is_absolute() else parts:
+        if (here / part).exists():
+            here = here / part
+            continue
+        try:
+            names = [c.name for c in here.iterdir()]
+        except OSError:
+            return None
+        close = difflib.get_close_matches(part, names, n=1, cutoff=0.6)
+        if not close:
+            return None
+        here = here / close[0]
+    return str(here) if here.exists() and here != p else None
+
+
+def missing_path_error(name: Optional[str], *, option: str, local: bool = False) -> Optional[str]:
+    """The one-line error for a local path that does not exist, with "did you mean ...?"; None when ``name``
+    exists, is empty, or is not meant as a path (a Hub id, a built-in name; ``local``: every name is a path)."""
+    if not name or Path(name).expanduser().exists():
+        return None
+    near = suggest_path(name)
+    if not local and not path_like(name) and not ("/" not in name and Path(name).suffix and near):
+        return None  # a Hub id; only a file-like name (README.mdd) next to a close local match is taken as a typo
+    hint = f"did you mean {near}?" if near else "check the path" + ("" if local else " (a Hub id looks like org/name)")
+    return f"{option}={name}: no such file or directory; {hint}"
+
+
+def output_dir_error(out: str | Path) -> Optional[str]:
+    """Why ``out`` cannot be a run directory (a file in the way, a folder that refuses a new directory), or None.
+
+    Tries what the run will do (make a directory) in the deepest existing folder, and removes it at once.
+    """
+    import tempfile
+
+    p = Path(out).expanduser()
+    if p.exists():
+        return None if p.is_dir() else f"output_dir={out} is a file, not a directory; choose another output_dir"
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"output_dir={out}: {parent} is a file, not a directory; choose another output_dir"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dpllm-probe-", dir=parent))
+    except OSError as err:
+        return f"output_dir={out} cannot be created under {parent} ({err.strerror}); choose another output_dir"
+    return None
 
 
 class JsonlError(ValueError):

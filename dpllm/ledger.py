@@ -333,9 +333,30 @@ def verify(run_dir: str | Path, *, _depth: int = 0) -> Verified:
 
 def cli_main(argv: list[str]) -> int:
     """``dpllm ledger verify RUN_DIR``: print OK with the line count and final ε, or the first problem."""
-    if len(argv) != 2 or argv[0] != "verify" or argv[1].startswith("-"):
-        print("usage: dpllm ledger verify RUN_DIR", file=sys.stderr)
-        return 2
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="dpllm ledger", description="The run's append-only, hash-chained ε ledger "
+                                     "(privacy_ledger.jsonl).")
+    sub = parser.add_subparsers(dest="action", required=True, metavar="verify")
+    check = sub.add_parser(
+        "verify", description="Check the hash chain, the order of stages, checkpoints and resumes, recompute every "
+        "line's ε from the (σ, q, steps) history it carries, and compare the last line with privacy_report.json and "
+        "the checkpoint files' hashes. Prints OK with the head hash (record it: a chain cannot stop someone who "
+        "rewrites everything consistently), or the first problem.",
+        help="check the ledger of a run", epilog="exit status: 0 OK, 1 a problem (printed), 2 bad options. "
+        "Example: dpllm ledger verify runs/x")
+    check.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a bad option (2): argparse printed why
+        return int(exit_.code or 0)
+    from dpllm.io import missing_path_error
+
+    missing = missing_path_error(args.run_dir, option="RUN_DIR", local=True)
+    if missing:
+        print(f"FAIL {missing}", file=sys.stderr)
+        return 1
+    argv = [args.action, args.run_dir]
     result = verify(argv[1])
     if result.ok:
         print(f"OK {argv[1]}: {result.message}\nhead {result.head}")

@@ -102,8 +102,11 @@ def source_of(cfg: ModelConfig) -> dict:
         return {"kind": "tiny", "name": name}
     ckpt = resolve_checkpoint(name)
     if ckpt is None and looks_local(name):
-        raise ModelError(f"model_name_or_path={name}: no such local directory; check the path (a Hub id looks "
-                         "like org/name)")
+        from dpllm.io import suggest_path
+
+        near = suggest_path(name)
+        raise ModelError(f"model_name_or_path={name}: no such local directory; "
+                         + (f"did you mean {near}?" if near else "check the path (a Hub id looks like org/name)"))
     if ckpt is not None and (ckpt / "adapter_config.json").exists():
         return {"kind": "run_checkpoint", "path": str(ckpt.resolve()), "merged_lora": True}
     if ckpt is not None and (ckpt / "privacy_report.json").exists():

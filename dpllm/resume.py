@@ -42,7 +42,7 @@ import yaml
 
 from dpllm import ledger
 from dpllm.checkpoint import CheckpointError, unwrap
-from dpllm.config import ConfigError, RunConfig
+from dpllm.config import CLI_OPTIONS, ConfigError, OptionNames, RunConfig
 from dpllm.distributed import World, barrier, full_state_dict, gather_objects, is_sharded, reshard
 from dpllm.io import atomic_directory, read_jsonl, write_json_atomic, write_text_atomic
 
@@ -61,12 +61,16 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 # ---- finding and checking what to resume -----------------------------------------------------------
 
-def resolve(cfg: RunConfig) -> Optional[Path]:
+def resolve(cfg: RunConfig, *, names: OptionNames = CLI_OPTIONS) -> Optional[Path]:
     """The checkpoint directory ``cfg.train.resume_from`` names, or None for a fresh run.
 
     ``latest`` reads ``OUTPUT_DIR/checkpoints/latest``; with no run directory yet it starts a fresh run
     (so a preemptible job can always pass ``--resume_from latest``). A path must be a checkpoint of
     ``output_dir``: a resumed run continues in its own directory.
+
+    Args:
+        cfg: the run's config.
+        names: how the reader sets the options the messages suggest (flags, or DPTrainer's fields).
 
     Raises:
         ConfigError: nothing resumable where there should be, or a checkpoint of another run directory.
@@ -75,7 +79,7 @@ def resolve(cfg: RunConfig) -> Optional[Path]:
     if not t.resume_from:
         return None
     if t.overwrite_output_dir:
-        raise ConfigError("resume_from and overwrite_output_dir=true contradict each other; drop one")
+        raise ConfigError(f"{names.resume} and {names.overwrite} contradict each other; drop one")
     run_dir = Path(t.output_dir)
     if t.resume_from == "latest":
         pointer = run_dir / CHECKPOINTS / "latest"
@@ -83,8 +87,8 @@ def resolve(cfg: RunConfig) -> Optional[Path]:
             if not run_dir.exists() or not any(run_dir.iterdir()):
                 log.info("resume_from=latest: %s has no run yet; starting a new run", run_dir)
                 return None
-            raise ConfigError(f"resume_from=latest: {run_dir} has no resumable checkpoint ({pointer} is missing; "
-                              "set save_every to write them); start over with --overwrite_output_dir true")
+            raise ConfigError(f"{names.resume}: {run_dir} has no resumable checkpoint ({pointer} is missing; "
+                              f"{names.save} writes them); start over with {names.overwrite}")
         ckpt = run_dir / CHECKPOINTS / pointer.read_text().strip()
     else:
         ckpt = Path(t.resume_from)
@@ -92,7 +96,8 @@ def resolve(cfg: RunConfig) -> Optional[Path]:
             ckpt = ckpt / CHECKPOINTS / (ckpt / CHECKPOINTS / "latest").read_text().strip()
         if ckpt.resolve().parent.parent != run_dir.resolve():
             raise ConfigError(f"resume_from={t.resume_from} is not a checkpoint of output_dir={run_dir}; a resumed run "
-                              f"continues in its own directory: set --output_dir {ckpt.resolve().parent.parent}")
+                              f"continues in its own directory: set {names.output_dir} "
+                              f"{ckpt.resolve().parent.parent}")
     if not (ckpt / "trainer_state.json").is_file():
         raise ConfigError(f"resume_from={t.resume_from}: {ckpt} is not a complete resumable checkpoint "
                           "(no trainer_state.json)")

@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Iterable, Optional
 
-from dpllm.config import ConfigError
+from dpllm.config import CLI_OPTIONS, ConfigError, OptionNames
 
 MARKER = ".dpllm_run"
 LOCK = ".lock"
@@ -40,26 +40,31 @@ def _inside(child: Path, parent: Path) -> bool:
         return False
 
 
-def check_output_dir(out: str | Path, *, overwrite: bool, protected: Iterable[Optional[str]] = ()) -> None:
+def check_output_dir(out: str | Path, *, overwrite: bool, protected: Iterable[Optional[str]] = (),
+                     names: OptionNames = CLI_OPTIONS) -> None:
     """Refuse to start a fresh run in ``out`` unless it is new, empty, or a dpllm run we may overwrite.
 
     Args:
         out: the output directory.
         overwrite: ``train.overwrite_output_dir``.
         protected: paths that must survive (the dataset file, the model directory); ignored if not local.
+        names: how the reader sets the options the message suggests (flags, or DPTrainer's fields).
 
     Raises:
         ConfigError: ``out`` is not empty and may not (or cannot safely) be cleared.
     """
+    from dpllm.io import output_dir_error
+
+    problem = output_dir_error(out)  # a file in the way, a folder where no directory can be made
+    if problem:
+        raise ConfigError(problem)
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"output_dir={out} is a file, not a directory; pick another output_dir")
     entries = [p for p in out.iterdir() if p.name != LOCK] if out.is_dir() else []
     if not entries:
         return
     if not overwrite:
-        raise ConfigError(f"output_dir={out} exists and is not empty; pass --overwrite_output_dir true, "
-                          "--resume_from latest to continue it, or pick another")
+        raise ConfigError(f"output_dir={out} exists and is not empty; pass {names.overwrite}, "
+                          f"{names.resume} to continue it, or pick another")
     if not is_run_dir(out):
         shown = ", ".join(sorted(p.name for p in entries)[:4]) + (", ..." if len(entries) > 4 else "")
         raise ConfigError(f"refusing to overwrite output_dir={out}: it is not a dpllm run directory (no {MARKER} "
@@ -99,8 +104,12 @@ class RunLock:
         Raises:
             ConfigError: another live process holds it; the message gives its pid.
         """
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:  # a file in the way, a read-only or virtual file system
+            raise ConfigError(f"output_dir={self.path.parent} cannot be used ({err.strerror}: {err.filename}); "
+                              "choose another output_dir") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

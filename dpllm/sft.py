@@ -163,6 +163,14 @@ def canonical(row: dict, fmt: str, *, where: str) -> str:
     Raises:
         DataError: a malformed message list, or a conversation without an answer.
     """
+    need = ("messages",) if fmt == "messages" else ("prompt", "completion")
+    missing = [k for k in need if k not in row]
+    if missing:  # auto detection reads the first record's fields; one file holds one record shape
+        fields = ", ".join(sorted(row)) or "none"
+        raise _data_error(
+            f"{where} has no {' / '.join(repr(k) for k in missing)} field (its fields: {fields}) but the data set's "
+            f"records are {fmt.replace('_', '/')} records: one file holds one record shape; convert every record "
+            "to one shape (messages, or prompt and completion), or split the file")
     if fmt == "messages":
         rec = {"messages": _messages(row["messages"], where)}
         if not any(m["role"] == "assistant" for m in rec["messages"]):
@@ -288,9 +296,9 @@ def _load_dataset(cfg: DataConfig):
                 raise _data_error(f"dataset={name} could not be parsed as parquet: "
                                   f"{str(err).strip().splitlines()[-1][:300]}") from None
             return None  # dpllm.data words the error for its own kinds
-    from dpllm.io import looks_local
+    from dpllm.io import path_like
 
-    if looks_local(name) or cfg.data_format == "text":
+    if path_like(name) or cfg.data_format == "text":  # a path is never a Hub id (no network for a typo)
         return None
     try:
         return datasets.load_dataset(name, cfg.dataset_config_name, split=cfg.dataset_split)

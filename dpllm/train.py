@@ -146,6 +146,7 @@ class Trainer:
         self.step = self.start_step = self.tokens_seen = 0
         self.last_saved: Optional[int] = None  # the step of the last resumable checkpoint written by this process
         self.stops = StopRequests()  # SIGINT / SIGTERM while run() is on (dpllm.stopping)
+        self.already_finished = False  # resume_from on a run that had finished: run() returned its summary
         self.window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
         self.initial_eval: Optional[dict] = None
         self.bar = None
@@ -159,6 +160,7 @@ class Trainer:
                 finished = resume.finished_summary(self.out) if self.resume_from is not None else None
                 if finished is not None:
                     log.warning("%s already finished at step %s; nothing to do", self.out, finished.get("steps"))
+                    self.already_finished = True
                     return finished if self.world.is_main else {}
                 self.setup_data()
                 self.setup_plan()

@@ -21,17 +21,17 @@ import logging
 import time
 from pathlib import Path
 
-from dpllm.checkpoint import load_model
 from dpllm.config import parse_config
-from dpllm.data import load_split_texts
 from dpllm.logs import setup_logging
-from dpllm.privacy.report import PrivacyReport
-from dpllm.train import train
+
+# torch, transformers and opacus load after the arguments are read (--help and typos answer at once)
 
 CONFIGS = Path(__file__).parent / "configs" / "tiny"
 
 
 def audit_auc(run_dir: Path, *, max_records: int, n_bootstrap: int) -> float:
+    from dpllm.checkpoint import load_model
+    from dpllm.data import load_split_texts
     """Loss-attack AUC of a run's own members vs its held-out records (0.5: no signal)."""
     from mia.audit import run_audit
 
@@ -44,6 +44,8 @@ def audit_auc(run_dir: Path, *, max_records: int, n_bootstrap: int) -> float:
 
 def generations(run_dirs: dict[str, Path], prompts: tuple[str, ...] = ("def ", "class ", "import ")) -> dict:
     """A greedy continuation of each prompt by each model (``model.generate`` on the reloaded checkpoint)."""
+    from dpllm.checkpoint import load_model
+
     out: dict[str, list[str]] = {}
     for name, run_dir in run_dirs.items():
         model, tok = load_model(run_dir, merge=True)
@@ -61,6 +63,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="a few steps per stage (tests)")
     args = ap.parse_args(argv)
     setup_logging()
+    from dpllm.privacy.report import PrivacyReport
+    from dpllm.train import train
+
     logging.getLogger("dpllm.privacy.plan").setLevel(logging.WARNING)
     out = Path(args.output_dir)
     quick = ["--max_steps", "4", "--eval_every", "2", "--eval_max_records", "32"] if args.quick else []

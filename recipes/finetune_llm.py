@@ -39,20 +39,21 @@ from __future__ import annotations
 import os
 import sys
 
+# Only light modules at the top: --help, a mistyped option or path is answered before torch is imported.
 from dpllm.config import parse_config
-from dpllm.distributed import finish_process, release_process_group
 from dpllm.logs import setup_logging
-from dpllm.privacy.report import PrivacyReport
-from dpllm.resume import Interrupted, interrupted_message, program_of
 from dpllm.stopping import EXIT_CODES
-from dpllm.train import TrainingError, train
 
 
 def main(argv: list[str] | None = None) -> dict:
     """Train as configured; print the privacy report and where the (private) held-out loss is. Returns the run
     summary."""
     setup_logging()
-    summary = train(parse_config(argv))
+    cfg = parse_config(argv)  # options, config file, data / model paths and output_dir checked: no torch yet
+    from dpllm.privacy.report import PrivacyReport
+    from dpllm.train import train
+
+    summary = train(cfg)
     if summary:
         report = PrivacyReport.read(summary["run_dir"])
         # un-noised losses on private held-out records stay in the run directory, not in what a job prints
@@ -65,7 +66,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def interrupted(err: KeyboardInterrupt, argv: list[str]) -> None:
-    """After Ctrl-C, one line (from the first process only): where to resume from, and the command that does it."""
+    """After Ctrl-C or SIGTERM, one line (from the first process only): where to resume from, and the command."""
+    from dpllm.resume import Interrupted, interrupted_message, program_of
+
     main_process = err.main if isinstance(err, Interrupted) else int(os.environ.get("RANK", "0")) == 0
     if not main_process:
         return
@@ -87,13 +90,25 @@ def cli(argv: list[str] | None = None) -> int:
     except ValueError as err:  # config, data, model and privacy-plan errors all say what to change
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except TrainingError as err:
+    except Exception as err:
+        from dpllm.train import TrainingError
+
+        if not isinstance(err, TrainingError):
+            raise
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:
-        release_process_group()
+        if "dpllm.distributed" in sys.modules:  # a process group exists only once training code was imported
+            sys.modules["dpllm.distributed"].release_process_group()
     return 0
 
 
+def finish(code: int) -> int:
+    """``dpllm.distributed.finish_process`` once torch is loaded (a launched worker leaves without teardown)."""
+    if "dpllm.distributed" in sys.modules:
+        return sys.modules["dpllm.distributed"].finish_process(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(finish_process(cli()))
+    sys.exit(finish(cli()))

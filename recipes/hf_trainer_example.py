@@ -18,7 +18,7 @@ Launch commands (copy-paste):
 
     # then, as for any dpllm run
     dpllm report runs/hf && dpllm ledger verify runs/hf && dpllm export runs/hf --out release/hf
-    python -m mia audit --run runs/hf
+    python -m mia audit --checkpoint runs/hf
 
 DP-SGD clips each record's gradient (``--per_sample_max_grad_norm``, 1.0); the Trainer's ``--max_grad_norm``
 (a clip of the whole batch's gradient, 1.0 by default) is ignored with one warning. The per-sample engine is

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from dpllm.mlp.data import load_dataset
-from dpllm.mlp.train import MLPRun, plan_for, train_mlp
 from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, progress, quiet_warnings,
                        recipe_parser, save_figure, t_interval)
 
@@ -55,6 +54,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--epsilons", default=",".join(map(str, EPSILONS)), help="comma-separated target ε values")
     ap.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated training seeds")
     args = ap.parse_args(argv)
+    # the training stack (opacus) loads once the arguments are read: --help and typos answer at once
+    from dpllm.mlp.train import MLPRun, plan_for, train_mlp
     quiet_warnings()
     torch.set_num_threads(1)  # tiny models: extra threads only add synchronisation
     timer = Timer()

@@ -26,10 +26,7 @@ import numpy as np
 import torch
 
 from dpllm.mlp.data import Split, load_dataset
-from dpllm.mlp.train import MLPRun, plan_for, predict, train_mlp
 from mia.attacks import loss_attack
-from mia.lira import lira_online, logit_confidence_from_logits
-from mia.metrics import auc, evaluate, roc_curve, tpr_key
 from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, mean_std, plots_line,
                        progress, quiet_warnings, recipe_parser, save_figure, t_interval)
 
@@ -64,6 +61,8 @@ def leave_pair_out(phi: np.ndarray, loss: np.ndarray, mask: np.ndarray) -> dict[
     reverse); the better-estimated Gaussian then sits closer to the target's value by chance alone,
     which biases LiRA below AUC 0.5 when the models carry no membership signal.
     """
+    from mia.lira import lira_online
+
     scores = {"lira": ([], []), "loss": ([], [])}
     for t in range(len(mask)):
         others = (np.arange(len(mask)) // 2) != t // 2
@@ -76,6 +75,10 @@ def leave_pair_out(phi: np.ndarray, loss: np.ndarray, mask: np.ndarray) -> dict[
 
 def main(argv: list[str] | None = None) -> dict:
     args = recipe_parser(__doc__, default_output="runs/mlp_membership", dataset="digits").parse_args(argv)
+    # the training stack (opacus) loads once the arguments are read: --help and typos answer at once
+    from dpllm.mlp.train import MLPRun, plan_for, predict, train_mlp
+    from mia.lira import logit_confidence_from_logits
+    from mia.metrics import auc, evaluate, roc_curve
     quiet_warnings()
     torch.set_num_threads(1)  # tiny models: extra threads only add synchronisation
     timer = Timer()
@@ -147,6 +150,8 @@ def _thin(fpr: np.ndarray, tpr: np.ndarray, n: int = 200) -> dict:
 
 def _bound(record: dict) -> dict | None:
     """Largest TPR an (ε, δ)-DP training run allows at each FPR: e^ε·FPR + δ (capped at 1)."""
+    from mia.metrics import tpr_key
+
     eps = record["epsilon_prv"] if record["epsilon_prv"] is not None else record["epsilon_rdp"]
     if eps is None:
         return None
@@ -159,6 +164,8 @@ def _m(att: dict, key: str) -> str:
 
 
 def summary(res: dict) -> str:
+    from mia.metrics import tpr_key
+
     s, lv = res["settings"], res["levels"]
     r0 = res["runs"][0]
     lines = [
@@ -212,6 +219,8 @@ def _auc_text(a: dict, name: str) -> str:
 
 
 def findings(res: dict) -> list[str]:
+    from mia.metrics import tpr_key
+
     lv = res["levels"]
     out = []
     for x in lv:
@@ -245,6 +254,8 @@ def findings(res: dict) -> list[str]:
 
 
 def plot(res: dict, out: Path) -> list[str]:
+    from mia.metrics import tpr_key
+
     import matplotlib
 
     matplotlib.use("Agg")

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from dpllm.mlp.data import load_dataset
-from dpllm.mlp.train import MLPRun, epsilons, plan_for, train_mlp
 from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, mean_std, paper_findings,
                        progress, quiet_warnings, recipe_parser, save_figure)
 
@@ -50,6 +49,8 @@ def headline_epsilon(e: dict) -> float:
 
 def main(argv: list[str] | None = None) -> dict:
     args = recipe_parser(__doc__, default_output="runs/mlp_privacy_cliff").parse_args(argv)
+    # the training stack (opacus) loads once the arguments are read: --help and typos answer at once
+    from dpllm.mlp.train import MLPRun, epsilons, plan_for, train_mlp
     quiet_warnings()
     torch.set_num_threads(1)  # tiny models: extra threads only add synchronisation
     timer = Timer()

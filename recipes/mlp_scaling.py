@@ -22,9 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dpllm.mlp.batched import train_mlps
 from dpllm.mlp.data import load_dataset
-from dpllm.mlp.train import MLPRun, plan_for, train_mlp
 from dpllm.scaling import ScalingError, fit_form
 from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, mean_std, paper_findings,
                        progress, quiet_warnings, recipe_parser, save_figure)
@@ -53,6 +51,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="train each run alone through Opacus (dpllm.mlp.train.train_mlp) instead of the "
                              "9 runs of each width together (dpllm.mlp.batched.train_mlps; same result)")
     args = parser.parse_args(argv)
+    # the training stack (opacus) loads once the arguments are read: --help and typos answer at once
+    from dpllm.mlp.batched import train_mlps
+    from dpllm.mlp.train import MLPRun, plan_for, train_mlp
     quiet_warnings()
     torch.set_num_threads(1)  # tiny models: extra threads only add synchronisation
     timer = Timer()

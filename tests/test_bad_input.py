@@ -43,6 +43,10 @@ def workspace(tmp_path):
     (tmp_path / "notes" / "todo.txt").write_text("my own notes")
     (tmp_path / "notes" / "data.jsonl").write_text(json.dumps(rows[0]) + "\n")
     (tmp_path / "cfg.yaml").write_text("train:\n  max_steps: 2\n")
+    chat = [{"messages": [{"role": "user", "content": f"question {i}?"}, {"role": "assistant", "content": f"{i}"}]}
+            for i in range(40)]
+    chat[1] = {"prompt": "question 1?", "completion": "1"}
+    (tmp_path / "data" / "mixed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat))
     (tmp_path / "data" / "same.jsonl").write_text(json.dumps(rows[0]) + "\n" * 1 + (json.dumps(rows[0]) + "\n") * 199)
     return tmp_path
 
@@ -66,7 +70,16 @@ def cases(w):
         ("dataset path without its extension", ["--dataset", str(w / "data" / "train"), "--output_dir", out],
          "did you mean"),
         ("missing local model path", ["--dataset", data, "--output_dir", out, "--model_name_or_path",
-                                      str(w / "no" / "such" / "model")], "no such local directory"),
+                                      str(w / "no" / "such" / "model")], "no such file or directory"),
+        ("a typo in the data folder", ["--dataset", str(w / "dta" / "train.jsonl"), "--output_dir", out],
+         f"no such file or directory; did you mean {w / 'data' / 'train.jsonl'}?"),
+        ("output_dir under a regular file", ["--dataset", data, "--output_dir", str(w / "notes" / "todo.txt" / "run")],
+         "todo.txt is a file, not a directory; choose another output_dir"),
+        ("output_dir that cannot be created", ["--dataset", data, "--output_dir", "/proc/no/such/run"],
+         "cannot be created under /proc"),
+        ("messages and prompt/completion records in one file", ["--dataset", str(w / "data" / "mixed.jsonl"),
+                                                                 "--output_dir", out],
+         "record 2 has no 'messages' field (its fields: completion, prompt)"),
         ("two --config files", ["--config", str(w / "cfg.yaml"), "--config", str(w / "cfg.yaml"), "--output_dir",
                                 out], "more than once"),
         ("delta at 1/N", ["--dataset", data, "--output_dir", out, "--target_delta", "0.05"], "must be in (0, 1/N)"),
@@ -81,7 +94,7 @@ def cases(w):
     ]
 
 
-@pytest.mark.parametrize("index", range(15))
+@pytest.mark.parametrize("index", range(19))
 def test_bad_training_input(workspace, capsys, index):
     name, argv, message = cases(workspace)[index]
     before = snapshot(workspace)
@@ -419,3 +432,40 @@ def test_sigint_mid_run_exits_130_with_one_line(tmp_path):
     ckpt = line.split("the last resumable checkpoint is ", 1)[1].split(" (step", 1)[0]
     assert (out / "checkpoints" / "latest").read_text().strip() == os.path.basename(ckpt)
     assert (tmp_path / "run" / "checkpoints" / os.path.basename(ckpt) / "trainer_state.json").is_file()
+
+
+@pytest.mark.parametrize("command", [["report"], ["ledger", "verify"], ["export"], ["synthesize"], ["plan"],
+                                     ["scaling", "fit"], ["scaling", "predict"], ["scaling", "plan"]])
+def test_every_subcommand_has_real_help(command, capsys):
+    """`dpllm X --help` prints what X does and every option, and exits 0 (not a bare usage line and 2)."""
+    from dpllm.cli import main
+
+    assert main([*command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: dpllm " + " ".join(command)) and "-h, --help" in out
+    assert len(out.splitlines()) >= 6, out  # a description and options, not only the usage line
+
+
+def test_report_and_ledger_name_the_closest_run_directory(tmp_path, capsys):
+    from dpllm.cli import main
+
+    (tmp_path / "runs" / "alpha").mkdir(parents=True)
+    assert main(["report", str(tmp_path / "runs" / "alpah")]) == 1
+    assert f"did you mean {tmp_path / 'runs' / 'alpha'}?" in capsys.readouterr().err
+    assert main(["ledger", "verify", str(tmp_path / "rnus" / "alpha")]) == 1
+    assert f"did you mean {tmp_path / 'runs' / 'alpha'}?" in capsys.readouterr().err
+
+
+def test_the_recipe_answers_help_and_typos_before_loading_torch():
+    """--help, an unknown option and a missing file are answered without importing torch (a typo costs
+    milliseconds, not the import of the whole stack; scripts/bench_cli_latency.py prints the times)."""
+    code = ("import sys, runpy; sys.argv = ['finetune_llm.py'] + sys.argv[1:]\n"
+            "try:\n    runpy.run_path(%r, run_name='__main__')\n"
+            "except SystemExit as e:\n    print('exit', e.code, 'torch' in sys.modules)\n"
+            % os.path.join(ROOT, "recipes", "finetune_llm.py"))
+    for argv, want in ((["--help"], "exit 0 False"), (["--no_such_option", "1"], "exit 2 False"),
+                       (["--dataset", "no/such/file.jsonl"], "exit 2 False"),
+                       (["--output_dir", "/proc/no/such/run"], "exit 2 False")):
+        proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT,
+                              timeout=300)
+        assert proc.stdout.strip().splitlines()[-1] == want, (argv, proc.stdout[-500:], proc.stderr[-500:])

@@ -162,6 +162,26 @@ def test_trainers_default_max_grad_norm_is_ignored_with_one_warning(tmp_path, ti
     assert not [r for r in caplog.records if "max_grad_norm" in r.getMessage()]
 
 
+def test_errors_name_what_a_trainer_user_sets(tmp_path, tiny):
+    """A DPTrainer user passes fields and arguments, not command-line flags: the messages say which."""
+    model, tok = tiny
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("something of mine")
+    trainer = DPTrainer(model=model, args=_args(out, max_steps=1), train_dataset=_dataset(tok, TEXTS),
+                        processing_class=tok)
+    with pytest.raises(ConfigError) as err:
+        trainer.train()
+    assert "PrivacyArguments(overwrite_output_dir=True)" in str(err.value)
+    assert "trainer.train(resume_from_checkpoint=True)" in str(err.value) and "--" not in str(err.value)
+    trainer = DPTrainer(model=model, args=_args(out, max_steps=1), train_dataset=_dataset(tok, TEXTS),
+                        processing_class=tok)
+    with pytest.raises(ConfigError) as err:
+        trainer.train(resume_from_checkpoint=True)  # a directory with files but no checkpoint
+    assert "TrainingArguments(save_steps=N) writes them" in str(err.value) and "--" not in str(err.value)
+    assert (out / "notes.txt").read_text() == "something of mine"
+
+
 def test_unsafe_trainer_inputs_are_refused(tmp_path, tiny):
     from torch.utils.data import IterableDataset
     from transformers import DataCollatorForLanguageModeling, DataCollatorWithFlattening
@@ -258,6 +278,16 @@ def test_save_steps_writes_resumable_checkpoints_and_resume_continues(tmp_path):
     for name, p in theirs.items():  # same batches and noise as the uninterrupted run
         torch.testing.assert_close(mine[name].detach(), p.detach())
     assert resumed.privacy_report.history == whole.privacy_report.history == [[0.8, 1 / 3, 4]]
+
+    # the script re-run once more (a job restarted after it had finished): nothing runs, no callback fires, and
+    # trainer.model is the finished run's final model
+    seen = Seen()
+    again, out = run(out_dir, callbacks=[seen], resume=True)
+    assert out.global_step == 4 and out.metrics["epsilon"] == resumed.privacy_report.epsilon
+    assert not seen.began and not seen.ended and seen.steps == 0
+    final = dict(again.model.named_parameters())
+    for name, p in mine.items():
+        torch.testing.assert_close(final[name].detach(), p.detach())  # saved and loaded, not recomputed
 
 
 # ---- the example script vs recipes/finetune_llm.py -----------------------------------------------------------

@@ -31,8 +31,8 @@ from transformers import Trainer
 from transformers.trainer_utils import TrainOutput
 
 from dpllm import data, resume, rundir
-from dpllm.config import ConfigError, RunConfig
-from dpllm.distributed import barrier, check_parallelism, world_of, wrap_model
+from dpllm.config import TRAINER_OPTIONS, ConfigError, RunConfig
+from dpllm.distributed import barrier, check_parallelism, warn_if_fewer_processes, world_of, wrap_model
 from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
 from dpllm.hf.records import PadRecords, Rows, rows_of
 from dpllm.io import looks_local, write_json_atomic, write_text_atomic
@@ -115,6 +115,9 @@ class DPTrainer(Trainer):
             self.model = self.model_wrapped = release(run.model) if run.model is not None else self.model
         from dpllm.privacy.report import PrivacyReport
 
+        if run.already_finished:  # nothing trained: no callbacks; the model is the finished run's final one
+            return self._finished(run, summary)
+
         # the held-out loss is un-noised and computed on private records: it stays in the run directory
         # (metrics.jsonl, run_summary.json), not in what scripts log or push
         # and so is the training loss unless the user opts in (PrivacyArguments.log_train_loss)
@@ -128,6 +131,22 @@ class DPTrainer(Trainer):
                            noise_multiplier=summary["noise_multiplier"], sample_rate=summary["sample_rate"])
         self.control = self.callback_handler.on_train_end(self.args, self.state, self.control)
         return TrainOutput(run.step, train_loss, metrics)
+
+    def _finished(self, run: "HFRun", summary: dict) -> TrainOutput:
+        """``train(resume_from_checkpoint=...)`` on a run that had finished: nothing runs, no callback fires (none
+        saw a start); ``trainer.model`` becomes the run's final model, loaded from its ``checkpoint/``, so the rest
+        of a re-run script (generate, save, push) works on what was trained."""
+        from dpllm.checkpoint import load_model
+        from dpllm.privacy.report import PrivacyReport
+
+        device = next(self.model.parameters()).device
+        self.model = self.model_wrapped = load_model(run.out)[0].to(device)
+        self.privacy_report = PrivacyReport.read(run.out)
+        steps = int(summary.get("steps") or 0) if summary else self.privacy_report.steps
+        metrics = {"train_runtime": 0.0, "epsilon": self.privacy_report.epsilon, "delta": self.privacy_report.delta,
+                   "noise_multiplier": self.privacy_report.noise_multiplier,
+                   "sample_rate": self.privacy_report.sample_rate}
+        return TrainOutput(steps, None, metrics)
 
 
 def release(model):
@@ -179,17 +198,18 @@ class HFRun(RunTrainer):
         self.world = world_of(self.accelerator)
         self.device = self.accelerator.device
         launched = int(os.environ.get("WORLD_SIZE", "1"))
+        warn_if_fewer_processes()
         if launched != self.world.size:
             raise ConfigError(f"launched as {launched} processes but the Trainer's accelerator joined "
                               f"{self.world.size}; on a machine without GPUs pass use_cpu=True (--use_cpu true) so "
                               "accelerate forms a gloo process group")
         check_parallelism(self.p, self.world.kind, world_size=self.world.size,
                           logical_batch_size=self.t.logical_batch_size)
-        self.resume_from = resume.resolve(self.cfg)
+        self.resume_from = resume.resolve(self.cfg, names=TRAINER_OPTIONS)
         if self.resume_from is not None:
             resume.check_config(self.resume_from, self.cfg)
         elif self.world.is_main:  # the data and model live in memory: no path in output_dir to protect
-            rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir)
+            rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir, names=TRAINER_OPTIONS)
 
     def setup_data(self) -> None:
         train, heldout = self.train_rows.texts, self.eval_rows.texts
@@ -254,7 +274,7 @@ class HFRun(RunTrainer):
             resume.clean_partial_writes(self.out)
         elif self.world.is_main:
             self.lock = rundir.RunLock(self.out).acquire()
-            rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir)
+            rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir, names=TRAINER_OPTIONS)
             rundir.clear(self.out)
             rundir.mark(self.out)
             write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
