@@ -287,7 +287,6 @@ def parse_config(argv: Optional[list[str]] = None) -> RunConfig:
         raise ConfigError(f"{err}; run with --help for the list of options") from err
     cfg = RunConfig(*parsed[: len(SECTIONS)])
     validate(cfg)
-    check_paths(cfg)
     return cfg
 
 

@@ -40,7 +40,7 @@ import os
 import sys
 
 # Only light modules at the top: --help, a mistyped option or path is answered before torch is imported.
-from dpllm.config import parse_config
+from dpllm.config import check_paths, parse_config
 from dpllm.logs import setup_logging
 from dpllm.stopping import EXIT_CODES
 
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Train as configured; print the privacy report and where the (private) held-out loss is. Returns the run
     summary."""
     setup_logging()
-    cfg = parse_config(argv)  # options, config file, data / model paths and output_dir checked: no torch yet
+    cfg = parse_config(argv)  # options and config file checked ...
+    check_paths(cfg)  # ... and data / model paths and output_dir: all before torch is imported
     from dpllm.privacy.report import PrivacyReport
     from dpllm.train import train
 

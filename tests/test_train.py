@@ -46,7 +46,7 @@ def test_empty_dataset(tmp_path, jsonl):
 
 
 def test_missing_file(tmp_path):
-    with pytest.raises(DataError, match="not found"):
+    with pytest.raises(DataError, match="no such file or directory"):
         train(cfg_for(tmp_path, "--dataset", str(tmp_path / "nope.jsonl")))
     assert_nothing_written(tmp_path)
 
