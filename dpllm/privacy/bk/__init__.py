@@ -15,7 +15,8 @@ and every record of user u enters step 3 with cᵤ/(records of u).
 
 Opacus stays the owner of noise, accounting and virtual-batch accumulation: the optimizer is Opacus's
 ``DPOptimizerFastGradientClipping`` (``Distributed...`` under DDP), which adds noise to ``p.grad`` exactly
-as for ghost clipping. Unlike Opacus's ghost clipping there is no second backward pass and no special
+as for ghost clipping. Under FSDP2 step 3 reduce-scatters each clipped sum into the parameter's shard and
+each process noises its own shard (:mod:`dpllm.privacy.bk.sharded`). Unlike Opacus's ghost clipping there is no second backward pass and no special
 criterion: ``loss.backward()`` on the mean over records of each record's loss is all it takes
 (Opacus's ``loss_reduction="mean"`` convention: gradients are scaled back by the number of rows).
 
@@ -63,7 +64,7 @@ from torch import nn
 
 from dpllm.distributed import is_sharded, unsharded_parameters
 from dpllm.privacy.bk.layers import Record, Units, is_tied_head, rule_for, tied_cross
-from dpllm.privacy.bk.sharded import scatter_sum
+from dpllm.privacy.bk.sharded import ShardedSums
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +279,7 @@ class BookKeepingModule(nn.Module):
         """
         on = {id(r) for r in active}
         held: dict[int, Optional[torch.Tensor]] = {}  # a tied weight's sum, from its head to its embedding's turn
+        sums = ShardedSums(self._add_grad) if self._sharded else None
         for r, params in self._targets:
             embedding = id(r) in self._tied_embeddings
             into = held.get(id(params.get("weight"))) if embedding else None
@@ -291,14 +293,17 @@ class BookKeepingModule(nn.Module):
                 if name == "weight" and embedding:
                     kept = held.pop(id(p), None)
                     grad = kept if grad is None else grad if kept is None else kept + grad
-                self._deposit(p, grad)
+                if sums is not None:  # collectives: every process sends each parameter's sum, zeros if none
+                    sums.add(p, torch.zeros(p.shape, dtype=p.dtype, device=p.device) if grad is None else grad)
+                elif grad is not None:
+                    self._add_grad(p, grad)
             r.clear()
+        if sums is not None:
+            sums.flush()
 
-    def _deposit(self, p: torch.Tensor, grad: Optional[torch.Tensor]) -> None:
-        if self._sharded:  # a collective: every process sends each parameter's sum, zeros if nothing reached it
-            grad = scatter_sum(torch.zeros(p.shape, dtype=p.dtype, device=p.device) if grad is None else grad, p)
-        if grad is not None:
-            p.grad = grad if p.grad is None else p.grad + grad
+    @staticmethod
+    def _add_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+        p.grad = grad if p.grad is None else p.grad + grad
 
 
 def _refuse_raw_gradient(name: str, grad: Optional[torch.Tensor]) -> None:
