@@ -338,16 +338,6 @@ def reshard(model: nn.Module) -> None:
             m.reshard()
 
 
-def full_state_dict(model: nn.Module) -> Optional[dict]:
-    """Under FSDP, the full (unsharded, CPU) state dict, gathered by every process (a collective); else None."""
-    if not is_sharded(model):
-        return None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    reshard(model)
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def params_digest(model: nn.Module) -> Optional[str]:
     """sha256 of the trainable parameters' bytes (None for sharded models, whose ranks hold different shards)."""
     if is_sharded(model):

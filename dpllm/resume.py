@@ -48,7 +48,7 @@ from dpllm import ledger
 from dpllm import sharded_checkpoint as sc
 from dpllm.checkpoint import CheckpointError, unwrap
 from dpllm.config import ConfigError, RunConfig
-from dpllm.distributed import World, barrier, full_state_dict, gather_objects, is_sharded, reshard
+from dpllm.distributed import World, barrier, gather_objects, is_sharded, reshard
 from dpllm.io import atomic_directory, read_jsonl, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -168,22 +168,14 @@ def _set_rng_state(state: dict, generators: dict[str, Optional[torch.Generator]]
             g.set_state(state[name])
 
 
-# ---- model and optimizer state (full state dicts under FSDP) ------------------------------------------
+# ---- model and optimizer state (unsharded checkpoints; read into an FSDP model as full state dicts) -------
 
 def _trainable_names(model) -> list[str]:
     return [n for n, p in unwrap(model).named_parameters() if p.requires_grad]
 
 
-def _save_model(model, tmp: Optional[Path], world: World) -> None:
-    """save_pretrained on rank 0; under FSDP every rank first joins gathering the full weights."""
-    inner = unwrap(model)
-    state = full_state_dict(inner)
-    if tmp is not None:
-        inner.save_pretrained(tmp, state_dict=state) if state is not None else inner.save_pretrained(tmp)
-
-
 def _load_model(model, ckpt: Path, world: World) -> None:
-    """Load the trainable weights saved by :func:`_save_model` (full model or LoRA adapter)."""
+    """Load the trainable weights of an unsharded checkpoint (``save_pretrained``: full model or LoRA adapter)."""
     from safetensors.torch import load_file
 
     inner = unwrap(model)
@@ -260,13 +252,12 @@ def save(run_dir: Path, *, step: int, model, optimizer, scheduler, world: World,
     optim_state = _optimizer_state(model, optimizer)
     target = step_dir(run_dir, step)
     if not world.is_main:
-        _save_model(model, None, world)
         barrier(world)
         return
     (run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir / CHECKPOINTS, 0o700)  # generator states are secrets: owner only
     with atomic_directory(target, private=True) as tmp:
-        _save_model(model, tmp, world)
+        unwrap(model).save_pretrained(tmp)
         torch.save(optim_state, tmp / "optimizer.pt")
         fd = os.open(tmp / "rng_state.pt", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:

@@ -20,10 +20,18 @@ from dpllm import resume as R  # noqa: E402
 from dpllm.checkpoint import load_model, save_checkpoint, unwrap  # noqa: E402
 from dpllm.config import PrivacyConfig  # noqa: E402
 from dpllm.data import TokenizedRecords, make_collate  # noqa: E402
-from dpllm.distributed import World, full_state_dict, is_sharded, wrap_model  # noqa: E402
+from dpllm.distributed import World, is_sharded, reshard, wrap_model  # noqa: E402
 from dpllm.privacy.engine import PrivacyPlan, make_private  # noqa: E402
 from dpllm.train import evaluate, forward_loss  # noqa: E402
 from tests.helpers import TEXTS, tiny_model  # noqa: E402
+
+
+def full_state_dict(model) -> dict:
+    """The full (unsharded, CPU) state dict, gathered by every process: what the checks compare."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    reshard(model)
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def check(finetuning: str, workdir: Path) -> dict:
