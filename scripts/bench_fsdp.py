@@ -191,7 +191,8 @@ def main(argv=None) -> dict:
     rows = []
     for mode in modes:
         per_rank = [{"rank": r["rank"],
-                     "cpu_ratio_vs_nodp": statistics.median(c / b for c, b in zip(r["cpu_s"][mode], r["cpu_s"]["nodp"])),
+                     "cpu_ratio_vs_nodp": statistics.median(c / b for c, b in zip(r["cpu_s"][mode],
+                                                                                  r["cpu_s"]["nodp"])),
                      "wall_ratio_vs_nodp": statistics.median(w / b for w, b in zip(r["wall_s"][mode],
                                                                                    r["wall_s"]["nodp"])),
                      "median_cpu_s": statistics.median(r["cpu_s"][mode]),

@@ -39,7 +39,8 @@ def check(finetuning: str, workdir: Path) -> dict:
     world = World(rank=rank, size=dist.get_world_size(), kind="fsdp")
     found: dict = {}
     model, tok = tiny_model("tiny-llama", finetuning)
-    model = wrap_model(model, dp=True, world=world, accelerator=None, mixed_precision="no", grad_sample_mode="ghost_fsdp")
+    model = wrap_model(model, dp=True, world=world, accelerator=None, mixed_precision="no",
+                       grad_sample_mode="ghost_fsdp")
     found["sharded"] = is_sharded(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     dataset = TokenizedRecords(TEXTS * 10, tok, 48)

@@ -16,15 +16,17 @@ and every record of user u enters step 3 with cᵤ/(records of u).
 Opacus stays the owner of noise, accounting and virtual-batch accumulation: the optimizer is Opacus's
 ``DPOptimizerFastGradientClipping`` (``Distributed...`` under DDP), which adds noise to ``p.grad`` exactly
 as for ghost clipping. Under FSDP2 step 3 reduce-scatters each clipped sum into the parameter's shard and
-each process noises its own shard (:mod:`dpllm.privacy.bk.sharded`). Unlike Opacus's ghost clipping there is no second backward pass and no special
-criterion: ``loss.backward()`` on the mean over records of each record's loss is all it takes
-(Opacus's ``loss_reduction="mean"`` convention: gradients are scaled back by the number of rows).
+each process noises its own shard (:mod:`dpllm.privacy.bk.sharded`). Unlike Opacus's ghost clipping there is
+no second backward pass and no special criterion: ``loss.backward()`` on the mean over records of each
+record's loss is all it takes (Opacus's ``loss_reduction="mean"`` convention: gradients are scaled back by
+the number of rows).
 
 Why each record is clipped exactly once per backward pass (everything rests on this):
 
 - *Only bk writes a trainable parameter's gradient.* Every rule's autograd function returns no weight
   gradient, so autograd accumulates into a trainable ``p.grad`` only when the parameter is used outside its
-  own layer (``F.linear(h, emb.weight)``, ``h @ lin.weight.T``); a hook on every trainable parameter
+  own layer (``F.linear(h, emb.weight)``, ``h @ lin.weight.T``); a hook on every trainable parameter (under
+  FSDP on the unsharded copy the forward pass uses, before FSDP's own reduce-scatter could send it)
   refuses that before the gradient reaches ``p.grad`` (the backward pass fails), since bk would add its
   clipped sum to an unclipped gradient. Gradients already there when bk wraps the model are dropped
   (with a warning).
@@ -272,7 +274,7 @@ class BookKeepingModule(nn.Module):
         self.last_norms = norms
 
     def _write_clipped(self, active: list[Record], coef: torch.Tensor) -> None:
-        """Σᵢ cᵢ·gᵢ of every record into its parameters' ``.grad`` (under FSDP: reduce-scattered into the shards).
+        """Σᵢ cᵢ·gᵢ of every record into its parameters' ``.grad`` (under FSDP reduce-scattered into the shards).
 
         Every parameter is deposited exactly once per pass, in ``self._targets``' order, whatever the records saw
         (under FSDP a deposit is a collective); a tied weight once, at its embedding's turn, with both parts.
