@@ -36,6 +36,7 @@ RECORDS = TEXTS + ["Noise of standard deviation sigma times C.", "A record is a 
                    "Ten records, six on one process and four on the other."]
 SHARES = [list(range(0, 6)), list(range(6, 10))]  # uneven on purpose
 USERS = [0, 0, 1, 2, 2, 2, 3, 4, 4, 5]  # ULS: a user's records are on one process
+EMPTY = {k: torch.zeros((0, 1), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
 LR = 0.5
 
 
@@ -63,15 +64,17 @@ def step(model, tok, shares, *, C, sigma=0.0, world_size=1, users=None, micro=1,
                               clip_weights=lambda n: (C / n).clamp(max=1.0), noise_multiplier=sigma,
                               max_grad_norm=C, expected_batch_size=expected, world_size=world_size,
                               noise_generator=torch.Generator().manual_seed(noise_seed), per_user=users is not None)
-    size = -(-len(shares) // micro)
+    size = max(1, -(-len(shares) // micro))
     parts = [shares[i: i + size] for i in range(0, len(shares), size)]
+    parts += [[]] * (micro - len(parts))  # every process runs as many passes (FSDP's are collectives)
     norms = []
     for i, part in enumerate(parts):
         opt.signal_skip_step(do_skip=i < len(parts) - 1)
         if users is not None:
             bk.set_users([users[j] for j in part])
-        forward_loss(bk, batch_of(tok, [RECORDS[j] for j in part])).backward()
-        norms += bk.last_norms.tolist()
+        # an empty share runs one fully masked row, as the trainer does (forward_loss): zero gradient, same passes
+        forward_loss(bk, batch_of(tok, [RECORDS[j] for j in part]) if part else EMPTY).backward()
+        norms += bk.last_norms.tolist() if part else []
         opt.step()
         if i < len(parts) - 1:  # the last step's p.grad (the noised, scaled update) is what the cases compare
             opt.zero_grad()
@@ -96,19 +99,19 @@ def compare(ref_model, model, ref_grads) -> dict:
     return {"update_rel": worst_update, "param_rel": worst_param}
 
 
-def equivalence(kind, finetuning, *, rank, users=None, micro=1, checkpointing=False) -> dict:
+def equivalence(kind, finetuning, *, rank, users=None, micro=1, checkpointing=False, shares=SHARES) -> dict:
     ref, tok = build(kind, finetuning)
     model = shard_model(build(kind, finetuning, checkpointing=checkpointing)[0])
-    everyone = sum(SHARES, [])
+    everyone = sum(shares, [])
     # C at the median per-record (per-user) norm: some records are clipped, some are not
     _, probe = step(copy.deepcopy(ref), tok, everyone, C=1e9, users=users)
     C = float(torch.tensor(probe).median())
     _, ref_norms = step(ref, tok, everyone, C=C, users=users)
     ref_grads = {n: p.grad.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}
-    _, norms = step(model, tok, SHARES[rank], C=C, world_size=2, users=users, micro=micro)
-    mine = SHARES[rank] if users is None else sorted({users[j] for j in SHARES[rank]})
-    offset = 0 if rank == 0 else (len(SHARES[0]) if users is None else len({users[j] for j in SHARES[0]}))
-    norm_rel = max(abs(a - b) / b for a, b in zip(norms, ref_norms[offset: offset + len(mine)]))
+    _, norms = step(model, tok, shares[rank], C=C, world_size=2, users=users, micro=micro)
+    mine = shares[rank] if users is None else sorted({users[j] for j in shares[rank]})
+    offset = 0 if rank == 0 else (len(shares[0]) if users is None else len({users[j] for j in shares[0]}))
+    norm_rel = max((abs(a - b) / b for a, b in zip(norms, ref_norms[offset: offset + len(mine)])), default=0.0)
     return {**compare(ref, model, ref_grads), "norm_rel": norm_rel, "clipped": int(sum(n > C for n in ref_norms)),
             "records": len(ref_norms)}
 
@@ -206,6 +209,7 @@ if __name__ == "__main__":
         "virtual_batches": equivalence("tiny-llama", "full", rank=rank, micro=2),
         "uls": equivalence("tiny-gpt2", "full", rank=rank, users=USERS),
         "checkpointing": equivalence("tiny-llama", "full", rank=rank, checkpointing=True),
+        "empty_share": equivalence("tiny-gpt2", "full", rank=rank, micro=2, shares=[list(range(10)), []]),
         "noise": noise(rank),
         "mixed_precision": mixed_precision(rank),
     }

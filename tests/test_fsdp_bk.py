@@ -44,11 +44,12 @@ def found(tmp_path_factory):
 
 
 @pytest.mark.parametrize("case", ["llama_full", "gpt2_tied_full", "llama_lora", "virtual_batches", "uls",
-                                  "checkpointing"])
+                                  "checkpointing", "empty_share"])
 def test_a_sharded_bk_step_equals_one_process(found, case):
     """σ = 0: the update, the parameters after it and every record's (user's) norm equal the single-process bk
     step over all the step's records (GPT-2's head tied to its embedding; LoRA; two physical batches per process;
-    user-level sampling; gradient checkpointing under FSDP)."""
+    user-level sampling; gradient checkpointing under FSDP; one process with all records in two physical
+    batches while the other runs two masked rows)."""
     r = found[case]
     assert r["update_rel"] < EQUAL and r["param_rel"] < EQUAL and r["norm_rel"] < EQUAL, r
     assert 0 < r["clipped"] < r["records"]  # C at the median norm: the clip factors matter
