@@ -8,6 +8,7 @@ from a config also carries that base under ``base_model/``, so it reloads withou
 from __future__ import annotations
 
 import json
+import os
 import platform
 import sys
 from pathlib import Path
@@ -60,6 +61,7 @@ def save_checkpoint(
     base_model: Optional[nn.Module] = None,
     extra_files: Optional[dict[str, Any]] = None,
     state_dict: Optional[dict] = None,
+    weights_dir: Optional[Path] = None,
 ) -> Path:
     """Write a checkpoint atomically: everything lands in a temp dir, then one rename.
 
@@ -72,12 +74,19 @@ def save_checkpoint(
         base_model: for LoRA over a base that has no path on disk, saved under ``base_model/``.
         extra_files: name → JSON-serialisable object, written beside the report.
         state_dict: the full weights when ``model`` is sharded (FSDP), gathered beforehand by every process.
+        weights_dir: a directory where every process already wrote the weights (a sharded run,
+            :func:`dpllm.sharded_checkpoint.write_weights`); its files are moved in and it is removed.
     """
     path = Path(path)
     model = unwrap(model)
     try:
         with atomic_directory(path) as tmp:
-            model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
+            if weights_dir is not None:
+                for f in Path(weights_dir).iterdir():
+                    os.replace(f, tmp / f.name)
+                Path(weights_dir).rmdir()
+            else:
+                model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
             tokenizer.save_pretrained(tmp)
             if base_model is not None:
                 base_model.save_pretrained(tmp / "base_model")

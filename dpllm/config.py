@@ -155,10 +155,10 @@ class PrivacyConfig:
     noise_multiplier: Optional[float] = _f(None, "Use this noise multiplier instead of calibrating.")
     max_grad_norm: float = _f(1.0, "Per-sample clipping norm C.")
     accountant: str = _f("prv", "'prv' (default), 'rdp' or 'gdp' (Opacus accountants).")
-    grad_sample_mode: str = _f("auto", "'auto' (default: bk where every trainable layer has a rule, else Opacus "
-                                       "hooks, or ghost where hooks' per-sample gradients would not fit; "
-                                       "ghost_fsdp under FSDP; dpllm.privacy.modes), 'bk' (book-keeping: one "
-                                       "backward pass), 'hooks', 'ghost' (Opacus ghost clipping), 'ghost_fsdp'.")
+    grad_sample_mode: str = _f("auto", "'auto' (default: bk where every trainable layer has a rule, also under "
+                                       "FSDP, else Opacus hooks, or ghost where hooks' per-sample gradients would "
+                                       "not fit; dpllm.privacy.modes), 'bk' (book-keeping: one backward pass), "
+                                       "'hooks', 'ghost' (Opacus ghost clipping), 'ghost_fsdp' (Opacus, FSDP only).")
     clipping: str = _f("flat", "Per-sample clipping function (dpllm.privacy.clipping registry).")
     clipping_r: float = _f(0.1, "r of the psac/psasc clipping functions (stability constant of automatic).")
     clipping_s: float = _f(1.0, "s of psasc (sensitivity C/s).")

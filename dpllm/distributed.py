@@ -6,16 +6,21 @@ Launch with ``accelerate launch``; what it sets up decides the wrapping (:func:`
 |------------------------------|---------------------------------------------------|----------------|
 | single_gpu.yaml / plain      | the model as is                                   | as is          |
 | multi_gpu.yaml (DDP)         | Opacus ``DifferentiallyPrivateDistributedDataParallel`` | torch DDP |
-| fsdp.yaml (FSDP2)            | Opacus ``FSDP2Wrapper`` + ``grad_sample_mode: ghost_fsdp`` | accelerate's FSDP |
+| fsdp.yaml (FSDP2)            | :func:`shard_model` (``bk``, ``auto``); Opacus ``FSDP2Wrapper`` (``ghost_fsdp``) | :func:`shard_model` |
 
-Under DP the model is wrapped *before* ``make_private``; Opacus then sees a distributed module, uses its
-distributed optimizer (noise added once, on rank 0, for DDP; per shard for FSDP) and divides the
-expected batch size by the number of processes. The global logical batch, q, σ, the step count and ε
-do not depend on the number of processes.
+Under DP the model is wrapped *before* ``make_private``. Under DDP Opacus sees a distributed module, uses its
+distributed optimizer (noise added once, on rank 0) and divides the expected batch size by the number of
+processes. Under FSDP2 with ``bk`` each process clips its own records over the whole model, the clipped sums
+are reduce-scattered to the shards, and each process noises its own shard (:mod:`dpllm.privacy.bk`); with
+``ghost_fsdp`` Opacus does the same per shard. The global logical batch, q, σ, the step count and ε do not
+depend on the number of processes.
 
 On a machine without CUDA, ``accelerate launch --multi_gpu --num_processes 2`` starts two processes
 but accelerate initialises no process group unless told the run is on CPU; :func:`make_accelerator`
-does that, so the same command runs (gloo) on a laptop and on GPUs (nccl).
+does that, so the same command runs (gloo) on a laptop and on GPUs (nccl). ``accelerate launch
+--config_file recipes/accelerate/fsdp.yaml --num_processes 2`` likewise starts two gloo processes on a CPU
+machine; accelerate then calls the run ``MULTI_CPU``, and :func:`world_of` reads its ``ACCELERATE_USE_FSDP``
+to run it sharded, as on GPUs.
 """
 
 from __future__ import annotations
@@ -178,9 +183,11 @@ def world_of(accelerator) -> World:
     from accelerate.utils import DistributedType
 
     dt = accelerator.distributed_type
+    # on CPU accelerate turns an FSDP launch into MULTI_CPU; its launcher still says FSDP was asked for
+    fsdp_on_cpu = dt == DistributedType.MULTI_CPU and os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
     if dt == DistributedType.NO:
         kind = "none"
-    elif dt == DistributedType.FSDP:
+    elif dt == DistributedType.FSDP or fsdp_on_cpu:
         kind = "fsdp"
     elif dt.value.startswith("MULTI_"):
         kind = "ddp"
@@ -200,18 +207,18 @@ def check_parallelism(privacy: PrivacyConfig, kind: str, *, world_size: int = 1,
         logical_batch_size: records per optimizer step, over all processes.
 
     Raises:
-        ConfigError: FSDP under DP without ``ghost_fsdp`` (Opacus's ghost and hooks modes cannot see
-            sharded parameters), ``ghost_fsdp`` without FSDP, or a logical batch smaller than the
-            number of processes (a non-private process would get no records).
+        ConfigError: FSDP under DP with Opacus's ``ghost`` or ``hooks`` (they cannot see sharded parameters;
+            ``bk``, ``auto`` and ``ghost_fsdp`` can), ``ghost_fsdp`` without FSDP, or a logical batch smaller
+            than the number of processes (a non-private process would get no records).
     """
     if kind not in ("none", "ddp", "fsdp"):
         raise ConfigError(f"parallelism kind={kind!r} is not one of none, ddp, fsdp")
     mode = privacy.grad_sample_mode
-    if privacy.enabled and kind == "fsdp" and mode not in ("ghost_fsdp", "auto"):  # auto picks ghost_fsdp
+    if privacy.enabled and kind == "fsdp" and mode not in ("bk", "auto", "ghost_fsdp"):
         raise ConfigError(
-            f"grad_sample_mode={mode} cannot run under FSDP: Opacus computes per-sample norms of sharded "
-            "parameters only in 'ghost_fsdp' mode; set privacy.grad_sample_mode: ghost_fsdp, or launch "
-            "with recipes/accelerate/multi_gpu.yaml (DDP)"
+            f"grad_sample_mode={mode} cannot run under FSDP: Opacus's {mode} mode cannot see sharded parameters; "
+            "set privacy.grad_sample_mode: auto (book-keeping, one backward pass) or ghost_fsdp, or launch with "
+            "recipes/accelerate/multi_gpu.yaml (DDP)"
         )
     if privacy.enabled and mode == "ghost_fsdp" and kind != "fsdp":
         raise ConfigError(
@@ -223,23 +230,94 @@ def check_parallelism(privacy: PrivacyConfig, kind: str, *, world_size: int = 1,
                           "raise logical_batch_size or launch fewer processes")
 
 
-def wrap_model(model: nn.Module, *, dp: bool, world: World, accelerator, mixed_precision: str) -> nn.Module:
-    """Wrap for the launch (see the module table). Create the optimizer *after* this: FSDP replaces parameters."""
+def wrap_model(model: nn.Module, *, dp: bool, world: World, accelerator, mixed_precision: str,
+               grad_sample_mode: Optional[str] = None) -> nn.Module:
+    """Wrap for the launch (see the module table). Create the optimizer *after* this: FSDP replaces parameters.
+
+    Args:
+        grad_sample_mode: the engine that will run (``auto`` resolved); ``ghost_fsdp`` needs Opacus's layout.
+    """
     if world.kind == "none":
         return model
+    if world.kind == "fsdp":
+        if dp and grad_sample_mode == "ghost_fsdp":  # Opacus's norm samplers need every layer sharded alone
+            from opacus.utils.fsdp_utils import FSDP2Wrapper
+
+            return FSDP2Wrapper(model, mp_policy=_mixed_precision_policy(mixed_precision))
+        return shard_model(model, mixed_precision=mixed_precision, reshard_after_forward=_reshard_after_forward())
     if not dp:
         return accelerator.prepare_model(model)
-    if world.kind == "fsdp":
-        from opacus.utils.fsdp_utils import FSDP2Wrapper
-        from torch.distributed.fsdp import MixedPrecisionPolicy
-
-        # bf16 compute with fp32 gradient reduction: per-sample norms and noise stay in fp32.
-        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                  if mixed_precision == "bf16" else MixedPrecisionPolicy())
-        return FSDP2Wrapper(model, mp_policy=policy)
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel
 
     return DifferentiallyPrivateDistributedDataParallel(model)  # broadcasts rank 0's weights
+
+
+def _mixed_precision_policy(mixed_precision: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    # bf16 compute with fp32 gradient reduction: per-sample norms, clipped sums and noise stay in fp32.
+    return (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision == "bf16" else MixedPrecisionPolicy())
+
+
+def _reshard_after_forward() -> bool:
+    """``fsdp_reshard_after_forward`` of the accelerate config (its launcher exports it), default true."""
+    return os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() not in ("false", "0", "no")
+
+
+def shard_model(model: nn.Module, *, mixed_precision: str = "no", reshard_after_forward: bool = True) -> nn.Module:
+    """FSDP2 as accelerate's ``TRANSFORMER_BASED_WRAP`` does it: each transformer block (the model's
+    ``_no_split_modules``) is one shard group, the root holds the rest (embeddings, final norm, output head).
+
+    A weight shared by two layers (a tied output head) stays in one group, the root's. Under ``bk`` every
+    process runs the whole model on its own records, one block's parameters gathered at a time; the layers
+    themselves keep their types, so bk's per-layer rules apply unchanged.
+
+    Args:
+        mixed_precision: ``"bf16"``: blocks compute in bf16, gradients are reduced in fp32.
+        reshard_after_forward: free each block's gathered parameters after its forward (gathered again for
+            backward): less memory, one more all-gather per block.
+
+    Returns:
+        ``model``, sharded in place (its parameters are now DTensors).
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    policy = _mixed_precision_policy(mixed_precision)
+    blocks = [m for m in model.modules() if type(m).__name__ in names and m is not model]
+    if not blocks:
+        log.warning("FSDP: %s names no transformer blocks (_no_split_modules); the whole model is one shard group",
+                    type(model).__name__)
+    for block in blocks:
+        fully_shard(block, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
+
+def unsharded_parameters(model: nn.Module) -> list[tuple[str, nn.Module, nn.Parameter]]:
+    """``(name, owning module, parameter)`` for the parameter objects a forward pass of an FSDP2 model uses.
+
+    FSDP2 registers sharded DTensors on the modules and swaps in other, unsharded parameters (the same objects
+    every step, created at the first all-gather) while a group runs. A hook or an identity check that must see
+    what the forward pass uses needs those. Each group is gathered and released in turn (a collective: every
+    process calls this), so at most one group is unsharded at a time. A parameter shared by two layers (a tied
+    head) appears once per layer.
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    found: dict[tuple[int, int], tuple[str, nn.Module, nn.Parameter]] = {}
+    for root_name, group in model.named_modules():
+        if not isinstance(group, FSDPModule):
+            continue
+        group.unshard()
+        for sub_name, sub in group.named_modules():
+            for pname, p in sub.named_parameters(recurse=False):
+                if not isinstance(p, DTensor):  # this group's, now unsharded (other groups stay DTensors)
+                    name = ".".join(x for x in (root_name, sub_name, pname) if x)
+                    found.setdefault((id(p), id(sub)), (name, sub, p))
+        group.reshard()
+    return list(found.values())
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -306,16 +384,6 @@ def reshard(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
-
-
-def full_state_dict(model: nn.Module) -> Optional[dict]:
-    """Under FSDP, the full (unsharded, CPU) state dict, gathered by every process (a collective); else None."""
-    if not is_sharded(model):
-        return None
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    reshard(model)
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def params_digest(model: nn.Module) -> Optional[str]:

@@ -15,7 +15,11 @@ Every ``save_every`` steps and at the end, ``RUN_DIR/checkpoints/step-XXXXXX/`` 
                                       history, the privacy plan, ε at this step
     dpllm_config.yaml                 the run's config (a resume with another config is refused)
 
-then ``checkpoints/latest`` is pointed at it (atomically), a ``checkpoint`` line goes into the privacy
+Under FSDP2 no process gathers the model: every process writes its own shards of the weights and
+optimizer state and its own (secret) random state, beside rank 0's scheduler, trainer state and config
+(:mod:`dpllm.sharded_checkpoint` lists the files).
+
+Then ``checkpoints/latest`` is pointed at it (atomically), a ``checkpoint`` line goes into the privacy
 ledger, and all but the newest two checkpoints are removed. A crash at any point leaves the previous
 checkpoint and pointer intact: nothing is renamed into place until it is complete.
 
@@ -41,9 +45,10 @@ import torch
 import yaml
 
 from dpllm import ledger
+from dpllm import sharded_checkpoint as sc
 from dpllm.checkpoint import CheckpointError, unwrap
 from dpllm.config import CLI_OPTIONS, ConfigError, OptionNames, RunConfig
-from dpllm.distributed import World, barrier, full_state_dict, gather_objects, is_sharded, reshard
+from dpllm.distributed import World, barrier, gather_objects, is_sharded, reshard
 from dpllm.io import atomic_directory, read_jsonl, write_json_atomic, write_text_atomic
 
 log = logging.getLogger(__name__)
@@ -169,22 +174,14 @@ def _set_rng_state(state: dict, generators: dict[str, Optional[torch.Generator]]
             g.set_state(state[name])
 
 
-# ---- model and optimizer state (full state dicts under FSDP) ------------------------------------------
+# ---- model and optimizer state (unsharded checkpoints; read into an FSDP model as full state dicts) -------
 
 def _trainable_names(model) -> list[str]:
     return [n for n, p in unwrap(model).named_parameters() if p.requires_grad]
 
 
-def _save_model(model, tmp: Optional[Path], world: World) -> None:
-    """save_pretrained on rank 0; under FSDP every rank first joins gathering the full weights."""
-    inner = unwrap(model)
-    state = full_state_dict(inner)
-    if tmp is not None:
-        inner.save_pretrained(tmp, state_dict=state) if state is not None else inner.save_pretrained(tmp)
-
-
 def _load_model(model, ckpt: Path, world: World) -> None:
-    """Load the trainable weights saved by :func:`_save_model` (full model or LoRA adapter)."""
+    """Load the trainable weights of an unsharded checkpoint (``save_pretrained``: full model or LoRA adapter)."""
     from safetensors.torch import load_file
 
     inner = unwrap(model)
@@ -246,36 +243,71 @@ def save(run_dir: Path, *, step: int, model, optimizer, scheduler, world: World,
          generators: dict[str, Optional[torch.Generator]], trainer_state: dict, privacy: dict) -> None:
     """Write ``checkpoints/step-XXXXXX`` atomically, point ``latest`` at it, add a ledger line, prune.
 
-    Called on every process (random states are gathered, FSDP weights all-gathered); only rank 0 writes.
+    Called on every process. One process or DDP: random states are gathered and rank 0 writes. FSDP2: every
+    process writes its own shards and its own random state (:mod:`dpllm.sharded_checkpoint`), rank 0 the rest.
 
     Args:
         trainer_state: step, tokens_seen, metrics_bytes, accountant state, plan, ε (JSON).
         privacy: ε, δ, σ, q and accountant for the ledger line.
     """
+    if is_sharded(unwrap(model)):
+        return _save_sharded(run_dir, step=step, model=model, optimizer=optimizer, scheduler=scheduler, world=world,
+                             config_yaml=config_yaml, generators=generators, trainer_state=trainer_state,
+                             privacy=privacy)
     rng = gather_objects(_rng_state(generators), world)
     optim_state = _optimizer_state(model, optimizer)
     target = step_dir(run_dir, step)
     if not world.is_main:
-        _save_model(model, None, world)
         barrier(world)
         return
     (run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
     os.chmod(run_dir / CHECKPOINTS, 0o700)  # generator states are secrets: owner only
     with atomic_directory(target, private=True) as tmp:
-        _save_model(model, tmp, world)
+        unwrap(model).save_pretrained(tmp)
         torch.save(optim_state, tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         fd = os.open(tmp / "rng_state.pt", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as fh:
             torch.save(rng, fh)
-        (tmp / "dpllm_config.yaml").write_text(config_yaml)
-        write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "world_size": world.size,
-                                                       "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+        _save_run_state(tmp, scheduler=scheduler, config_yaml=config_yaml, trainer_state=trainer_state, world=world)
+    _publish(run_dir, target, step=step, privacy=privacy)
+    barrier(world)
+
+
+def _save_run_state(tmp: Path, *, scheduler, config_yaml: str, trainer_state: dict, world: World) -> None:
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    (tmp / "dpllm_config.yaml").write_text(config_yaml)
+    write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "world_size": world.size,
+                                                   "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def _publish(run_dir: Path, target: Path, *, step: int, privacy: dict) -> None:
     # Pointer before ledger line: a crash between them leaves a checkpoint whose line resume() adds.
     write_text_atomic(run_dir / CHECKPOINTS / "latest", target.name + "\n")
     ledger.append(run_dir, kind="checkpoint", step=step, privacy=privacy,
                   checkpoint=target.relative_to(run_dir).as_posix())
     _prune(run_dir, keep=target.name)
+
+
+def _save_sharded(run_dir: Path, *, step: int, model, optimizer, scheduler, world: World, config_yaml: str,
+                  generators: dict[str, Optional[torch.Generator]], trainer_state: dict, privacy: dict) -> None:
+    """:func:`save` under FSDP2: every process writes its shards and its random state into one temporary
+    directory; rank 0 adds the run's state and renames it into place once all are done."""
+    target = step_dir(run_dir, step)
+    if world.is_main:
+        (run_dir / CHECKPOINTS).mkdir(parents=True, exist_ok=True)
+        os.chmod(run_dir / CHECKPOINTS, 0o700)  # generator states are secrets: owner only
+    tmp = sc.shared_tempdir(target, world)
+    sc.save_state(tmp, model=unwrap(model), optimizer=getattr(optimizer, "original_optimizer", optimizer),
+                  world=world, rng=_rng_state(generators))
+    barrier(world)  # every shard and random state is on disk
+    if world.is_main:
+        _save_run_state(tmp, scheduler=scheduler, config_yaml=config_yaml, trainer_state=trainer_state, world=world)
+        if target.exists():  # a step re-run after a crash: the new checkpoint replaces the old one
+            old = target.parent / f".{target.name}.old.{os.getpid()}"
+            os.replace(target, old)
+            shutil.rmtree(old, ignore_errors=True)
+        os.replace(tmp, target)
+        _publish(run_dir, target, step=step, privacy=privacy)
     barrier(world)
 
 
@@ -312,6 +344,13 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
         saved = state["accountant"]
         accountant.load_state_dict({"mechanism": saved["mechanism"],
                                     "history": [tuple(h) for h in saved["history"]]})
+    if sc.is_sharded_checkpoint(ckpt):  # written by an FSDP2 run: read back resharded for this launch
+        sc.load_state(ckpt, model=unwrap(model), optimizer=getattr(optimizer, "original_optimizer", optimizer))
+        scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
+        saved = sc.saved_ranks(ckpt)  # each process reads its own file; on another count, rank 0's sampler
+        own = sc.load_rng(ckpt, world.rank if saved == world.size else 0)
+        _set_rng_state(own if saved == world.size else _without_noise(own, saved, world), generators)
+        return state
     _load_model(model, ckpt, world)
     # under FSDP rank 0 reads the full optimizer state and broadcasts it
     reads = world.is_main or not is_sharded(unwrap(model))
@@ -329,9 +368,13 @@ def rng_for_process(saved: list[dict], world: World) -> dict:
     """
     if len(saved) == world.size:
         return saved[world.rank]
+    return _without_noise(saved[0], len(saved), world)
+
+
+def _without_noise(state: dict, saved: int, world: World) -> dict:
     log.warning("resuming a %d-process run on %d processes: privacy accounting is unchanged; every process draws "
-                "fresh noise, so the run is not bit-identical to an uninterrupted one", len(saved), world.size)
-    return dict(saved[0], noise=None)
+                "fresh noise, so the run is not bit-identical to an uninterrupted one", saved, world.size)
+    return dict(state, noise=None)
 
 
 def finished_summary(run_dir: Path) -> Optional[dict]:

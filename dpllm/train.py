@@ -34,12 +34,12 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from dpllm import data, ledger, resume, rundir, sft
+from dpllm import data, ledger, resume, rundir, sft, sharded_checkpoint
 from dpllm.canaries import add_tokens as add_canary_tokens, added_tokens as canary_tokens
 from dpllm.checkpoint import library_versions, save_checkpoint, unwrap
 from dpllm.config import ConfigError, RunConfig, noise_schedule
-from dpllm.distributed import (World, all_max, all_sum, barrier, check_parallelism, full_state_dict, gather_objects,
-                               is_sharded, make_accelerator, params_digest, reshard, world_of, wrap_model)
+from dpllm.distributed import (World, all_max, all_sum, barrier, check_parallelism, gather_objects, is_sharded,
+                               make_accelerator, params_digest, reshard, world_of, wrap_model)
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
 from dpllm.logs import known_warnings_silenced
 from dpllm.models import (check_checkpointing, check_dp_layers, context_length, count_parameters, load_base,
@@ -346,17 +346,16 @@ class Trainer:
         keep_base = cfg.model.finetuning == "lora" and self.source["kind"] != "pretrained"
         self.lora_base = _copy(model) if keep_base else None
         # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
-        keep_tie = self.dp and self.world.kind != "fsdp" and self.p.grad_sample_mode in ("auto", "bk")
+        keep_tie = self.dp and self.p.grad_sample_mode in ("auto", "bk")
         model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)
-        if keep_tie and cfg.model.finetuning == "full":
-            from dpllm.privacy.bk import resolve_mode
+        from dpllm.privacy.bk import resolve_mode
 
-            if resolve_mode(self.p.grad_sample_mode, model) != "bk":
-                self.adjustments += untie_output_embeddings(model)
+        # the engine, decided before anything is written (under FSDP auto is bk or a refusal: dpllm.privacy.modes)
+        mode = resolve_mode(self.p.grad_sample_mode, model, sharded=self.world.kind == "fsdp") if self.dp else None
+        if keep_tie and cfg.model.finetuning == "full" and mode != "bk":
+            self.adjustments += untie_output_embeddings(model)
         if self.t.gradient_checkpointing:
-            from dpllm.privacy.bk import resolve_mode
-
-            if self.dp and resolve_mode(self.p.grad_sample_mode, model) != "bk":
+            if self.dp and mode != "bk":
                 raise ConfigError(
                     f"gradient_checkpointing=true under DP needs grad_sample_mode: bk (or auto on a model bk fully "
                     f"supports), not {self.p.grad_sample_mode}: recomputed activations re-run Opacus's forward hooks "
@@ -364,16 +363,14 @@ class Trainer:
             # non-reentrant: book-keeping reads activations from autograd's saved tensors, recorded once
             unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.dp:  # however checkpointing got turned on (a model's own code may): only bk clips under it
-            from dpllm.privacy.bk import resolve_mode
-
-            check_checkpointing(model, resolve_mode(self.p.grad_sample_mode, model))
+            check_checkpointing(model, mode)
         model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
         if self.dp:
             check_dp_layers(model)
         self.n_params = count_parameters(model)
         # DDP / FSDP wrapping comes before the optimizer (FSDP replaces parameters) and before make_private.
         self.model = wrap_model(model, dp=self.dp, world=self.world, accelerator=self.accelerator,
-                                mixed_precision=self.mp)
+                                mixed_precision=self.mp, grad_sample_mode=mode)
         if self.sft_format:  # labels -100 on prompt tokens; the template is set on the tokenizer saved with the model
             self.train_ds, self.eval_ds, self.collate = sft.make_datasets(self.train_texts, self.eval_texts,
                                                                           self.tokenizer, cfg.data)
@@ -507,13 +504,17 @@ class Trainer:
             raise TrainingError(f"model replicas differ across the {self.world.size} processes after training; this "
                                 "is a dpllm bug (no checkpoint was written)")
         self.check_history_is_plan()
-        weights = full_state_dict(unwrap(self.model))  # FSDP: every process takes part in the gather
+        weights_dir = None
+        if is_sharded(unwrap(self.model)):  # every process writes its own shards of the final weights
+            weights_dir = sharded_checkpoint.shared_tempdir(self.out / "checkpoint", self.world)
+            sharded_checkpoint.write_weights(weights_dir, model=unwrap(self.model), world=self.world)
+            barrier(self.world)
         summary: dict = {}
         if self.world.is_main:
             report = self.report()
             save_checkpoint(self.out / "checkpoint", model=self.model, tokenizer=self.tokenizer,
                             privacy_report=report.to_dict(), config_yaml=self.cfg.to_yaml(),
-                            base_model=self.lora_base, state_dict=weights)
+                            base_model=self.lora_base, weights_dir=weights_dir)
             report.write(self.out / "privacy_report.json")
             ledger.append(self.out, kind="final", step=self.step, privacy=report.as_ledger_privacy(),
                           checkpoint="checkpoint")
@@ -542,9 +543,10 @@ class Trainer:
         """Physical batches of this process's share; under FSDP as many as the busiest process has."""
         size = self.t.physical_batch_size
         if self.uls:  # a user's records stay together: its mean gradient is clipped once
-            return user_level.whole_user_batches(ids, self.batches.user_of, size)
-        parts = [ids[i: i + size] for i in range(0, len(ids), size)] or [[]]
-        if self.dp and is_sharded(unwrap(self.model)):  # FSDP's collectives need equal pass counts
+            parts = user_level.whole_user_batches(ids, self.batches.user_of, size) or [[]]
+        else:
+            parts = [ids[i: i + size] for i in range(0, len(ids), size)] or [[]]
+        if is_sharded(unwrap(self.model)):  # FSDP's collectives need equal pass counts
             parts += [[]] * (int(all_max(len(parts), self.world)) - len(parts))
         return parts
 

@@ -1,13 +1,10 @@
-"""One process of tests/test_distributed.py::test_fsdp_private_path_on_cpu (run under torch.distributed.run).
+"""The ghost_fsdp half of tests/test_fsdp_bk.py::test_fsdp_private_path_on_cpu (run by tests/fsdp_bk_worker.py).
 
-accelerate offers FSDP on GPUs only, so this drives dpllm's FSDP pieces directly on CPU (gloo): Opacus's
-FSDP2 wrapping with ghost_fsdp, uneven and empty shares of a Poisson batch, evaluation, resumable
-save/load of sharded weights and optimizer state, and the final checkpoint's gathered weights.
-Rank 0 writes its findings for full fine-tuning and LoRA as JSON to argv[1].
+:func:`check` drives dpllm's FSDP pieces directly on CPU (gloo): Opacus's FSDP2 wrapping with ghost_fsdp,
+uneven and empty shares of a Poisson batch, evaluation, resumable save/load of sharded weights and
+optimizer state, and the final checkpoint's gathered weights. It returns its findings (rank 0's count).
 """
 
-import faulthandler
-import json
 import os
 import sys
 import warnings
@@ -17,17 +14,24 @@ import torch
 import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
-faulthandler.enable(all_threads=True)  # an abort (SIGABRT) prints every thread's Python stack
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dpllm import resume as R  # noqa: E402
 from dpllm.checkpoint import load_model, save_checkpoint, unwrap  # noqa: E402
 from dpllm.config import PrivacyConfig  # noqa: E402
 from dpllm.data import TokenizedRecords, make_collate  # noqa: E402
-from dpllm.distributed import World, finish_process, full_state_dict, is_sharded, wrap_model  # noqa: E402
+from dpllm.distributed import World, is_sharded, reshard, wrap_model  # noqa: E402
 from dpllm.privacy.engine import PrivacyPlan, make_private  # noqa: E402
 from dpllm.train import evaluate, forward_loss  # noqa: E402
 from tests.helpers import TEXTS, tiny_model  # noqa: E402
+
+
+def full_state_dict(model) -> dict:
+    """The full (unsharded, CPU) state dict, gathered by every process: what the checks compare."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    reshard(model)
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def check(finetuning: str, workdir: Path) -> dict:
@@ -35,7 +39,8 @@ def check(finetuning: str, workdir: Path) -> dict:
     world = World(rank=rank, size=dist.get_world_size(), kind="fsdp")
     found: dict = {}
     model, tok = tiny_model("tiny-llama", finetuning)
-    model = wrap_model(model, dp=True, world=world, accelerator=None, mixed_precision="no")
+    model = wrap_model(model, dp=True, world=world, accelerator=None, mixed_precision="no",
+                       grad_sample_mode="ghost_fsdp")
     found["sharded"] = is_sharded(model)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     dataset = TokenizedRecords(TEXTS * 10, tok, 48)
@@ -90,11 +95,3 @@ def check(finetuning: str, workdir: Path) -> dict:
             found["final_checkpoint_matches"] = all(torch.equal(reloaded[k], weights[k]) for k in names)
     dist.barrier()
     return found
-
-
-if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    results = {ft: check(ft, Path(sys.argv[2]) / ft) for ft in ("full", "lora")}
-    if dist.get_rank() == 0:
-        Path(sys.argv[1]).write_text(json.dumps(results))
-    finish_process(0)

@@ -53,6 +53,19 @@ def test_auto_picks_bk_hooks_or_ghost_with_a_reason(monkeypatch):
     assert c.mode == "hooks" and "user-level" in c.reason
 
 
+def test_under_fsdp_auto_is_bk_or_a_refusal_naming_ghost_fsdp():
+    """Under FSDP2 Opacus's hooks and ghost cannot run; auto never falls back to ghost_fsdp (two backward passes,
+    and the engine the unclipped-path guard covers least): a layer without a bk rule is refused, before any work."""
+    from dpllm.config import ConfigError
+
+    model, _ = tiny_model("tiny-llama", "full")
+    c = choose_mode("auto", model, sharded=True)
+    assert c.mode == "bk" and "FSDP" in c.reason
+    with pytest.raises(ConfigError, match=r"no book-keeping rule for 1 \(Odd\).*grad_sample_mode: ghost_fsdp"):
+        choose_mode("auto", nn.Sequential(nn.Linear(8, 8), Odd()), sharded=True)
+    assert choose_mode("ghost_fsdp", nn.Sequential(Odd()), sharded=True).mode == "ghost_fsdp"  # asked by name
+
+
 USER_RUN = ["--model_name_or_path", "tiny-llama", "--finetuning", "full", "--tiny_hidden_size", "32",
             "--tiny_num_layers", "1", "--max_records", "200", "--max_length", "32", "--privacy_unit", "user",
             "--max_records_per_user", "4", "--max_steps", "2", "--logical_batch_size", "16",

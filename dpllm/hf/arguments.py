@@ -128,7 +128,7 @@ def refuse_unsafe(args, privacy: PrivacyArguments, *, data_collator=None, comput
         no("fp16 is not supported; use bf16=True (autocast) or full precision")
     if _is_set(args.deepspeed) or _is_set(args.fsdp):
         no("DeepSpeed / the Trainer's FSDP are not supported under DP; launch with accelerate (DDP), or use "
-           "recipes/finetune_llm.py with recipes/accelerate/fsdp.yaml and grad_sample_mode: ghost_fsdp")
+           "recipes/finetune_llm.py with recipes/accelerate/fsdp.yaml (FSDP2, bk)")
     if args.load_best_model_at_end:
         no("load_best_model_at_end=True is not supported; DPTrainer writes the final model to OUTPUT_DIR/checkpoint")
     if args.resume_from_checkpoint:

@@ -150,14 +150,16 @@ def make_private(
         model, optimizer = bk.make_private_bk(
             engine=engine, model=model, optimizer=optimizer, clip_weights=lambda n: fn.weights(n, cfg),
             noise_multiplier=plan.noise_multiplier, max_grad_norm=fn.sensitivity(cfg),
-            expected_batch_size=plan.expected_batch_size / world_size, noise_generator=noise_generator,
+            expected_batch_size=plan.expected_batch_size, world_size=world_size, noise_generator=noise_generator,
             secure_mode=cfg.secure_mode, per_user=user_records is not None)
         criterion = None
     else:
+        from dpllm.distributed import is_sharded, unsharded_parameters
         from dpllm.privacy.owners import guard_parameter_uses
 
-        if mode != "ghost_fsdp":  # FSDP's forward sees unsharded copies, never the registered parameters
-            guard_parameter_uses(model, mode)  # a weight used outside its layer: refused at the first forward pass
+        # a weight used outside its layer: refused at the first forward pass (under FSDP the forward pass uses
+        # unsharded copies of the registered parameters: those are the ones watched)
+        guard_parameter_uses(model, mode, parameters=unsharded_parameters(model) if is_sharded(model) else None)
         model, optimizer, criterion = _wrap_opacus(
             engine=engine, model=model, optimizer=optimizer, criterion=criterion, fn=fn, cfg=cfg, mode=mode,
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size / world_size,

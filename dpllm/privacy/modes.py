@@ -2,8 +2,7 @@
 
 | mode        | chosen when                                                   | why                                   |
 |-------------|---------------------------------------------------------------|---------------------------------------|
-| ghost_fsdp  | the model is FSDP-sharded                                     | the only engine for sharded parameters |
-| bk          | every trainable layer has a book-keeping rule                 | one backward pass, no per-sample tensors; fastest (README Benchmarks) |
+| bk          | every trainable layer has a book-keeping rule (sharded or not) | one backward pass, no per-sample tensors; fastest (README Benchmarks) |
 | hooks       | some layer has no bk rule, and the per-sample gradients fit, or user-level sampling (ghost cannot sum a user's records) | faster than ghost: 1.5× vs 2.3× (CPU), 1.36× vs 2.26× (H100, LoRA) |
 | ghost       | some layer has no bk rule, and hooks' per-sample gradients would not fit | no per-sample gradient tensors |
 
@@ -12,6 +11,10 @@ trainable parameters × bytes. That is small under LoRA (8 × 20M × 2 B = 320 M
 prohibitive for full fine-tuning of a large model (16 × 1.5B × 2 B = 48 GB), where ghost clipping pays a
 second backward pass instead of the memory. "Fits" means at most a quarter of the device's memory (the
 rest is weights, optimizer state and activations).
+
+Under FSDP2 ``auto`` is bk or nothing: Opacus's ``hooks`` and ``ghost`` cannot see sharded parameters, and
+its ``ghost_fsdp`` (two backward passes) runs only when asked for by name; a model with a layer bk cannot
+handle is refused with that choice in the message.
 
 Example:
     >>> from torch import nn
@@ -55,7 +58,7 @@ def device_memory(device: torch.device) -> Optional[int]:
 
 
 def choose_mode(requested: str, model: nn.Module, *, physical_batch_size: Optional[int] = None,
-                per_user: bool = False) -> ModeChoice:
+                per_user: bool = False, sharded: Optional[bool] = None) -> ModeChoice:
     """Resolve ``grad_sample_mode`` for ``model`` (already prepared: trainable parameters final).
 
     Args:
@@ -63,9 +66,13 @@ def choose_mode(requested: str, model: nn.Module, *, physical_batch_size: Option
         model: the model to train (possibly DDP- or FSDP-wrapped).
         physical_batch_size: records per backward pass (None: assume hooks fits).
         per_user: user-level sampling (ULS): Opacus ghost cannot clip a user's summed records.
+        sharded: the model is (or will be) FSDP-sharded; None: read it from ``model``.
 
     Returns:
         A :class:`ModeChoice`.
+
+    Raises:
+        ConfigError: ``auto`` under FSDP for a model with a layer bk cannot handle.
     """
     if requested != "auto":
         return ModeChoice(requested, f"set by grad_sample_mode: {requested}")
@@ -73,12 +80,18 @@ def choose_mode(requested: str, model: nn.Module, *, physical_batch_size: Option
 
     from dpllm.privacy.bk import unsupported_layers
 
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        return ModeChoice("ghost_fsdp", "auto: the model is FSDP-sharded, and ghost_fsdp is the engine for sharded "
-                                        "parameters")
+    if sharded is None:
+        sharded = any(isinstance(m, FSDPModule) for m in model.modules())
     bad = unsupported_layers(model)
     if not bad:
-        return ModeChoice("bk", "auto: every trainable layer has a book-keeping rule (one backward pass)")
+        return ModeChoice("bk", "auto: every trainable layer has a book-keeping rule (one backward pass)"
+                                + ("; FSDP-sharded" if sharded else ""))
+    if sharded:
+        from dpllm.config import ConfigError
+
+        raise ConfigError(f"grad_sample_mode=auto under FSDP: no book-keeping rule for {', '.join(bad[:3])}; freeze "
+                          "or untie those layers, or set grad_sample_mode: ghost_fsdp (Opacus ghost clipping per "
+                          "shard, two backward passes)")
     without = f"auto: no book-keeping rule for {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
     if per_user:
         return ModeChoice("hooks", f"{without}; user-level sampling needs per-sample gradients (Opacus ghost "

@@ -13,9 +13,9 @@ its own refusal of the same thing (:mod:`dpllm.privacy.bk`).
 parameter and whose output carries a gradient, while the innermost module being called does not own that
 parameter, is such a use. The pass then fails with the parameter's name and the fix, before any backward
 pass or step. Only that one pass is watched (the check costs Python time on every operation): a model whose
-forward takes a different path on later batches is checked on the path of its first one. Under FSDP (``ghost_fsdp``) the forward pass sees unsharded copies, not the registered
-parameters, so ``make_private`` does not install the guard there (a short single-process run of the same
-model under ``auto`` or ``hooks`` checks it).
+forward takes a different path on later batches is checked on the path of its first one. Under FSDP
+(``ghost_fsdp``) the forward pass uses unsharded copies, not the registered parameters; ``make_private``
+passes those (:func:`dpllm.distributed.unsharded_parameters`).
 
 Example:
     >>> import torch
@@ -36,7 +36,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Optional
 
 import torch
 from torch import nn
@@ -68,16 +68,23 @@ class _Watch(TorchFunctionMode):
         return out
 
 
-def guard_parameter_uses(model: nn.Module, mode: str) -> Callable[[], None]:
+def guard_parameter_uses(model: nn.Module, mode: str, *,
+                         parameters: Optional[Iterable[tuple[str, nn.Module, torch.Tensor]]] = None
+                         ) -> Callable[[], None]:
     """Make the first forward pass of ``model`` with gradients enabled fail on a use of a trainable parameter
     outside the layer that owns it (see the module docstring). Returns a function that removes the guard
-    (it removes itself after that pass)."""
+    (it removes itself after that pass).
+
+    ``parameters``: ``(name, owning module, parameter)`` of the objects the forward pass uses, when they are not
+    the registered ones (FSDP2); default: every module's own parameters."""
+    if parameters is None:
+        parameters = [(f"{mname}.{pname}" if mname else pname, module, p)
+                      for mname, module in model.named_modules() for pname, p in module.named_parameters(recurse=False)]
     owners: dict[int, tuple[str, set[int]]] = {}
-    for mname, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            if p.requires_grad:
-                name, ids = owners.setdefault(id(p), (f"{mname}.{pname}" if mname else pname, set()))
-                ids.add(id(module))
+    for pname, module, p in parameters:
+        if p.requires_grad:
+            name, ids = owners.setdefault(id(p), (pname, set()))
+            ids.add(id(module))
     frozen = {k: (name, frozenset(ids)) for k, (name, ids) in owners.items()}
     stack: list[nn.Module] = []
     handles: list = []

@@ -15,15 +15,18 @@ and every record of user u enters step 3 with cᵤ/(records of u).
 
 Opacus stays the owner of noise, accounting and virtual-batch accumulation: the optimizer is Opacus's
 ``DPOptimizerFastGradientClipping`` (``Distributed...`` under DDP), which adds noise to ``p.grad`` exactly
-as for ghost clipping. Unlike Opacus's ghost clipping there is no second backward pass and no special
-criterion: ``loss.backward()`` on the mean over records of each record's loss is all it takes
-(Opacus's ``loss_reduction="mean"`` convention: gradients are scaled back by the number of rows).
+as for ghost clipping. Under FSDP2 step 3 reduce-scatters each clipped sum into the parameter's shard and
+each process noises its own shard (:mod:`dpllm.privacy.bk.sharded`). Unlike Opacus's ghost clipping there is
+no second backward pass and no special criterion: ``loss.backward()`` on the mean over records of each
+record's loss is all it takes (Opacus's ``loss_reduction="mean"`` convention: gradients are scaled back by
+the number of rows).
 
 Why each record is clipped exactly once per backward pass (everything rests on this):
 
 - *Only bk writes a trainable parameter's gradient.* Every rule's autograd function returns no weight
   gradient, so autograd accumulates into a trainable ``p.grad`` only when the parameter is used outside its
-  own layer (``F.linear(h, emb.weight)``, ``h @ lin.weight.T``); a hook on every trainable parameter
+  own layer (``F.linear(h, emb.weight)``, ``h @ lin.weight.T``); a hook on every trainable parameter (under
+  FSDP on the unsharded copy the forward pass uses, before FSDP's own reduce-scatter could send it)
   refuses that before the gradient reaches ``p.grad`` (the backward pass fails), since bk would add its
   clipped sum to an unclipped gradient. Gradients already there when bk wraps the model are dropped
   (with a warning).
@@ -61,7 +64,9 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from dpllm.distributed import is_sharded, unsharded_parameters
 from dpllm.privacy.bk.layers import Record, Units, is_tied_head, rule_for, tied_cross
+from dpllm.privacy.bk.sharded import ShardedSums
 
 log = logging.getLogger(__name__)
 
@@ -143,11 +148,28 @@ class BookKeepingModule(nn.Module):
             for _, p in named:
                 p.grad = None
         self._params = [p for _, p in named]
+        # FSDP2 (sharded.py): the clipped sums are reduce-scattered into the shards, and the forward pass uses
+        # unsharded parameter objects, not the registered DTensors: those are the ones a raw gradient reaches.
+        self._sharded = is_sharded(module)
+        if self._sharded:
+            seen: set[int] = set()
+            used = [(n, p) for n, _, p in unsharded_parameters(module)
+                    if p.requires_grad and not (id(p) in seen or seen.add(id(p)))]
+        else:
+            used = named
         # Autograd never brings these a gradient (the rules return none) unless a parameter is used outside
         # its layer; the hook sees it before it reaches p.grad and refuses.
-        self._hooks = [p.register_hook(functools.partial(_refuse_raw_gradient, n)) for n, p in named]
+        self._hooks = [p.register_hook(functools.partial(_refuse_raw_gradient, n)) for n, p in used]
         # an output head sharing the input embedding's weight: its norm needs the cross term (layers.tied_cross)
         self._ties = [(e, h) for e in self._records for h in self._records if is_tied_head(e.module, h.module)]
+        # Where each record's clipped sums go: the registered parameters, captured now (under FSDP a module's
+        # attribute is the unsharded copy while its group runs). A tied embedding comes after its head, which
+        # leaves the shared weight's full sum for the embedding to add its rows into. The order is the same on
+        # every process: under FSDP each parameter's sum is a collective.
+        self._tied_heads = {id(h) for _, h in self._ties}
+        self._tied_embeddings = {id(e) for e, _ in self._ties}
+        self._targets = [(r, {n: p for n, p in r.module.named_parameters(recurse=False) if p.requires_grad})
+                         for r in sorted(self._records, key=lambda r: id(r) in self._tied_embeddings)]
 
     def set_policy(self, policy: str) -> None:
         """Per-sample norms of Linear/Conv1D weights: "auto" (the cheaper), "ghost" or "explicit" everywhere."""
@@ -245,23 +267,45 @@ class BookKeepingModule(nn.Module):
         coef = self.clip_weights(norms).to(norms.dtype) * scale
         if units is not None:  # a user's weight, shared by its records in proportion 1/(its records)
             coef = coef[units.inverse.to(coef.device)] * units.weight.to(coef.device, coef.dtype)
-        written = set()  # written by this pass: a tied weight's second part is added in place
-        heads = {id(e): h for e, h in self._ties if e in active and h in active}
-        for r in sorted(active, key=lambda r: id(r) in heads):  # a tied embedding after its head, rows in place
-            extra = {"into": r.module.weight.grad} if id(r) in heads else {}
-            for name, grad in r.rule.clipped(r, coef, **extra).items():
-                p = getattr(r.module, name)
-                grad = grad.to(p.dtype)
-                if id(p) in written:
-                    p.grad.add_(grad)
-                else:
-                    p.grad = grad if p.grad is None else p.grad + grad
-                written.add(id(p))
-            r.clear()
+        self._write_clipped(active, coef)
         for p in self._params:  # a layer the loss did not reach contributes zero, as under autograd
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.last_norms = norms
+
+    def _write_clipped(self, active: list[Record], coef: torch.Tensor) -> None:
+        """Σᵢ cᵢ·gᵢ of every record into its parameters' ``.grad`` (under FSDP reduce-scattered into the shards).
+
+        Every parameter is deposited exactly once per pass, in ``self._targets``' order, whatever the records saw
+        (under FSDP a deposit is a collective); a tied weight once, at its embedding's turn, with both parts.
+        """
+        on = {id(r) for r in active}
+        held: dict[int, Optional[torch.Tensor]] = {}  # a tied weight's sum, from its head to its embedding's turn
+        sums = ShardedSums(self._add_grad) if self._sharded else None
+        for r, params in self._targets:
+            embedding = id(r) in self._tied_embeddings
+            into = held.get(id(params.get("weight"))) if embedding else None
+            grads = r.rule.clipped(r, coef, **({"into": into} if into is not None else {})) if id(r) in on else {}
+            for name, p in params.items():
+                grad = grads.get(name)
+                grad = None if grad is None else grad.to(p.dtype)
+                if name == "weight" and id(r) in self._tied_heads:  # its embedding adds its rows in place
+                    held[id(p)] = grad
+                    continue
+                if name == "weight" and embedding:
+                    kept = held.pop(id(p), None)
+                    grad = kept if grad is None else grad if kept is None else kept + grad
+                if sums is not None:  # collectives: every process sends each parameter's sum, zeros if none
+                    sums.add(p, torch.zeros(p.shape, dtype=p.dtype, device=p.device) if grad is None else grad)
+                elif grad is not None:
+                    self._add_grad(p, grad)
+            r.clear()
+        if sums is not None:
+            sums.flush()
+
+    @staticmethod
+    def _add_grad(p: torch.Tensor, grad: torch.Tensor) -> None:
+        p.grad = grad if p.grad is None else p.grad + grad
 
 
 def _refuse_raw_gradient(name: str, grad: Optional[torch.Tensor]) -> None:
@@ -285,7 +329,7 @@ def _rows_of(args, kwargs) -> Optional[int]:
     return None
 
 
-def resolve_mode(requested: str, model: nn.Module) -> str:
+def resolve_mode(requested: str, model: nn.Module, *, sharded: Optional[bool] = None) -> str:
     """``auto`` → the engine :func:`dpllm.privacy.modes.choose_mode` picks (bk where every layer has a rule).
 
     A weight used outside its layer or a layer fed sequence-first rows shows only when the model runs; bk
@@ -294,40 +338,44 @@ def resolve_mode(requested: str, model: nn.Module) -> str:
     """
     from dpllm.privacy.modes import choose_mode
 
-    return choose_mode(requested, model).mode
+    return choose_mode(requested, model, sharded=sharded).mode
 
 
 def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, clip_weights: Callable,
-                    noise_multiplier: float, max_grad_norm: float, expected_batch_size: float,
+                    noise_multiplier: float, max_grad_norm: float, expected_batch_size: float, world_size: int = 1,
                     noise_generator: Optional[torch.Generator] = None, secure_mode: bool = False,
                     per_user: bool = False):
     """Wrap ``model`` for BK and ``optimizer`` as Opacus's ghost-clipping optimizer (noise, accumulation).
 
     The caller attaches ``engine``'s accountant hook, as for every mode. The optimizer class is the one
     Opacus picks for ``grad_sample_mode="ghost"`` (it adds noise to, and accumulates, ``p.grad``), subclassed
-    to skip two copies of the gradient (:mod:`dpllm.privacy.bk.optimizer`).
+    to skip two copies of the gradient (:mod:`dpllm.privacy.bk.optimizer`); under FSDP2 the subclass that
+    noises this process's shard alone (:mod:`dpllm.privacy.bk.sharded`).
 
-    ``per_user``: ULS, one clipped mean gradient per user; expected_batch_size then counts users.
+    Args:
+        expected_batch_size: records (users under ``per_user``) per logical batch over all processes.
+        world_size: the number of processes. Under DDP Opacus averages the processes' sums, so its optimizer
+            divides by the per-process share; under FSDP the shards hold sums, divided by the global batch.
+        per_user: ULS, one clipped mean gradient per user.
 
     Returns:
         ``(model, optimizer)``.
 
     Raises:
-        NotImplementedError: FSDP (use ``ghost_fsdp``) or layers bk cannot handle.
+        NotImplementedError: layers bk cannot handle.
         ValueError: a noise generator under secure mode (as Opacus).
     """
     from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
-    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from dpllm.privacy.bk.optimizer import optimizer_class
 
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise NotImplementedError("grad_sample_mode=bk does not support FSDP yet; use grad_sample_mode: ghost_fsdp")
     if noise_generator is not None and secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
-    cls = optimizer_class(distributed=isinstance(model, (DPDDP, DDP)))  # Opacus's, minus two gradient copies
+    ddp = isinstance(model, (DPDDP, DDP))
+    cls = optimizer_class(distributed=ddp, sharded=is_sharded(model))  # Opacus's, minus two gradient copies
     dp_optimizer = cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-                       expected_batch_size=expected_batch_size, loss_reduction="mean",
+                       expected_batch_size=expected_batch_size / world_size if ddp else expected_batch_size,
+                       loss_reduction="mean",
                        generator=engine.secure_rng if secure_mode else noise_generator, secure_mode=secure_mode)
     return BookKeepingModule(model, clip_weights=clip_weights, per_user=per_user), dp_optimizer

@@ -309,7 +309,8 @@ class EmbeddingRule(Rule):
 
 def is_tied_head(embedding: nn.Module, head: nn.Module) -> bool:
     """``head`` (a Linear d → V) uses ``embedding``'s (V, d) weight as its own: the one tie bk clips exactly."""
-    return (type(embedding) is nn.Embedding and type(head) is nn.Linear and head.weight is embedding.weight)
+    return (layer_type(embedding) is nn.Embedding and layer_type(head) is nn.Linear
+            and head.weight is embedding.weight)
 
 
 def tied_cross(emb: Record, head: Record, units: Optional[Units] = None) -> torch.Tensor:
@@ -437,9 +438,21 @@ class RMSNormRule(LlamaRMSNormRule):
 RULES: list[Rule] = [LinearRule(), Conv1DRule(), EmbeddingRule(), LayerNormRule(), LlamaRMSNormRule(), RMSNormRule()]
 
 
+def layer_type(module: nn.Module) -> type:
+    """The module's own class; a layer sharded on its own by FSDP2 (``fully_shard(layer)``, as Opacus's
+    ``FSDP2Wrapper`` does) has a class made for it, ``FSDP<Layer>(FSDPModule, Layer)``, computing as the layer."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(module)
+    if len(cls.__bases__) == 2 and cls.__bases__[0] is FSDPModule:
+        return cls.__bases__[1]
+    return cls
+
+
 def rule_for(module: nn.Module) -> Optional[Rule]:
     """The rule for this exact module type (subclasses may compute differently, so they must register)."""
+    cls = layer_type(module)
     for rule in RULES:
-        if type(module) in rule.types:
+        if cls in rule.types:
             return rule
     return None

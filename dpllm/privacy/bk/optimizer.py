@@ -16,7 +16,9 @@ included) and changes only where the sums live:
   Opacus's ``summed_grad + noise``; the noise tensor lives for one parameter at a time).
 
 Under DDP the class sits between Opacus's distributed optimizer and the base one, so rank 0's
-``super().add_noise()`` lands here and the all-reduce stays Opacus's.
+``super().add_noise()`` lands here and the all-reduce stays Opacus's. Under FSDP2,
+:class:`ShardedLeanAccumulation` noises the shard that ``p.grad`` holds on this process, and no other
+coordinate (:mod:`dpllm.privacy.bk.sharded`).
 """
 
 from __future__ import annotations
@@ -54,5 +56,29 @@ class DistributedLeanAccumulation(DistributedDPOptimizerFastGradientClipping, Le
     """The DDP variant: Opacus's rank-0 noise and all-reduce over :class:`LeanAccumulation`'s sums."""
 
 
-def optimizer_class(distributed: bool) -> type:
+class ShardedLeanAccumulation(LeanAccumulation):
+    """The FSDP2 variant: ``p.grad`` is a DTensor whose local part is this process's shard of the clipped sum
+    over all processes; the noise is drawn for that local part alone, from this process's generator.
+
+    Opacus's ``_generate_noise`` sized by the DTensor would draw the *global* shape on every process.
+    ``expected_batch_size`` is the global one: the shards hold sums over all processes, not means.
+    """
+
+    def add_noise(self):
+        import torch
+
+        sigma = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            with torch.no_grad():
+                local = p.summed_grad.to_local()  # the DTensor's own storage: noised in place
+                local.add_(_generate_noise(std=sigma * self.max_grad_norm, reference=local, generator=self.generator,
+                                           secure_mode=self.secure_mode))
+            p.grad = p.summed_grad
+            _mark_as_processed(p.summed_grad)
+
+
+def optimizer_class(distributed: bool, sharded: bool = False) -> type:
+    if sharded:
+        return ShardedLeanAccumulation
     return DistributedLeanAccumulation if distributed else LeanAccumulation

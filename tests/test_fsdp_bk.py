@@ -1,0 +1,216 @@
+"""bk under FSDP2 on 2 gloo processes: one sharded step equals one single-process step; noise once per coordinate.
+
+One launch of tests/fsdp_bk_worker.py (module fixture) runs every case; the tests read what it found. The
+ghost_fsdp path (tests/fsdp_worker.py) runs in the same launch.
+
+Tolerance of the equalities (σ = 0): the models are float64, but ``sequence_loss`` takes each record's loss in
+float32 and their mean over the physical batch in float32, and bk recovers a record's gradient by multiplying
+by the batch's row count B: each record's gradient then carries the float32 rounding of 1/B, a relative error
+of at most 2⁻²⁴ ≈ 6e-8 that differs between the reference's one batch of 10 records and the processes' batches
+of 6 and 4 (or 3 + 3 and 2 + 2). Everything else is float64 (≈1e-16). We allow 1e-6 relative, 16× that
+bound; losing or doubling a process's share, a shard's rows, or the tied head's second part moves the update
+by O(1) of its size.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EQUAL = 1e-6  # see the module docstring
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def found(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_bk")
+    out = tmp / "found.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           os.path.join(ROOT, "tests", "fsdp_bk_worker.py"), str(out), str(tmp / "ghost_fsdp")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("case", ["llama_full", "gpt2_tied_full", "llama_lora", "virtual_batches", "uls",
+                                  "checkpointing", "empty_share"])
+def test_a_sharded_bk_step_equals_one_process(found, case):
+    """σ = 0: the update, the parameters after it and every record's (user's) norm equal the single-process bk
+    step over all the step's records (GPT-2's head tied to its embedding; LoRA; two physical batches per process;
+    user-level sampling; gradient checkpointing under FSDP; one process with all records in two physical
+    batches while the other runs two masked rows)."""
+    r = found[case]
+    assert r["update_rel"] < EQUAL and r["param_rel"] < EQUAL and r["norm_rel"] < EQUAL, r
+    assert 0 < r["clipped"] < r["records"]  # C at the median norm: the clip factors matter
+
+
+def test_each_process_noises_its_own_shard_once(found):
+    """σ > 0: over all coordinates the noise has variance σ²C² (every coordinate noised once: twice would give
+    2σ²C², a shard left out would leave exact zeros), and the two processes' draws are independent."""
+    import numpy as np
+
+    r = found["noise"]
+    n = r["coordinates"]
+    # the mean of n squared N(0, s²) draws has relative standard deviation sqrt(2/n); allow 5 of them
+    assert abs(r["variance"] / r["sigma_C"] ** 2 - 1) < 5 * (2 / n) ** 0.5, r["variance"]
+    assert r["zero_coordinates"] == 0
+    a, b = np.array(r["first_rank0"]), np.array(r["first_rank1"])
+    assert not np.allclose(a[: len(b)], b[: len(a)])
+    m = min(len(a), len(b))
+    assert abs(np.corrcoef(a[:m], b[:m])[0, 1]) < 5 / m ** 0.5  # independent streams
+
+
+def test_mixed_precision_and_gathered_parameters_keep_the_hooks(found):
+    """bf16 compute with fp32 shards and reduction, parameters kept gathered after forward: the clipped step
+    matches the fp32 reference to bf16 precision (unit roundoff 2⁻⁸ ≈ 4e-3; we allow 3e-2 over the layers)."""
+    r = found["mixed_precision"]
+    assert r["rel_l2"] < 3e-2 and r["grad_dtype"] == "torch.float32"
+
+
+def test_a_raw_gradient_is_refused_under_fsdp(found):
+    """A trainable weight used outside its own layer reaches FSDP's unsharded parameter: bk refuses it there,
+    before FSDP's reduce-scatter could carry it unclipped into .grad, whatever the FSDP settings."""
+    for setting, message in found["refusal"].items():
+        assert "emb.weight got a gradient from a use outside its own layer" in message, setting
+
+
+def test_the_parameter_use_guard_applies_under_ghost_fsdp(found):
+    assert "used outside its own layer: emb.weight" in found["ghost_fsdp_guard"]
+
+
+def test_fsdp_private_path_on_cpu(found):
+    """FSDP2 + ghost_fsdp: uneven/empty shares, eval, sharded resumable save/load, final weights."""
+    for finetuning, r in found["ghost_fsdp"].items():
+        assert r["sharded"] and r["optimizer"] == "FSDPOptimizerFastGradientClipping", finetuning
+        assert r["expected_batch_size"] == 7.5  # per process: Opacus divides by the number of processes
+        assert r["history"] == [[1.0, 0.25, 2]]  # both steps counted, including the empty share
+        assert r["weights_restored"] and r["optimizer_restored"], finetuning
+    assert r["eval"] > 0 and found["ghost_fsdp"]["full"]["final_checkpoint_matches"]
+
+
+# ---- the recipe under FSDP2 (accelerate launch, 2 gloo processes), resumable checkpoints, export ---------------
+
+FSDP_LAUNCH = ["--config_file", os.path.join(ROOT, "recipes", "accelerate", "fsdp.yaml"), "--num_processes", "2"]
+# Plain SGD makes the update the noised clipped sum itself, so a noise stream not restored on resume, or a shard
+# noised twice, moves the weights by ~lr·σC/B per coordinate, far above the comparison's 1e-6.
+SEEDED = ["--reproducible_noise", "true", "--optimizer", "sgd", "--learning_rate", "0.5", "--save_every", "2",
+          "--eval_every", "0"]
+
+
+def _recipe(out, *extra, resume=False):
+    from tests.test_distributed import ACCELERATE, TINY
+
+    cmd = [ACCELERATE, "launch", "--main_process_port", str(_free_port()), *FSDP_LAUNCH,
+           os.path.join(ROOT, "recipes", "finetune_llm.py"), *TINY, "--output_dir", str(out), *extra,
+           *(["--resume_from", "latest"] if resume else [])]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+
+
+def _done(proc):
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
+    return stdout
+
+
+def _killed_after(proc, out, step: str):
+    import signal
+    import time
+
+    latest, deadline = out / "checkpoints" / "latest", time.time() + 300
+    while not (latest.is_file() and latest.read_text().strip() >= step):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.time() < deadline
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGKILL)  # accelerate launch and both workers
+    proc.communicate()
+    assert not (out / "privacy_report.json").exists()  # it really died mid-way
+
+
+def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(tmp_path, monkeypatch):
+    """`accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes 2` on CPU runs the recipe
+    sharded with bk; its resumable checkpoints are per-process shards; killed with SIGKILL and resumed on 2
+    processes it ends where the uninterrupted run ends; resumed on 1 process it restores the saved state exactly
+    and draws fresh noise; `dpllm export` turns the sharded run into the usual bundle."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from dpllm import ledger, sharded_checkpoint
+    from dpllm.config import parse_config
+    from dpllm.export import export
+    from dpllm.train import train
+    from tests.test_distributed import TINY
+
+    whole, killed, secret = tmp_path / "whole", tmp_path / "killed", tmp_path / "secret"
+    runs = [_recipe(whole, *SEEDED), _recipe(killed, *SEEDED),
+            _recipe(secret, "--finetuning", "full", "--save_every", "3")]  # secret noise: releasable
+    _killed_after(runs[1], killed, "step-000002")
+    shutil.copytree(killed, tmp_path / "one")
+    resumed = _recipe(killed, *SEEDED, resume=True)
+    out = _done(runs[2])
+    assert "privacy: (ε = " in out
+    _done(runs[0])
+    _done(resumed)
+
+    # the documented command: sharded, bk, every process's own noise state written owner-only beside its shard
+    report = json.loads((secret / "privacy_report.json").read_text())
+    assert report["grad_sample_mode"] == "bk" and "FSDP" in report["grad_sample_mode_reason"]
+    assert json.loads((secret / "run_summary.json").read_text())["world_size"] == 2
+    ckpt = secret / "checkpoints" / (secret / "checkpoints" / "latest").read_text().strip()
+    assert sorted(p.name for p in (ckpt / "state").iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(p.name for p in (ckpt / "rng").iterdir()) == ["rank-00000.pt", "rank-00001.pt"]
+    assert all((p.stat().st_mode & 0o777) == 0o600 for p in (ckpt / "rng").iterdir())
+    assert not (ckpt / "rng_state.pt").exists() and not (ckpt / "model.safetensors").exists()  # nothing gathered
+    # the final checkpoint/ was written from the shards: it holds the last step's weights
+    final = load_file(str(secret / "checkpoint" / "model-00001-of-00001.safetensors"))
+    saved = _read_dcp(ckpt / "state", tmp_path / "state.pt")["model"]
+    assert final.keys() == saved.keys() and all(torch.equal(final[k], saved[k]) for k in final)
+    bundle = export(secret, tmp_path / "bundle")
+    assert {"model-00001-of-00001.safetensors", "model.safetensors.index.json", "config.json", "README.md",
+            "privacy_report.json"} <= {p.name for p in bundle.iterdir()}
+
+    # killed at step ≥ 2 and resumed on 2 processes: the uninterrupted run, step for step
+    r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, whole))
+    assert r1["history"] == r2["history"] and r1["epsilon"] == r2["epsilon"] and r1["steps"] == 6
+    assert [e["kind"] for e in ledger.read(killed)].count("resume") == 1 and ledger.verify(killed).ok
+    a, b = (load_file(str(d / "checkpoint" / "adapter_model.safetensors")) for d in (killed, whole))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+
+    # the same checkpoint resumed on 1 process: the shards' state restored exactly, noise fresh
+    restored = {}
+    real = sharded_checkpoint.load_state
+
+    def spy(ckpt, *, model, optimizer):
+        real(ckpt, model=model, optimizer=optimizer)
+        restored.update({n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+        restored["ckpt"] = ckpt
+
+    monkeypatch.setattr(sharded_checkpoint, "load_state", spy)
+    latest = tmp_path / "one" / "checkpoints" / (tmp_path / "one" / "checkpoints" / "latest").read_text().strip()
+    saved = _read_dcp(latest / "state", tmp_path / "one.pt")["model"]  # before the run prunes it
+    summary = train(parse_config([*TINY, *SEEDED, "--output_dir", str(tmp_path / "one"), "--resume_from", "latest"]))
+    assert summary["world_size"] == 1 and summary["resumed_from_step"] >= 2 and summary["steps"] == 6
+    assert restored.pop("ckpt") == latest
+    assert restored.keys() == saved.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
+    assert ledger.verify(tmp_path / "one").ok
+    assert json.loads((tmp_path / "one" / "privacy_report.json").read_text())["history"] == r2["history"]
+
+
+def _read_dcp(directory, scratch):
+    """A DCP checkpoint as one plain dict, read on this single process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(directory, scratch)
+    return torch.load(scratch, weights_only=False)
