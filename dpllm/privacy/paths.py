@@ -1,0 +1,261 @@
+"""Refuse, on every backward pass, a gradient that reaches a trainable parameter around its own layer.
+
+Opacus (``hooks``, ``ghost``) accounts for a parameter's gradient only through the layer that *owns* it: each
+record's gradient (hooks) or norm (ghost) is computed from what that layer saw in its own forward call. Any other
+path into the parameter escapes the clipping: a view of it made before training (``self.tied = lin.weight.T``),
+a copy made in a hook (``W * 1.0``), an autocast-cached cast of it used by another op, ``F.linear(h, emb.weight)``,
+a use that appears only on some batches. Ghost clipping adds such a gradient to the update scaled by a coefficient
+computed without it (one record moved the model by 52–95 × C on tests/test_gradient_paths.py's toys, C = 1e-3);
+hooks mode drops it and trains a different model than the one written. :mod:`dpllm.privacy.owners` watches the
+first forward pass for direct uses; this guard checks every pass, whatever form the path takes.
+
+How, on each forward pass and each backward pass:
+
+1. *Forward*: when a layer that owns trainable parameters returns, the autograd nodes its call created are read
+   back from its output (everything with a sequence number from after the call began, plus any older node that
+   leads only to the layer's own parameters: a cached cast or a stored view). Those that send a gradient to one
+   of its parameters, directly or through such a chain, get a hook.
+2. *Backward*: the hooks note the exact tensor each of those nodes sends. When the gradient arrives at the
+   parameter (a tensor hook, before it is accumulated into ``p.grad``), or at a node of the chain, it must be
+   what the layer's own nodes sent: the very same tensor when one node sent it (an identity test, free), else
+   their sum within float rounding. Anything more came around the layer; the pass fails with the parameter's
+   name before that gradient reaches ``p.grad``, the gradients already accumulated in this pass are dropped,
+   and the guard refuses every later forward pass.
+
+A contribution that is exactly zero passes (it changes nothing). Not covered: a layer's own forward code that
+reads its weight twice in ways its per-sample rule does not model (a custom layer type must be registered with
+Opacus, whose rule defines what the layer computes), and ``ghost_fsdp``, whose forward pass sees unsharded
+copies of the parameters (:func:`dpllm.privacy.engine.make_private` does not install the guard there).
+Per-step cost (``scripts/bench_guards.py``): docs/engines.md.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> class Tied(nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.emb, self.lin = nn.Embedding(5, 3), nn.Linear(3, 3)
+    ...         self.view = self.lin.weight.T  # made before training: never seen inside lin's call
+    ...     def forward(self, ids):
+    ...         return self.lin(self.emb(ids)) @ self.view
+    >>> model = Tied()
+    >>> _ = guard_gradient_paths(model, "ghost")
+    >>> model(torch.tensor([[1, 2]])).sum().backward()
+    Traceback (most recent call last):
+    ...
+    RuntimeError: grad_sample_mode ghost: trainable parameter lin.weight got a gradient through a path outside ...
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+_seq = torch._C._autograd._get_sequence_nr  # the sequence number the next autograd node will get (this thread)
+_CHAIN_DEPTH = 4  # an older node counts as a cast/view of a layer's own weight if it leads there in ≤ 4 steps
+
+FIX = ("call the layer that owns it wherever it is used (for a tied output head: an nn.Linear whose .weight is "
+       "the embedding's weight), give the other use its own parameter (untie it), or freeze it")
+
+
+def _is_acc(node) -> bool:
+    return type(node).__name__ == "AccumulateGrad"
+
+
+def _chain_to(node, own: frozenset, depth: int = 0) -> bool:
+    """True if ``node`` is a chain of single-input nodes (casts, views) ending in one of the parameters ``own``."""
+    nexts = [f for f, _ in node.next_functions if f is not None]
+    if len(nexts) != 1 or depth >= _CHAIN_DEPTH:
+        return False
+    return id(nexts[0].variable) in own if _is_acc(nexts[0]) else _chain_to(nexts[0], own, depth + 1)
+
+
+class PathGuard:
+    """The hooks of :func:`guard_parameter_paths` and what they saw; :meth:`remove` takes them off."""
+
+    def __init__(self, model: nn.Module, mode: str):
+        self.mode, self.tripped = mode, None
+        self.expected: dict = {}  # receiver → tensors the owning layers' nodes sent it in this backward pass
+        self.starts: dict[int, list[int]] = {}  # id(module) → sequence numbers at the start of its open calls
+        self.names: dict[int, str] = {}
+        self.params: list[torch.Tensor] = []
+        self.owned: dict[int, frozenset] = {}
+        self.handles: list = []
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.names[id(p)] = name
+                self.params.append(p)
+                self.handles.append(p.register_hook(functools.partial(self._arrive, id(p), name)))
+        for m in model.modules():
+            own = frozenset(id(p) for p in m._parameters.values() if p is not None and p.requires_grad)
+            if own:
+                self.owned[id(m)] = own
+                self.handles.append(m.register_forward_pre_hook(self._start))
+                # prepended: a user's forward hook on the layer runs after the walk, so its ops count as outside
+                self.handles.append(m.register_forward_hook(self._walk, prepend=True, always_call=True))
+        self.handles.append(model.register_forward_pre_hook(self._new_pass, prepend=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.expected.clear()
+        self.tripped = "removed"  # hooks left on long-lived nodes see this and do nothing
+
+    # ---- forward ---------------------------------------------------------------------------------------
+
+    def _new_pass(self, module, args) -> None:
+        if not torch.is_grad_enabled():
+            return
+        if self.tripped not in (None, "removed"):
+            raise RuntimeError(f"{self.tripped} (an earlier backward pass was refused; nothing more runs with "
+                               "this model)")
+        self.expected.clear()  # left by a backward pass that failed half-way
+
+    # A copy of a layer carries these hooks too (Opacus's functorch rule deep-copies layers it has no rule for and
+    # runs the copy inside backward): only the layers this guard was built on are walked.
+    def _start(self, module, args) -> None:
+        if id(module) in self.owned:
+            self.starts.setdefault(id(module), []).append(_seq())
+
+    def _walk(self, module, args, output) -> None:
+        starts = self.starts.get(id(module))
+        start = starts.pop() if starts else None
+        if start is None or output is None or not torch.is_grad_enabled() or self.tripped is not None:
+            return
+        own = self.owned[id(module)]
+        nodes: dict[int, object] = {}
+        edges: list[tuple[object, int, object, int]] = []  # (sender, its input index, receiver, receiver's slot)
+        stack = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        while stack:
+            n = stack.pop()
+            if id(n) in nodes:
+                continue
+            nodes[id(n)] = n
+            for k, (nxt, slot) in enumerate(n.next_functions):
+                if nxt is None:
+                    continue
+                if _is_acc(nxt):
+                    if id(nxt.variable) in own:
+                        edges.append((n, k, nxt, slot))
+                elif nxt._sequence_nr() >= start or _chain_to(nxt, own):
+                    stack.append(nxt)
+                    edges.append((n, k, nxt, slot))
+        chain: dict[int, bool] = {}  # nodes of the walk that lead only to this layer's own parameters
+
+        def leads_only_to_own(n) -> bool:
+            if id(n) not in chain:
+                nexts = [f for f, _ in n.next_functions if f is not None]
+                chain[id(n)] = bool(nexts) and all(
+                    id(f.variable) in own if _is_acc(f) else id(f) in nodes and leads_only_to_own(f) for f in nexts)
+            return chain[id(n)]
+
+        sends: dict[int, list] = {}
+        for sender, k, receiver, slot in edges:
+            if _is_acc(receiver):
+                sends.setdefault(id(sender), [sender]).append((k, id(receiver.variable)))
+            elif leads_only_to_own(receiver):
+                sends.setdefault(id(sender), [sender]).append((k, (id(receiver), slot)))
+                if not self._marked(receiver, "receive"):
+                    receiver.register_prehook(functools.partial(self._arrive_node, id(receiver), self._label(receiver)))
+        for sender, *targets in sends.values():
+            done = self._marked(sender, "send", set())
+            new = tuple(t for t in targets if t not in done)
+            if new:  # a node reached by two layers' walks (a parent's and its child's) sends to both
+                done.update(new)
+                sender.register_hook(functools.partial(self._send, new))
+
+    def _marked(self, node, role: str, value=True):
+        """What this guard attached to ``node`` for ``role`` (set to ``value`` the first time, returning None then).
+
+        A node that outlives the step (a stored view, a cached cast) keeps its hooks: they are attached once."""
+        key = f"dpllm.paths.{role}"
+        mine = node.metadata.get(key)
+        if mine is not None and mine[0] is self:
+            return mine[1]
+        node.metadata[key] = (self, value)
+        return value if isinstance(value, set) else None
+
+    def _label(self, node) -> str:
+        names = []
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            for f, _ in n.next_functions:
+                if f is not None:
+                    if _is_acc(f):
+                        names.append(self.names.get(id(f.variable), "?"))
+                    else:
+                        stack.append(f)
+        return ", ".join(sorted(set(names)))
+
+    # ---- backward --------------------------------------------------------------------------------------
+
+    def _send(self, targets, grad_inputs, grad_outputs) -> None:
+        if self.tripped is not None:
+            return
+        for k, key in targets:
+            g = grad_inputs[k]
+            if g is not None:
+                self.expected.setdefault(key, []).append(g)
+
+    def _arrive_node(self, nid: int, label: str, grad_outputs) -> None:
+        if self.tripped is not None:
+            return
+        for slot, g in enumerate(grad_outputs):
+            self._check((nid, slot), g, label)
+
+    def _arrive(self, pid: int, name: str, grad: Optional[torch.Tensor]) -> None:
+        if self.tripped is None:
+            self._check(pid, grad, name)
+
+    def _check(self, key, arrived: Optional[torch.Tensor], label: str) -> None:
+        sent = self.expected.pop(key, ())
+        if arrived is None or (len(sent) == 1 and sent[0] is arrived) or _sums_to(arrived, sent):
+            return
+        for p in self.params:  # gradients accumulated earlier in this pass: none of them may be stepped on
+            p.grad = None
+        self.expected.clear()
+        what = ("ghost clipping would add it to the update unclipped" if "ghost" in self.mode else
+                "hooks mode would drop it and train a different model than the one written")
+        self.tripped = (
+            f"grad_sample_mode {self.mode}: trainable parameter {label} got a gradient through a path outside "
+            "its own layer's forward call (a view or copy of it made before training or in a hook, a cast of it "
+            "reused elsewhere, or a use outside its layer, possibly one that appears only on some batches); "
+            f"Opacus clips per record only what runs through the layer, so {what}. Nothing of this step was "
+            f"applied. Fix: {FIX}")
+        raise RuntimeError(self.tripped)
+
+
+def _sums_to(arrived: torch.Tensor, sent) -> bool:
+    """Whether ``arrived`` is the sum of ``sent``: exactly for one tensor, else within the rounding of a sum."""
+    if not sent:
+        return not bool(arrived.ne(0).any())  # a contribution of exactly zero changes nothing
+    if len(sent) == 1:
+        return arrived.shape == sent[0].shape and bool(torch.equal(arrived, sent[0]))
+    total, size = torch.zeros_like(arrived), torch.zeros_like(arrived)
+    for s in sent:
+        total += s
+        size += s.abs()
+    # autograd and this loop each add k terms in some order: each is within (k-1)·u·Σ|sᵢ| of the exact sum
+    u = torch.finfo(arrived.dtype).eps / 2 if arrived.is_floating_point() else 0.0
+    bound = 2 * (len(sent) - 1) * u * size + torch.finfo(arrived.dtype).tiny
+    return bool(((arrived - total).abs() <= bound).all())
+
+
+def guard_gradient_paths(model: nn.Module, mode: str) -> PathGuard:
+    """Make every backward pass through ``model`` fail on a gradient that reaches a trainable parameter other than
+    through the forward call of the layer that owns it (see the module docstring).
+
+    Args:
+        model: the model, before Opacus wraps it (DDP-wrapped is fine; not FSDP-sharded).
+        mode: the Opacus mode, for the message (``hooks`` or ``ghost``).
+
+    Returns:
+        The :class:`PathGuard`; its ``remove()`` takes the hooks off.
+    """
+    return PathGuard(model, mode)
