@@ -159,7 +159,7 @@ def make_private(
 
         if mode != "ghost_fsdp":  # FSDP's forward sees unsharded copies, never the registered parameters
             guard_parameter_uses(model, mode)  # a weight used outside its layer: refused at the first forward pass
-            guard_gradient_paths(model, mode)  # any gradient around a layer's own call: refused on every step
+        guard_gradient_paths(model, mode)  # any gradient around a layer's own call: refused on every step
         model, optimizer, criterion = _wrap_opacus(
             engine=engine, model=model, optimizer=optimizer, criterion=criterion, fn=fn, cfg=cfg, mode=mode,
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size / world_size,

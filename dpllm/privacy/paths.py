@@ -22,10 +22,11 @@ How, on each forward pass and each backward pass:
    name before that gradient reaches ``p.grad``, the gradients already accumulated in this pass are dropped,
    and the guard refuses every later forward pass.
 
-A contribution that is exactly zero passes (it changes nothing). Not covered: a layer's own forward code that
-reads its weight twice in ways its per-sample rule does not model (a custom layer type must be registered with
-Opacus, whose rule defines what the layer computes), and ``ghost_fsdp``, whose forward pass sees unsharded
-copies of the parameters (:func:`dpllm.privacy.engine.make_private` does not install the guard there).
+A contribution that is exactly zero passes (it changes nothing). Each layer's parameters are read at every call,
+so under FSDP (``ghost_fsdp``) the check follows the unsharded parameters a layer holds while it runs. Not
+covered: a layer's own forward code that reads its weight in ways its per-sample rule does not model (a custom
+layer type must be registered with Opacus, whose rule defines what the layer computes), and, under FSDP only, a
+weight whose own layer has not yet run with gradients in this process (its unsharded copy gets its check then).
 Per-step cost (``scripts/bench_guards.py``): docs/engines.md.
 
 Example:
@@ -75,29 +76,45 @@ def _chain_to(node, own: frozenset, depth: int = 0) -> bool:
 
 
 class PathGuard:
-    """The hooks of :func:`guard_parameter_paths` and what they saw; :meth:`remove` takes them off."""
+    """The hooks of :func:`guard_gradient_paths` and what they saw; :meth:`remove` takes them off."""
 
     def __init__(self, model: nn.Module, mode: str):
         self.mode, self.tripped = mode, None
         self.expected: dict = {}  # receiver → tensors the owning layers' nodes sent it in this backward pass
         self.starts: dict[int, list[int]] = {}  # id(module) → sequence numbers at the start of its open calls
-        self.names: dict[int, str] = {}
+        self.names: dict[int, str] = {}  # id(parameter) → name, for every parameter given a tensor hook
         self.params: list[torch.Tensor] = []
-        self.owned: dict[int, frozenset] = {}
+        self.layers: dict[int, str] = {}  # id(layer owning a trainable parameter) → its name
         self.handles: list = []
-        for name, p in model.named_parameters():
-            if p.requires_grad:
-                self.names[id(p)] = name
-                self.params.append(p)
-                self.handles.append(p.register_hook(functools.partial(self._arrive, id(p), name)))
-        for m in model.modules():
-            own = frozenset(id(p) for p in m._parameters.values() if p is not None and p.requires_grad)
-            if own:
-                self.owned[id(m)] = own
+        for name, m in model.named_modules():
+            if any(p is not None and p.requires_grad for p in m._parameters.values()):
+                self.layers[id(m)] = name
+                self._watch(m)
                 self.handles.append(m.register_forward_pre_hook(self._start))
                 # prepended: a user's forward hook on the layer runs after the walk, so its ops count as outside
                 self.handles.append(m.register_forward_hook(self._walk, prepend=True, always_call=True))
         self.handles.append(model.register_forward_pre_hook(self._new_pass, prepend=True))
+
+    def _watch(self, module: nn.Module) -> frozenset:
+        """The ids of ``module``'s trainable parameters as it holds them now, each given the arrival check once.
+
+        Read at every call: FSDP swaps the registered shards for unsharded parameters around each forward pass,
+        and the gradient arrives at those."""
+        own = []
+        for pname, p in module._parameters.items():
+            if p is not None and p.requires_grad:
+                own.append(id(p))
+                if id(p) not in self.names:
+                    prefix = self.layers[id(module)]
+                    self.names[id(p)] = name = f"{prefix}.{pname}" if prefix else pname
+                    self.params.append(p)
+                    self.handles.append(p.register_hook(functools.partial(self._arrive, id(p), name)))
+        return frozenset(own)
+
+    def __deepcopy__(self, memo):
+        # A deep copy of a layer carries its hooks, bound to this guard (Opacus's functorch rule copies layers):
+        # the copy shares the guard, which must not copy the model's parameters it holds.
+        return self
 
     def remove(self) -> None:
         for h in self.handles:
@@ -119,7 +136,7 @@ class PathGuard:
     # A copy of a layer carries these hooks too (Opacus's functorch rule deep-copies layers it has no rule for and
     # runs the copy inside backward): only the layers this guard was built on are walked.
     def _start(self, module, args) -> None:
-        if id(module) in self.owned:
+        if id(module) in self.layers:
             self.starts.setdefault(id(module), []).append(_seq())
 
     def _walk(self, module, args, output) -> None:
@@ -127,7 +144,7 @@ class PathGuard:
         start = starts.pop() if starts else None
         if start is None or output is None or not torch.is_grad_enabled() or self.tripped is not None:
             return
-        own = self.owned[id(module)]
+        own = self._watch(module)
         nodes: dict[int, object] = {}
         edges: list[tuple[object, int, object, int]] = []  # (sender, its input index, receiver, receiver's slot)
         stack = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
@@ -252,7 +269,7 @@ def guard_gradient_paths(model: nn.Module, mode: str) -> PathGuard:
     through the forward call of the layer that owns it (see the module docstring).
 
     Args:
-        model: the model, before Opacus wraps it (DDP-wrapped is fine; not FSDP-sharded).
+        model: the model, before Opacus wraps it (DDP- or FSDP-wrapped).
         mode: the Opacus mode, for the message (``hooks`` or ``ghost``).
 
     Returns:
