@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from dpllm.config import PrivacyConfig  # noqa: E402
-from dpllm.distributed import World, finish_process, full_state_dict, wrap_model  # noqa: E402
-from dpllm.privacy.engine import PrivacyPlan, make_private  # noqa: E402
-from test_gradient_paths import IDS, V, Y, HookCopy  # noqa: E402
+from test_gradient_paths import IDS, HookCopy, V, Y
+
+from dpllm.config import PrivacyConfig
+from dpllm.distributed import World, finish_process, full_state_dict, wrap_model
+from dpllm.privacy.engine import PrivacyPlan, make_private
 
 
 def check() -> dict:

@@ -113,22 +113,6 @@ def _perturb(model: nn.Module, x: torch.Tensor, row: int, real: Optional[torch.T
     return x
 
 
-def _rows_count(args, kwargs) -> Optional[int]:
-    for key in ("input_ids", "inputs_embeds"):
-        if isinstance(kwargs.get(key), torch.Tensor):
-            return kwargs[key].shape[0]
-    for v in (*args, *kwargs.values()):
-        if isinstance(v, torch.Tensor) and v.dim() > 0:
-            return v.shape[0]
-    return None
-
-
-def _trainable_layers(model: nn.Module):
-    for name, m in model.named_modules():
-        if any(p.requires_grad for p in m.parameters(recurse=False)):
-            yield name or type(m).__name__, m
-
-
 def check_record_independence(model: nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse ``model`` if one record's input changes another record's output (see the module docstring).
 
@@ -140,7 +124,9 @@ def check_record_independence(model: nn.Module, args: tuple, kwargs: dict) -> No
         RuntimeError: naming the problem (mixing rows, depending on padding, or a layer whose rows are not the
             records) and the fix.
     """
-    B = _rows_count(args, kwargs)
+    from dpllm.privacy.bk import _rows_of, _trainable_modules  # the batch's records, and the layers bk checks
+
+    B = _rows_of(args, kwargs)
     if not B:
         return
     batch_keys = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == B]
@@ -189,7 +175,8 @@ def check_record_independence(model: nn.Module, args: tuple, kwargs: dict) -> No
 
     cuda = [device] if device.type == "cuda" else []
     with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-        handles = [m.register_forward_pre_hook(rows_seen(n), with_kwargs=True) for n, m in _trainable_layers(model)]
+        handles = [m.register_forward_pre_hook(rows_seen(n or type(m).__name__), with_kwargs=True)
+                   for n, m in _trainable_modules(model)]
         try:
             ref = call()
         finally:
@@ -277,13 +264,13 @@ def guard_record_independence(model: nn.Module) -> None:
 
     def hook(module, args, kwargs):
         if state["busy"] or not torch.is_grad_enabled():
-            return None
+            return
         state["busy"] = True
         try:
             check_record_independence(module, args, kwargs)
         finally:
             state["busy"] = False
         state["handle"].remove()
-        return None
+        return
 
     state["handle"] = inner.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)

@@ -14,7 +14,8 @@ How, on each forward pass and each backward pass:
 1. *Forward*: when a layer that owns trainable parameters returns, the autograd nodes its call created are read
    back from its output (everything with a sequence number from after the call began, plus any older node that
    leads only to the layer's own parameters: a cached cast or a stored view). Those that send a gradient to one
-   of its parameters, directly or through such a chain, get a hook.
+   of its parameters, directly or through such a chain, get a hook. A layer of fixed structure (a type bk has
+   a rule for) is searched once; later calls find the same nodes by index, and search again if they differ.
 2. *Backward*: the hooks note the exact tensor each of those nodes sends. When the gradient arrives at the
    parameter (a tensor hook, before it is accumulated into ``p.grad``), or at a node of the chain, it must be
    what the layer's own nodes sent: the very same tensor when one node sent it (an identity test, free), else
@@ -27,7 +28,8 @@ so under FSDP (``ghost_fsdp``) the check follows the unsharded parameters a laye
 covered: a layer's own forward code that reads its weight in ways its per-sample rule does not model (a custom
 layer type must be registered with Opacus, whose rule defines what the layer computes), and, under FSDP only, a
 weight whose own layer has not yet run with gradients in this process (its unsharded copy gets its check then).
-Per-step cost (``scripts/bench_guards.py``): docs/engines.md.
+What it costs per step, 35–64 µs of Python per layer with trainable weights: ``scripts/measure_guards.py cost``
+and docs/engines.md.
 
 Example:
     >>> import torch
@@ -57,14 +59,17 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 _seq = torch._C._autograd._get_sequence_nr  # the sequence number the next autograd node will get (this thread)
+_ATTR = "_dpllm_gradient_paths"  # where the guard is kept on the model it watches
 _CHAIN_DEPTH = 4  # an older node counts as a cast/view of a layer's own weight if it leads there in ≤ 4 steps
 
 FIX = ("call the layer that owns it wherever it is used (for a tied output head: an nn.Linear whose .weight is "
        "the embedding's weight), give the other use its own parameter (untie it), or freeze it")
 
 
-def _is_acc(node) -> bool:
-    return type(node).__name__ == "AccumulateGrad"
+_probe = torch.zeros(1, requires_grad=True)
+_ACC = type(_probe.mul(1).grad_fn.next_functions[0][0])  # AccumulateGrad: where a leaf's gradient arrives
+_CAST = type(_probe.to(torch.float64).grad_fn)  # ToCopyBackward0: autocast caches a weight's cast, shared by all uses
+del _probe
 
 
 def _chain_to(node, own: frozenset, depth: int = 0) -> bool:
@@ -72,7 +77,77 @@ def _chain_to(node, own: frozenset, depth: int = 0) -> bool:
     nexts = [f for f, _ in node.next_functions if f is not None]
     if len(nexts) != 1 or depth >= _CHAIN_DEPTH:
         return False
-    return id(nexts[0].variable) in own if _is_acc(nexts[0]) else _chain_to(nexts[0], own, depth + 1)
+    return id(nexts[0].variable) in own if type(nexts[0]) is _ACC else _chain_to(nexts[0], own, depth + 1)
+
+
+def _explore(roots: list, own: frozenset, start: int):
+    """The edges by which the nodes of one layer call send gradient to its parameters, found by search.
+
+    Walks back from the call's outputs through the nodes it created (sequence number ≥ ``start``) and any older
+    chain that leads only to the layer's parameters. An edge counts if it ends at a parameter's accumulator, or at
+    a chain node that code outside the call could also reach: an older one, or a cast (autocast's cache hands the
+    same cast to every use in its region). Returns ``(edges, plan)``: edges as ``(sender, input index, receiver,
+    receiver's slot)``, and the plan that finds them again by index (:func:`_follow`).
+    """
+    edges, plan, seen = [], [], set()
+    stack = [(n, (i,)) for i, n in enumerate(roots)]
+    while stack:
+        n, path = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        for k, (nxt, slot) in enumerate(n.next_functions):
+            if nxt is None:
+                continue
+            if type(nxt) is _ACC:
+                if id(nxt.variable) not in own:
+                    continue
+            elif nxt._sequence_nr() >= start:
+                stack.append((nxt, path + (k,)))
+                if type(nxt) is not _CAST or not _chain_to(nxt, own):
+                    continue
+            elif _chain_to(nxt, own):
+                stack.append((nxt, path + (k,)))
+            else:
+                continue
+            edges.append((n, k, nxt, slot))
+            plan.append((path, k, type(n), type(nxt)))
+    return edges, plan
+
+
+def _follow(plan: list, roots: list, own: frozenset, start: int):
+    """The edges of :func:`_explore`'s ``plan``, found by index in this call's nodes; None if they differ."""
+    edges = []
+    for path, k, sender_type, receiver_type in plan:
+        if path[0] >= len(roots):
+            return None
+        n = roots[path[0]]
+        for i in path[1:]:
+            n = n.next_functions[i][0] if i < len(n.next_functions) else None
+            if n is None:
+                return None
+        if type(n) is not sender_type or k >= len(n.next_functions):
+            return None
+        if n._sequence_nr() < start and not _chain_to(n, own):  # a sender outside this call: search instead
+            return None
+        nxt, slot = n.next_functions[k]
+        if type(nxt) is not receiver_type:
+            return None
+        if type(nxt) is _ACC:
+            if id(nxt.variable) not in own:
+                return None
+        elif not _chain_to(nxt, own) or (nxt._sequence_nr() >= start and type(nxt) is not _CAST):
+            return None
+        edges.append((n, k, nxt, slot))
+    return edges
+
+
+def _fixed_structure(module: nn.Module) -> bool:
+    """Layer types whose call always builds the same nodes (those bk has rules for: Linear, LoRA's layers,
+    Conv1D, Embedding, LayerNorm, RMSNorm); any other layer is searched at every call."""
+    from dpllm.privacy.bk.layers import rule_for
+
+    return rule_for(module) is not None
 
 
 class PathGuard:
@@ -85,6 +160,8 @@ class PathGuard:
         self.names: dict[int, str] = {}  # id(parameter) → name, for every parameter given a tensor hook
         self.params: list[torch.Tensor] = []
         self.layers: dict[int, str] = {}  # id(layer owning a trainable parameter) → its name
+        self.labels: dict[int, str] = {}  # id(layer) → its trainable parameters' names, for messages
+        self.plans: dict[int, list] = {}  # id(layer) → where its sending nodes sit (:func:`_explore`)
         self.handles: list = []
         for name, m in model.named_modules():
             if any(p is not None and p.requires_grad for p in m._parameters.values()):
@@ -145,44 +222,31 @@ class PathGuard:
         if start is None or output is None or not torch.is_grad_enabled() or self.tripped is not None:
             return
         own = self._watch(module)
-        nodes: dict[int, object] = {}
-        edges: list[tuple[object, int, object, int]] = []  # (sender, its input index, receiver, receiver's slot)
-        stack = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        while stack:
-            n = stack.pop()
-            if id(n) in nodes:
-                continue
-            nodes[id(n)] = n
-            for k, (nxt, slot) in enumerate(n.next_functions):
-                if nxt is None:
-                    continue
-                if _is_acc(nxt):
-                    if id(nxt.variable) in own:
-                        edges.append((n, k, nxt, slot))
-                elif nxt._sequence_nr() >= start or _chain_to(nxt, own):
-                    stack.append(nxt)
-                    edges.append((n, k, nxt, slot))
-        chain: dict[int, bool] = {}  # nodes of the walk that lead only to this layer's own parameters
-
-        def leads_only_to_own(n) -> bool:
-            if id(n) not in chain:
-                nexts = [f for f, _ in n.next_functions if f is not None]
-                chain[id(n)] = bool(nexts) and all(
-                    id(f.variable) in own if _is_acc(f) else id(f) in nodes and leads_only_to_own(f) for f in nexts)
-            return chain[id(n)]
-
+        outs = [output] if isinstance(output, torch.Tensor) else tree_leaves(output)
+        roots = [t.grad_fn for t in outs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        plan = self.plans.get(id(module))
+        edges = _follow(plan, roots, own, start) if plan is not None else None
+        if edges is None:
+            edges, plan = _explore(roots, own, start)
+            if _fixed_structure(module):  # the same nodes every call: found again by index, not by search
+                self.plans[id(module)] = plan
         sends: dict[int, list] = {}
         for sender, k, receiver, slot in edges:
-            if _is_acc(receiver):
+            if type(receiver) is _ACC:
                 sends.setdefault(id(sender), [sender]).append((k, id(receiver.variable)))
-            elif leads_only_to_own(receiver):
-                sends.setdefault(id(sender), [sender]).append((k, (id(receiver), slot)))
-                if not self._marked(receiver, "receive"):
-                    receiver.register_prehook(functools.partial(self._arrive_node, id(receiver), self._label(receiver)))
+                continue
+            sends.setdefault(id(sender), [sender]).append((k, (id(receiver), slot)))
+            if not self._marked(receiver, "receive"):
+                label = self.labels.get(id(module)) or self.labels.setdefault(id(module), ", ".join(
+                    sorted(self.names[i] for i in own)))
+                receiver.register_prehook(functools.partial(self._arrive_node, id(receiver), label))
         for sender, *targets in sends.values():
-            done = self._marked(sender, "send", set())
+            if sender._sequence_nr() >= start and type(sender) is not _CAST:  # new in this call: no hooks yet
+                sender.register_hook(functools.partial(self._send, tuple(targets)))
+                continue
+            done = self._marked(sender, "send", set())  # an older node, or a cast other calls may share
             new = tuple(t for t in targets if t not in done)
-            if new:  # a node reached by two layers' walks (a parent's and its child's) sends to both
+            if new:
                 done.update(new)
                 sender.register_hook(functools.partial(self._send, new))
 
@@ -196,19 +260,6 @@ class PathGuard:
             return mine[1]
         node.metadata[key] = (self, value)
         return value if isinstance(value, set) else None
-
-    def _label(self, node) -> str:
-        names = []
-        stack = [node]
-        while stack:
-            n = stack.pop()
-            for f, _ in n.next_functions:
-                if f is not None:
-                    if _is_acc(f):
-                        names.append(self.names.get(id(f.variable), "?"))
-                    else:
-                        stack.append(f)
-        return ", ".join(sorted(set(names)))
 
     # ---- backward --------------------------------------------------------------------------------------
 
@@ -273,6 +324,16 @@ def guard_gradient_paths(model: nn.Module, mode: str) -> PathGuard:
         mode: the Opacus mode, for the message (``hooks`` or ``ghost``).
 
     Returns:
-        The :class:`PathGuard`; its ``remove()`` takes the hooks off.
+        The :class:`PathGuard`, also kept on ``model`` for :func:`remove_guard`; its ``remove()`` takes the hooks off.
     """
-    return PathGuard(model, mode)
+    guard = PathGuard(model, mode)
+    model.__dict__[_ATTR] = guard
+    return guard
+
+
+def remove_guard(model: nn.Module) -> None:
+    """Take off the guard :func:`guard_gradient_paths` put on ``model``, if any (a model handed back after
+    private training trains, or is tied again, like any other)."""
+    guard = model.__dict__.pop(_ATTR, None)
+    if guard is not None:
+        guard.remove()
