@@ -26,6 +26,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
 from dpllm.config import PrivacyConfig
+from dpllm.models import ModelError
 from dpllm.privacy.engine import PrivacyPlan, make_private
 
 V, D, C = 13, 8, 1e-3
@@ -183,3 +184,30 @@ def test_doctests():
     from dpllm.privacy import independence
 
     assert doctest.testmod(independence, optionflags=doctest.ELLIPSIS).failed == 0
+
+
+@pytest.mark.parametrize("mode", ["auto", "hooks"])
+def test_dptrainer_refuses_a_stock_model_made_to_mix_records(tmp_path, mode):
+    """The same check on the path a user's own Trainer script takes (``DPTrainer`` runs dpllm's Trainer stages):
+    a tiny Llama whose final norm's output gets the batch mean added."""
+    from datasets import Dataset
+    from helpers import TEXTS, tiny_model
+    from transformers import TrainingArguments
+
+    from dpllm.hf import DPTrainer, PrivacyArguments
+
+    model, tok = tiny_model("tiny-llama", "lora")
+    model.get_base_model().model.norm.register_forward_hook(lambda m, i, o: o + o.mean(0, keepdim=True))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    data = Dataset.from_dict({"text": [f"{t} ({i})" for i in range(4) for t in TEXTS]})
+    data = data.map(lambda b: tok(b["text"], truncation=True, max_length=32), batched=True)
+    trainer = DPTrainer(model=model, args=TrainingArguments(str(tmp_path / "run"), max_steps=2, report_to="none",
+                                                            disable_tqdm=True, use_cpu=True,
+                                                            per_device_train_batch_size=4),
+                        privacy_args=PrivacyArguments(target_epsilon=8.0, logical_batch_size=8,
+                                                      grad_sample_mode=mode),
+                        train_dataset=data, processing_class=tok)
+    # a ModelError (ValueError): bad input, which the commands print as one line saying what to change
+    with pytest.raises(ModelError, match="one record's input changes other records' outputs"):
+        trainer.train()
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters() if p.requires_grad)

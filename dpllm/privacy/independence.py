@@ -47,7 +47,7 @@ Example:
     >>> check_record_independence(Mixing(), (torch.randn(3, 4),), {})
     Traceback (most recent call last):
     ...
-    RuntimeError: one record's input changes other records' outputs ...
+    dpllm.privacy.paths.UnclippableModel: one record's input changes other records' outputs ...
 """
 
 from __future__ import annotations
@@ -58,6 +58,8 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+
+from dpllm.privacy.paths import UnclippableModel
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +123,8 @@ def check_record_independence(model: nn.Module, args: tuple, kwargs: dict) -> No
         args, kwargs: one batch's forward-call arguments, rows in dimension 0.
 
     Raises:
-        RuntimeError: naming the problem (mixing rows, depending on padding, or a layer whose rows are not the
+        dpllm.privacy.paths.UnclippableModel: (a ``ValueError`` and a ``RuntimeError``) naming the problem
+            (mixing rows, depending on padding, or a layer whose rows are not the
             records) and the fix.
     """
     from dpllm.privacy.bk import _rows_of, _trainable_modules  # the batch's records, and the layers bk checks
@@ -185,7 +188,7 @@ def check_record_independence(model: nn.Module, args: tuple, kwargs: dict) -> No
         wrong = {n: r for n, r in seen.items() if r != R}
         if wrong:
             shown = ", ".join(f"{n} ({r} rows)" for n, r in list(wrong.items())[:3])
-            raise RuntimeError(
+            raise UnclippableModel(
                 f"trainable layers whose rows are not the batch's records: for a batch of {R} records {shown} "
                 f"{'see' if len(wrong) > 1 else 'sees'} another number of rows in dimension 0 (an input laid out "
                 "sequence-first (T, B, d) or flattened (B·T, d)), so every engine would clip one gradient per "
@@ -245,7 +248,7 @@ def _compare(ref: torch.Tensor, out: torch.Tensor, real, *, rows: list[int], tol
         moved = float((a - b).abs()[finite].max()) if bool(finite.any()) else 0.0
         scale = float(a.abs()[finite].max()) if bool(finite.any()) else 0.0
     if moved > tol * max(scale, 1e-12):
-        raise RuntimeError(f"{problem}: they moved by {moved:.3g} (largest output {scale:.3g}; tolerance "
+        raise UnclippableModel(f"{problem}: they moved by {moved:.3g} (largest output {scale:.3g}; tolerance "
                            f"{tol:g} of it). Per-record clipping then bounds no record's influence: it reaches the "
                            f"other records' gradients, clipped or not; {FIX}")
 

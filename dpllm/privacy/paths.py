@@ -46,7 +46,7 @@ Example:
     >>> model(torch.tensor([[1, 2]])).sum().backward()
     Traceback (most recent call last):
     ...
-    RuntimeError: grad_sample_mode ghost: trainable parameter lin.weight got a gradient through a path outside ...
+    dpllm.privacy.paths.UnclippableModel: grad_sample_mode ghost: trainable parameter lin.weight got a gradient through a path outside ...
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ from typing import Optional
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
+
+from dpllm.models import ModelError
 
 _seq = torch._C._autograd._get_sequence_nr  # the sequence number the next autograd node will get (this thread)
 _ATTR = "_dpllm_gradient_paths"  # where the guard is kept on the model it watches
@@ -70,6 +72,11 @@ _probe = torch.zeros(1, requires_grad=True)
 _ACC = type(_probe.mul(1).grad_fn.next_functions[0][0])  # AccumulateGrad: where a leaf's gradient arrives
 _CAST = type(_probe.to(torch.float64).grad_fn)  # ToCopyBackward0: autocast caches a weight's cast, shared by all uses
 del _probe
+
+
+class UnclippableModel(ModelError, RuntimeError):
+    """A model whose gradients no engine can clip per record as it is built: bad input, said in one line by the
+    commands (a ``ValueError``), and a ``RuntimeError`` like the engines' other refusals."""
 
 
 def _chain_to(node, own: frozenset, depth: int = 0) -> bool:
@@ -206,8 +213,8 @@ class PathGuard:
         if not torch.is_grad_enabled():
             return
         if self.tripped not in (None, "removed"):
-            raise RuntimeError(f"{self.tripped} (an earlier backward pass was refused; nothing more runs with "
-                               "this model)")
+            raise UnclippableModel(f"{self.tripped} (an earlier backward pass was refused; nothing more runs "
+                                   "with this model)")
         self.expected.clear()  # left by a backward pass that failed half-way
 
     # A copy of a layer carries these hooks too (Opacus's functorch rule deep-copies layers it has no rule for and
@@ -228,7 +235,7 @@ class PathGuard:
         edges = _follow(plan, roots, own, start) if plan is not None else None
         if edges is None:
             edges, plan = _explore(roots, own, start)
-            if _fixed_structure(module):  # the same nodes every call: found again by index, not by search
+            if edges and _fixed_structure(module):  # the same nodes every call: found again by index, not by search
                 self.plans[id(module)] = plan
         sends: dict[int, list] = {}
         for sender, k, receiver, slot in edges:
@@ -296,7 +303,7 @@ class PathGuard:
             "reused elsewhere, or a use outside its layer, possibly one that appears only on some batches); "
             f"Opacus clips per record only what runs through the layer, so {what}. Nothing of this step was "
             f"applied. Fix: {FIX}")
-        raise RuntimeError(self.tripped)
+        raise UnclippableModel(self.tripped)
 
 
 def _sums_to(arrived: torch.Tensor, sent) -> bool:
