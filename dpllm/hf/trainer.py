@@ -150,9 +150,13 @@ class DPTrainer(Trainer):
 
 
 def release(model):
-    """The bare model: Opacus's hooks and per-sample attributes removed, DDP/Opacus wrappers stripped."""
+    """The bare model: Opacus's hooks and per-sample attributes removed, dpllm's gradient-path guard taken off,
+    DDP/Opacus wrappers stripped."""
+    from dpllm.privacy.paths import remove_guard
+
     m = model
     while True:
+        remove_guard(m)
         if hasattr(m, "detach") and hasattr(m, "clip_weights"):  # dpllm.privacy.bk.BookKeepingModule
             m.detach()
         elif hasattr(m, "cleanup") and hasattr(m, "_module"):  # Opacus GradSampleModule (hooks, ghost)

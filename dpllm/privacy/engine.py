@@ -121,6 +121,7 @@ def make_private(
 
     from dpllm.models import check_checkpointing
     from dpllm.privacy import bk, clipping
+    from dpllm.privacy.independence import guard_record_independence
     from dpllm.privacy.modes import choose_mode
     from dpllm.sampling import PoissonBatchSampler
 
@@ -146,6 +147,8 @@ def make_private(
     mode = choice.mode
     log.info("privacy: grad_sample_mode=%s (%s)", mode, choice.reason)
     check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
+    # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
+    guard_record_independence(model)
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
             engine=engine, model=model, optimizer=optimizer, clip_weights=lambda n: fn.weights(n, cfg),
@@ -156,10 +159,12 @@ def make_private(
     else:
         from dpllm.distributed import is_sharded, unsharded_parameters
         from dpllm.privacy.owners import guard_parameter_uses
+        from dpllm.privacy.paths import guard_gradient_paths
 
         # a weight used outside its layer: refused at the first forward pass (under FSDP the forward pass uses
         # unsharded copies of the registered parameters: those are the ones watched)
         guard_parameter_uses(model, mode, parameters=unsharded_parameters(model) if is_sharded(model) else None)
+        guard_gradient_paths(model, mode)  # any gradient around a layer's own call: refused on every step
         model, optimizer, criterion = _wrap_opacus(
             engine=engine, model=model, optimizer=optimizer, criterion=criterion, fn=fn, cfg=cfg, mode=mode,
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size / world_size,

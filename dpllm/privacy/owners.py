@@ -13,9 +13,10 @@ its own refusal of the same thing (:mod:`dpllm.privacy.bk`).
 parameter and whose output carries a gradient, while the innermost module being called does not own that
 parameter, is such a use. The pass then fails with the parameter's name and the fix, before any backward
 pass or step. Only that one pass is watched (the check costs Python time on every operation): a model whose
-forward takes a different path on later batches is checked on the path of its first one. Under FSDP
-(``ghost_fsdp``) the forward pass uses unsharded copies, not the registered parameters; ``make_private``
-passes those (:func:`dpllm.distributed.unsharded_parameters`).
+forward takes a different path on later batches is checked on the path of its first one; every backward
+pass is then checked at the level of gradients by :mod:`dpllm.privacy.paths`, which also sees views and copies
+of a weight that this identity test cannot. Under FSDP (``ghost_fsdp``) the forward pass uses unsharded copies,
+not the registered parameters; ``make_private`` passes those (:func:`dpllm.distributed.unsharded_parameters`).
 
 Example:
     >>> import torch
