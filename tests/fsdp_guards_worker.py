@@ -1,6 +1,6 @@
 """One process of tests/test_gradient_paths.py::test_ghost_fsdp_refuses_a_hook_copy (run under torch.distributed.run).
 
-FSDP2 + ghost_fsdp, the mode ``auto`` picks for a sharded model, on CPU (gloo): a forward hook on a layer copies
+FSDP2 + ghost_fsdp (asked for explicitly: under FSDP ``auto`` is bk or a refusal), on CPU (gloo): a forward hook on a layer copies
 its (unsharded) weight for another layer to use. Each rank records whether its first backward pass was refused
 and whether its weights stayed as they were; rank 0 writes the findings as JSON to argv[1].
 """
@@ -18,10 +18,11 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from fsdp_worker import full_state_dict
 from test_gradient_paths import IDS, HookCopy, V, Y
 
 from dpllm.config import PrivacyConfig
-from dpllm.distributed import World, finish_process, full_state_dict, wrap_model
+from dpllm.distributed import World, finish_process, wrap_model
 from dpllm.privacy.engine import PrivacyPlan, make_private
 
 
@@ -29,13 +30,13 @@ def check() -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = wrap_model(HookCopy(), dp=True, world=World(rank=rank, size=2, kind="fsdp"), accelerator=None,
-                       mixed_precision="no")
+                       mixed_precision="no", grad_sample_mode="ghost_fsdp")
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
     plan = PrivacyPlan(num_records=4, sample_rate=0.5, steps=1, noise_multiplier=0.0, delta=1e-5, accountant="rdp",
                        expected_batch_size=2)
     data = [(torch.randint(0, V, (5,)), torch.tensor(i % V)) for i in range(4)]
     pt = make_private(model=model, optimizer=opt, dataset=data, collate_fn=lambda b: b,
-                      cfg=PrivacyConfig(grad_sample_mode="auto", max_grad_norm=1e-3), plan=plan, logical_batch_size=2,
+                      cfg=PrivacyConfig(grad_sample_mode="ghost_fsdp", max_grad_norm=1e-3), plan=plan, logical_batch_size=2,
                       rank=rank, world_size=2)
     before = {k: v.clone() for k, v in full_state_dict(model).items()}
     found = {"mode": pt.grad_sample_mode, "refused": None}

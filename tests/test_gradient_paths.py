@@ -236,7 +236,7 @@ def test_a_zero_contribution_is_not_a_path_and_removing_the_guard_frees_the_mode
 
 
 def test_ghost_fsdp_refuses_a_hook_copy(tmp_path):
-    """Under FSDP ``auto`` picks ghost_fsdp, whose layers see unsharded copies of their weights: the guard reads
+    """Under FSDP, ghost_fsdp's layers see unsharded copies of their weights: the guard reads
     each layer's parameters at every call. On 888bb2b the hook copy trained there at 95.0 × C (2 gloo processes)."""
     import json
     import os
