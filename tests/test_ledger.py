@@ -143,4 +143,7 @@ def test_chain_spans_stages(finished, tmp_path, capsys):
 
 def test_usage(capsys):
     assert dpllm_main(["ledger", "check", "x"]) == 2
-    assert "usage: dpllm ledger verify RUN_DIR" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "usage: dpllm ledger" in err and "invalid choice: 'check' (choose from 'verify')" in err, err
+    assert dpllm_main(["ledger", "verify"]) == 2  # the run directory is required
+    assert "RUN_DIR" in capsys.readouterr().err
