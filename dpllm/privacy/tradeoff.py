@@ -52,9 +52,9 @@ Example (one Gaussian step with σ = 1: the exact curve is TPR = Φ(Φ⁻¹(α) 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
-from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -140,7 +140,7 @@ def _events(history, group_size: int):
 
 
 def privacy_curve(*, history, group_size: int = 1, unit: str = "record",
-                  discretization: Optional[float] = None) -> Curve:
+                  discretization: float | None = None) -> Curve:
     """The (ε, δ(ε)) curve of a DP-SGD history, from dp-accounting's pessimistic PLD.
 
     Args:
@@ -179,7 +179,7 @@ def privacy_curve(*, history, group_size: int = 1, unit: str = "record",
     return Curve(eps, np.clip(deltas, 0.0, 1.0), unit, k)
 
 
-def for_report(report, *, unit: Optional[str] = None) -> Curve:
+def for_report(report, *, unit: str | None = None) -> Curve:
     """The curve of the mechanism a privacy report describes (a run's or a released one), for ``unit``.
 
     Args:
@@ -216,7 +216,7 @@ def for_report(report, *, unit: Optional[str] = None) -> Curve:
     return privacy_curve(history=history, group_size=int(k), unit="user")
 
 
-def unit_words(report, data_format: Optional[str] = None) -> tuple[str, str]:
+def unit_words(report, data_format: str | None = None) -> tuple[str, str]:
     """(singular, plural) for one protected unit in plain language."""
     if report.privacy_unit == "user":
         return "person (user)", "people (users)"
@@ -244,7 +244,7 @@ an outside one more often than 62.0% of the time (50% is a coin flip).
     if not tprs:
         raise TradeoffError("bounds has no tpr@fpr=… entry")
     (a0, t0), rest = tprs[0], tprs[1:]
-    single = plural[:-1] if plural.endswith("s") else plural
+    single = plural.removesuffix("s")
     if plural.startswith("people"):
         single = "person"
     text = (f"An attacker who wrongly flags {pct(a0)} of the {plural} that were not in the training data as members "
@@ -305,8 +305,8 @@ def check_audit(attacks: Mapping[str, Mapping], curve: Curve, *, fprs: Sequence[
             key = tpr_key(b)
             if not (m and n) or r.get(key) is None:
                 continue
-            t_lo = _cp_lower(int(round(float(r[key]) * m)), m, a / 2)
-            f_hi = _cp_upper(int(math.floor(b * n + 1e-9)), n, a / 2)
+            t_lo = _cp_lower(round(float(r[key]) * m), m, a / 2)
+            f_hi = _cp_upper(math.floor(b * n + 1e-9), n, a / 2)
             allowed = float(curve.max_tpr(f_hi))
             rows[key] = {"measured": float(r[key]), "bound": bounds[key], "lower": t_lo, "fpr_upper": f_hi,
                          "allowed_at_fpr_upper": allowed, "exceeds": t_lo > allowed}
