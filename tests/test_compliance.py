@@ -67,13 +67,18 @@ def test_audit_then_stale_audit(runs, tmp_path):
                         "--n-bootstrap", "20", "--no-progress"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert _status(run)["mia_audit"] == compliance.MET
-    # An AUC above the ε-DP ceiling (here edited in) fails the item.
+    item = next(it for it in compliance.check(run) if it.name == "mia_audit")
+    assert "the most any attack can reach against this run's mechanism (record level" in item.evidence
+    # An audit above what the run's trade-off curve allows (edited in: every member found at FPR ≤ 0.1%, on enough
+    # records that sampling error cannot explain it) fails the item: the implementation is broken.
     path = run / "audit" / "mia_report.json"
     rep = json.loads(path.read_text())
-    rep["attacks"]["loss"]["auc"] = 0.9999
+    loss = rep["attacks"]["loss"]
+    loss.update({"n_members": 20000, "n_nonmembers": 20000, "tpr@fpr=0.001": 1.0})
     path.write_text(json.dumps(rep))
-    assert _status(run)["mia_audit"] == compliance.NOT_MET
-    rep["attacks"]["loss"]["auc"] = 0.5
+    item = next(it for it in compliance.check(run) if it.name == "mia_audit")
+    assert item.status == compliance.NOT_MET and "exceeds what the mechanism allows" in item.evidence
+    loss.update({"tpr@fpr=0.001": 0.0, "tpr@fpr=0.01": 0.0, "auc": 0.5})
     path.write_text(json.dumps(rep))
     assert _status(run)["mia_audit"] == compliance.MET
     # A model changed after the audit was not audited.

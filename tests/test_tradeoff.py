@@ -83,9 +83,9 @@ def test_no_noise_bounds_nothing_and_no_steps_bounds_everything():
 
 
 def _report(**kw):
-    base = dict(enabled=True, num_records=1000, steps=100, logical_batch_size=10, physical_batch_size=10,
-                epsilon=3.0, delta=1e-5, accountant="prv", noise_multiplier=1.0, sample_rate=0.01,
-                history=[[1.0, 0.01, 100]], noise_secret=True)
+    base = {"enabled": True, "num_records": 1000, "steps": 100, "logical_batch_size": 10, "physical_batch_size": 10,
+                "epsilon": 3.0, "delta": 1e-5, "accountant": "prv", "noise_multiplier": 1.0, "sample_rate": 0.01,
+                "history": [[1.0, 0.01, 100]], "noise_secret": True}
     return PrivacyReport(**{**base, **kw})
 
 
