@@ -67,6 +67,11 @@ def test_audit_then_stale_audit(runs, tmp_path):
                         "--n-bootstrap", "20", "--no-progress"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert _status(run)["mia_audit"] == compliance.MET
+    # The audit reports the run's bounds next to what it measured (JSON, table and a plain reading).
+    bounds = json.loads((run / "audit" / "mia_report.json").read_text())["privacy_bounds"]
+    assert bounds["unit"] == "record" and 0.5 < bounds["auc"] <= 1 and bounds["exceeded"] == []
+    assert 0.01 < bounds["tpr@fpr=0.01"] <= 1 and "loss" in bounds["per_attack"]
+    assert "| **bound: any attack** (record level) |" in r.stdout and "can find at most" in r.stdout
     item = next(it for it in compliance.check(run) if it.name == "mia_audit")
     assert "the most any attack can reach against this run's mechanism (record level" in item.evidence
     # An audit above what the run's trade-off curve allows (edited in: every member found at FPR ≤ 0.1%, on enough

@@ -188,13 +188,16 @@ def for_report(report, *, unit: str | None = None) -> Curve:
             ``user_level``) splits whole users, so its record-level audits are held to ``user``.
 
     Raises:
-        TradeoffError: a non-private run; ``user`` for a run without users, or under record sampling without
+        TradeoffError: a non-private run; a report with steps but no history; ``user`` for a run without users, or under record sampling without
             ``max_records_per_user`` (a user may hold any number of records: nothing is bounded); ``record``
             for user-level sampling (ULS), whose history counts users.
     """
     if not report.enabled:
         raise TradeoffError("the run was trained without DP: no attack is bounded")
     history = [tuple(h) for h in report.history]
+    if not history and report.steps:
+        raise TradeoffError(f"the privacy report counts {report.steps} steps but holds no (σ, q, steps) history to "
+                            "bound them with (a report from before dpllm recorded it)")
     user = report.user_level or {}
     unit = unit or report.privacy_unit
     sampling = user.get("sampling")
