@@ -84,8 +84,8 @@ def test_no_noise_bounds_nothing_and_no_steps_bounds_everything():
 
 def _report(**kw):
     base = {"enabled": True, "num_records": 1000, "steps": 100, "logical_batch_size": 10, "physical_batch_size": 10,
-                "epsilon": 3.0, "delta": 1e-5, "accountant": "prv", "noise_multiplier": 1.0, "sample_rate": 0.01,
-                "history": [[1.0, 0.01, 100]], "noise_secret": True}
+            "epsilon": 3.0, "delta": 1e-5, "accountant": "prv", "noise_multiplier": 1.0, "sample_rate": 0.01,
+            "history": [[1.0, 0.01, 100]], "noise_secret": True, "max_grad_norm": 1.0, "clipping": "flat"}
     return PrivacyReport(**{**base, **kw})
 
 
@@ -157,3 +157,26 @@ def test_the_card_shows_that_an_audit_ran_never_its_result(tmp_path):
     assert card_a == card_b
     assert compliance.AUDITED in card_a and "audit/mia_report.json" in card_a and "0.70" not in card_b
     assert "public" not in compliance.to_json([failed])[0]
+
+
+def test_the_model_card_says_what_one_unit_is_and_reads_epsilon_through_the_bounds(tmp_path):
+    from dpllm.export import declared_record_kind, model_card, release_report
+
+    released = release_report(_report(stages=[{"name": "sft", "enabled": True, "train_on": "private", "steps": 100,
+                                                "history": [[1.0, 0.01, 100]]}]))
+    b = tradeoff.for_report(released).bounds()
+    chat = model_card(released, lora=False, has_base=False, record_kind="messages")
+    assert "one **conversation**" in chat and "all of its turns" in chat
+    assert f"can find at most {100 * b['tpr@fpr=0.01']:.3g}% of the conversations that were" in chat
+    assert "the chance that any one record is used in a given training step" in chat
+    unknown = model_card(released, lora=False, has_base=False)
+    assert "one whole conversation for chat or instruction data" in unknown and "of the records that were" in unknown
+    user = _report(privacy_unit="user", user_level={"unit": "user", "sampling": "els", "max_records_per_user": 4,
+                                                     "group_size": 4, "record_delta": 2.5e-6, "group_privacy": "mixture"})
+    card = model_card(release_report(user), lora=False, has_base=False, record_kind="messages")
+    assert "one **person**" in card and "at most 4 records" in card and "of the people that were" in card
+    # the record shape reaches the card only when the publisher declared it (auto-detection reads the private file)
+    (tmp_path / "config.yaml").write_text("data:\n  data_format: auto\n")
+    assert declared_record_kind(tmp_path) is None
+    (tmp_path / "config.yaml").write_text("data:\n  data_format: prompt_completion\n")
+    assert declared_record_kind(tmp_path) == "prompt_completion"
