@@ -36,12 +36,18 @@ is ≥ the true δ(ε) for every ε. A larger δ raises both lines, so every bou
 too low: an attack above it is impossible for a correct implementation of the mechanism (a bug), while an
 attack below it proves nothing by itself.
 
+**User-level runs** (:mod:`dpllm.privacy.user_level`; :func:`for_report` picks the events): under user-level
+sampling (ULS) the history already counts users, so the curve above is the user's. Under ELS, and under record
+sampling with ``max_records_per_user`` = k, a user is a group of at most k records and each step is the mixture
+the user-level ε comes from (same PLD, same pessimistic rounding). Record sampling without a cap bounds nothing
+about users (refused); a ULS history says nothing per record (refused).
+
 **From the bound to an audit.** The bound is on the rates of the membership game: the audited members and
 non-members come from one distribution and could each have been in or out (dpllm's split decides each
 record's side on its own; under ``privacy_unit: user`` it splits whole users, so a record-level audit of such a
 run tests users and is held to the user-level bound). An audit measures the rates on finitely many records;
-:func:`check_audit` compares them through confidence bounds (module :func:`check_audit`'s docstring) so that
-sampling noise alone does not make a correct run fail.
+:func:`check_audit` compares them through one-sided confidence bounds (see its docstring), so that sampling
+noise alone does not make a correct run fail.
 
 Example (one Gaussian step with σ = 1: the exact curve is TPR = Φ(Φ⁻¹(α) + 1), AUC = Φ(1/√2) = 0.760):
     >>> c = privacy_curve(history=[(1.0, 1.0, 1)])
