@@ -60,6 +60,8 @@ def test_more_than_one_pass_is_not_met(runs):
 
 
 def test_audit_then_stale_audit(runs, tmp_path):
+    from dpllm.export import compliance_section
+
     one, _ = runs
     run = tmp_path / "run"
     shutil.copytree(one, run)
@@ -83,9 +85,14 @@ def test_audit_then_stale_audit(runs, tmp_path):
     path.write_text(json.dumps(rep))
     item = next(it for it in compliance.check(run) if it.name == "mia_audit")
     assert item.status == compliance.NOT_MET and "exceeds what the mechanism allows" in item.evidence
+    failed_card = compliance_section(run)
     loss.update({"tpr@fpr=0.001": 0.0, "tpr@fpr=0.01": 0.0, "auc": 0.5})
     path.write_text(json.dumps(rep))
     assert _status(run)["mia_audit"] == compliance.MET
+    # The model card's checklist is the same whatever the audit found (its verdict is a function of the members):
+    # it says that the final model was audited and where the private report is.
+    assert compliance_section(run) == failed_card and "audited (result private)" in failed_card
+    assert "audit/mia_report.json in the private run directory" in failed_card
     # A model changed after the audit was not audited.
     weights = next((run / "checkpoint").glob("adapter_model.*"))
     os.utime(weights, (path.stat().st_mtime + 10, path.stat().st_mtime + 10))
