@@ -295,6 +295,10 @@ def check_audit(attacks: Mapping[str, Mapping], curve: Curve, *, fprs: Sequence[
       Binomial(m, TPR) and the non-members above it at most ⌊b·n⌋ of n: Clopper-Pearson gives TPR ≥ t_lo and
       FPR ≤ f_hi (half the level each), and a correct mechanism needs t_lo ≤ U(f_hi) (U is non-decreasing).
 
+    Both treat the audited records as independent draws, the usual reading of a membership audit (one model scores
+    them all, so they are not strictly independent; :mod:`mia.fdp` is the rigorous one-run analysis, for canaries
+    trained on by independent coins). A false "exceeds" is a false alarm, never a weaker guarantee.
+
     Returns:
         ``{"bounds": curve.bounds(), "exceeded": [(attack, metric, measured, allowed)], "per_attack": {attack:
         {metric: {"measured", "bound", "lower", "exceeds"}}}, "confidence"}``.
