@@ -178,3 +178,166 @@ def test_module_examples():
 
     result = doctest.testmod(hub)
     assert result.attempted > 0 and result.failed == 0
+
+
+# ---- synthetic data: shapes, valid text, dataset cards ---------------------------------------------------------
+
+CHATS = [[{"role": "user", "content": f"What is {i} times 3?"}, {"role": "assistant", "content": f"{3 * i}."}]
+         for i in range(48)]
+SFT = ["--max_steps", "2", "--logical_batch_size", "8", "--physical_batch_size", "8", "--finetuning", "lora",
+       "--max_length", "48", "--min_chars", "1", "--eval_every", "0", "--progress", "false", "--tiny_hidden_size",
+       "32", "--num_generations", "0", "--accountant", "rdp", "--eval_max_records", "8", "--target_epsilon", "8"]
+GEN = dict(temperature=1.0, top_p=1.0, max_new_tokens=16, batch_size=8, seed=1, progress=False)
+
+
+@pytest.fixture(scope="module")
+def sft_runs(tmp_path_factory):
+    base = tmp_path_factory.mktemp("sft")
+    chat, pc = base / "chat.jsonl", base / "pc.jsonl"
+    chat.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CHATS))
+    pc.write_text("".join(json.dumps({"prompt": m[0]["content"], "completion": m[1]["content"]}) + "\n" for m in CHATS))
+    train(parse_config(["--dataset", str(chat), "--output_dir", str(base / "chat"), *SFT]))
+    train(parse_config(["--dataset", str(pc), "--output_dir", str(base / "pc"), *SFT]))
+    return base
+
+
+def test_a_chat_run_synthesizes_chat_records(sft_runs, tmp_path):
+    from dpllm.io import read_jsonl
+    from dpllm.synthetic import synthesize
+
+    card = synthesize(sft_runs / "chat", num=6, out=tmp_path / "chat.jsonl", prompts=["What is 7 times 3?"], **GEN)
+    rows = read_jsonl(tmp_path / "chat.jsonl")
+    assert card["columns"] == ["id", "messages"] and card["generation"]["shape"] == "messages" and len(rows) == 6
+    for r in rows:
+        assert set(r) == {"id", "messages"} and [m["role"] for m in r["messages"]] == ["user", "assistant"]
+        assert r["messages"][0]["content"] == "What is 7 times 3?" and r["messages"][1]["content"].strip()
+    assert card["samples_drawn"] == rows[-1]["id"] + 1
+    assert card["samples_dropped_not_valid_text"] == card["samples_drawn"] - 6
+    pc = synthesize(sft_runs / "pc", num=4, out=tmp_path / "pc.jsonl", prompts=["What is 5 times 3?"], **GEN)
+    assert pc["columns"] == ["id", "prompt", "completion"]
+    assert all(set(r) == {"id", "prompt", "completion"} and r["prompt"] == "What is 5 times 3?"
+               for r in read_jsonl(tmp_path / "pc.jsonl"))
+    with pytest.raises(ValueError, match="carry no control codes"):
+        synthesize(sft_runs / "chat", num=2, out=tmp_path / "x.jsonl", labels=["a"], **GEN)
+
+
+class Scripted(torch_module := __import__("torch").nn.Module):
+    """A stand-in model that 'samples' scripted byte strings in turn (the byte tokenizer: id = byte + 3)."""
+
+    def __init__(self, model, rows):
+        super().__init__()
+        self.config, self.rows, self.k = model.config, rows, 0
+
+    @property
+    def device(self):
+        import torch
+
+        return torch.device("cpu")
+
+    def generate(self, input_ids, max_new_tokens, eos_token_id, **kw):
+        import torch
+
+        out = []
+        for _ in range(input_ids.shape[0]):
+            ids = [b + 3 for b in self.rows[self.k % len(self.rows)]][:max_new_tokens]
+            self.k += 1
+            out.append(ids + [eos_token_id] * (max_new_tokens - len(ids)))
+        return torch.cat([input_ids, torch.tensor(out)], 1)
+
+
+def test_bytes_that_are_not_text_never_reach_the_file(sft_runs, tmp_path, monkeypatch):
+    """NUL and control bytes, invalid UTF-8 and samples without a conversation are dropped and replaced."""
+    import dpllm.checkpoint as checkpoint
+    from dpllm.io import read_jsonl
+    from dpllm.synthetic import synthesize
+
+    real = checkpoint.load_model
+    script = [b"2 times 3?\n<|assistant|>\n6.", b"\x00\x01hi\n<|assistant|>\nx", b"caf\xc3\xa9?\n<|assistant|>\n\xff\xfe",
+              b"no conversation here", "ça va?\n<|assistant|>\noui, très".encode(), b"a\x1b[31m\n<|assistant|>\nb",
+              b"q?\n<|assistant|>\nok \xe2\x82"]  # the last: a euro sign the budget cut at the end, trimmed
+    def scripted(path, **kw):
+        model, tok = real(path, **kw)
+        return Scripted(model, script), tok
+
+    monkeypatch.setattr(checkpoint, "load_model", scripted)
+    card = synthesize(sft_runs / "chat", num=6, out=tmp_path / "s.jsonl", **{**GEN, "batch_size": 4, "max_new_tokens": 40})
+    rows = read_jsonl(tmp_path / "s.jsonl")
+    users = [r["messages"][0]["content"] for r in rows]
+    assert users == ["2 times 3?", "ça va?", "q?", "2 times 3?", "ça va?", "q?"]
+    assert [r["messages"][1]["content"] for r in rows] == ["6.", "oui, très", "ok"] * 2
+    text = (tmp_path / "s.jsonl").read_text(encoding="utf-8")
+    assert not any(c in text for c in "\x00\x01\x1b\ufffd")
+    assert [r["id"] for r in rows] == [0, 4, 6, 7, 11, 13]
+    assert (card["samples_drawn"], card["samples_dropped_not_valid_text"]) == (14, 8)
+    assert DatasetCard.load(tmp_path / "s.card.md").data.to_dict()["synthetic"][
+        "samples_dropped_not_valid_text"] == 8
+    assert "8 of the 14 samples drawn were dropped" in (tmp_path / "s.card.md").read_text()
+
+
+def test_a_model_that_writes_no_text_is_a_one_line_error(sft_runs, tmp_path, monkeypatch):
+    import dpllm.checkpoint as checkpoint
+    from dpllm.synthetic import SynthesisError, synthesize
+
+    real = checkpoint.load_model
+    monkeypatch.setattr(checkpoint, "load_model", lambda path, **kw: (Scripted(real(path, **kw)[0], [b"\x00"]),
+                                                                      real(path, **kw)[1]))
+    with pytest.raises(SynthesisError, match=r"only 0 of 3 samples were valid text after drawing 35"):
+        synthesize(sft_runs / "chat", num=3, out=tmp_path / "z.jsonl", **GEN)
+
+
+def test_the_sampler_keeps_byte_models_to_valid_utf8():
+    import torch
+
+    from dpllm.models import byte_tokenizer
+    from dpllm.synthetic.records import Utf8Only, banned_token_ids, byte_values
+
+    tok = byte_tokenizer()
+    banned = banned_token_ids(tok)
+    assert {0 + 3, 7 + 3, 0x1B + 3, 0x7F + 3} <= set(banned) and not {9 + 3, 10 + 3, ord("a") + 3} & set(banned)
+    proc = Utf8Only(byte_values(tok), len(tok))
+    allowed = lambda *bs: {i - 3 for i in torch.nonzero(proc(torch.tensor([[b + 3 for b in bs]]),  # noqa: E731
+                                                               torch.zeros(1, len(tok)))[0] == 0).ravel().tolist()}
+    assert allowed(ord("a")) >= set(range(0x80)) and not allowed(ord("a")) & set(range(0x80, 0xC2))
+    assert allowed(0xE2) == set(range(0x80, 0xC0)) == allowed(0xE2, 0x82)  # inside a 3-byte character
+    assert 0x41 in allowed(0xE2, 0x82, 0xAC) and 0x80 not in allowed(0xE2, 0x82, 0xAC)  # complete again
+
+
+def test_synthetic_release_folder_loads_with_datasets_and_pushes(sft_runs, tmp_path, fake_hub, monkeypatch, capsys):
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "synth" / "chat.jsonl"
+    out.parent.mkdir()
+    code = dpllm_main(["synthesize", str(sft_runs / "chat"), "--num", "5", "--out", str(out), "--prompt", "What is 2?",
+                       "--max-new-tokens", "12", "--batch-size", "8", "--no-progress", "--no-report",
+                       "--release-dir", str(tmp_path / "release"), "--license", "cc-by-4.0",
+                       "--push-to-hub", "me/synth", "--private"])
+    assert code == 0, capsys.readouterr().err
+    release = tmp_path / "release"
+    files = sorted(p.name for p in release.iterdir())
+    assert files == ["README.md", "chat.card.json", "chat.jsonl"]
+    assert ("create_repo", "me/synth", True, True, "dataset") in fake_hub.calls
+    assert ("upload_folder", "me/synth", "dataset", files) in fake_hub.calls
+    card = DatasetCard.load(release / "README.md")
+    meta = card.data.to_dict()
+    report = json.loads((sft_runs / "chat" / "privacy_report.json").read_text())
+    assert meta["differential_privacy"]["epsilon"] == report["epsilon"] and meta["license"] == "cc-by-4.0"
+    assert meta["size_categories"] == ["n<1K"] and meta["synthetic"]["num_records"] == 5
+    assert meta["synthetic"]["columns"] == ["id", "messages"] and "post_processing" in meta["differential_privacy"]
+    assert {"synthetic", "differential-privacy", "dp-sgd", "dpllm"} <= set(meta["tags"])
+    assert "post-processing" in card.text and str(sft_runs) not in (release / "README.md").read_text()
+    ds = datasets.load_dataset(str(release))
+    assert list(ds) == ["train"] and ds["train"].num_rows == 5 and ds["train"].column_names == ["id", "messages"]
+    assert ds["train"][0]["messages"][0] == {"role": "user", "content": "What is 2?"}
+    # the private report never goes: a folder holding it is refused
+    (release / "chat.report.json").write_text("{}")
+    with pytest.raises(hub.PushError, match="stay private"):
+        hub.push_folder(release, "me/synth", repo_type="dataset")
+
+
+def test_synthesize_push_without_token_samples_nothing(sft_runs, tmp_path, no_token, capsys):
+    code = dpllm_main(["synthesize", str(sft_runs / "chat"), "--num", "2", "--out", str(tmp_path / "s.jsonl"),
+                       "--no-progress", "--push-to-hub", "me/synth"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "no Hugging Face token" in err
+    assert not (tmp_path / "s.jsonl").exists()

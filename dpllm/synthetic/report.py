@@ -160,8 +160,8 @@ def _distance(example: dict) -> float:
     return example["distance"] if "distance" in example else 1 - example["similarity"]
 
 
-def plot(result: dict, path: str | Path) -> Path:
-    """Histograms of nearest-neighbour distances to training and to held-out records."""
+def figure(result: dict):
+    """The histogram figure: nearest-neighbour distances to training and to held-out records, as outlines."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -171,7 +171,7 @@ def plot(result: dict, path: str | Path) -> Path:
     lk = result["leakage"]
     fig, ax = plt.subplots(figsize=(6, 3.6))
     bins = np.linspace(0, 1, 41)
-    # outlines, not translucent fills: an overlap of two fills is a third colour the legend does not name
+    # outlines, not translucent fills: where two fills overlap they make a third colour the legend does not name
     for side, colour, style in (("train", "tab:red", "-"), ("heldout", "tab:blue", "--")):
         ax.hist(lk["nn_distance"][side]["values"], bins=bins, histtype="step", linewidth=1.8, linestyle=style,
                 color=colour, label=f"to nearest {'training' if side == 'train' else 'held-out'} record")
@@ -179,6 +179,14 @@ def plot(result: dict, path: str | Path) -> Path:
            title=f"{result['synthetic_file']}: closer to training = copied")
     ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot(result: dict, path: str | Path) -> Path:
+    """Write :func:`figure` to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(result)
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)
