@@ -217,16 +217,21 @@ def test_a_chat_run_synthesizes_chat_records(sft_runs, tmp_path):
     assert pc["columns"] == ["id", "prompt", "completion"]
     assert all(set(r) == {"id", "prompt", "completion"} and r["prompt"] == "What is 5 times 3?"
                for r in read_jsonl(tmp_path / "pc.jsonl"))
+    plain = synthesize(sft_runs / "chat", num=4, out=tmp_path / "u.jsonl", **GEN)  # user turns sampled too
+    assert plain["generation"]["conditioning"] == "unconditional"
+    assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] and all(m["content"] for m in r["messages"])
+               for r in read_jsonl(tmp_path / "u.jsonl"))
     with pytest.raises(ValueError, match="carry no control codes"):
         synthesize(sft_runs / "chat", num=2, out=tmp_path / "x.jsonl", labels=["a"], **GEN)
 
 
-class Scripted(torch_module := __import__("torch").nn.Module):
-    """A stand-in model that 'samples' scripted byte strings in turn (the byte tokenizer: id = byte + 3)."""
+class Scripted(__import__("torch").nn.Module):
+    """A stand-in model that 'samples' scripted byte strings (the byte tokenizer: id = byte + 3): row r of a batch
+    writes ``users[r % len]`` after a user header and ``answers[r % len]`` after the assistant header."""
 
-    def __init__(self, model, rows):
+    def __init__(self, model, users, answers):
         super().__init__()
-        self.config, self.rows, self.k = model.config, rows, 0
+        self.config, self.users, self.answers = model.config, users, answers
 
     @property
     def device(self):
@@ -238,49 +243,49 @@ class Scripted(torch_module := __import__("torch").nn.Module):
         import torch
 
         out = []
-        for _ in range(input_ids.shape[0]):
-            ids = [b + 3 for b in self.rows[self.k % len(self.rows)]][:max_new_tokens]
-            self.k += 1
+        for r, row in enumerate(input_ids.tolist()):
+            header = bytes(i - 3 for i in row[-14:] if 3 <= i < 259).decode("latin-1")
+            script = self.answers if header.endswith("<|assistant|>\n") else self.users
+            ids = [b + 3 for b in script[r % len(script)]][:max_new_tokens]
             out.append(ids + [eos_token_id] * (max_new_tokens - len(ids)))
         return torch.cat([input_ids, torch.tensor(out)], 1)
 
 
-def test_bytes_that_are_not_text_never_reach_the_file(sft_runs, tmp_path, monkeypatch):
-    """NUL and control bytes, invalid UTF-8 and samples without a conversation are dropped and replaced."""
+def scripted_load(monkeypatch, users, answers):
     import dpllm.checkpoint as checkpoint
+
+    real = checkpoint.load_model
+
+    def load(path, **kw):
+        model, tok = real(path, **kw)
+        return Scripted(model, users, answers), tok
+
+    monkeypatch.setattr(checkpoint, "load_model", load)
+
+
+def test_bytes_that_are_not_text_never_reach_the_file(sft_runs, tmp_path, monkeypatch):
+    """A chat sampled in two draws (user turn, then answer); NUL and control characters in either turn, or an empty
+    turn, drop the sample and the next ids replace it; a character cut at the end is trimmed."""
     from dpllm.io import read_jsonl
     from dpllm.synthetic import synthesize
 
-    real = checkpoint.load_model
-    script = [b"2 times 3?\n<|assistant|>\n6.", b"\x00\x01hi\n<|assistant|>\nx", b"caf\xc3\xa9?\n<|assistant|>\n\xff\xfe",
-              b"no conversation here", "ça va?\n<|assistant|>\noui, très".encode(), b"a\x1b[31m\n<|assistant|>\nb",
-              b"q?\n<|assistant|>\nok \xe2\x82"]  # the last: a euro sign the budget cut at the end, trimmed
-    def scripted(path, **kw):
-        model, tok = real(path, **kw)
-        return Scripted(model, script), tok
-
-    monkeypatch.setattr(checkpoint, "load_model", scripted)
-    card = synthesize(sft_runs / "chat", num=6, out=tmp_path / "s.jsonl", **{**GEN, "batch_size": 4, "max_new_tokens": 40})
+    scripted_load(monkeypatch, users=[b"2 times 3?", b"\x00\x01hi", "ça va?\nnot the user turn".encode(), b"z?"],
+                  answers=[b"6.", b"x", "oui, très ".encode() + b"\xe2\x82", b"\x07bell"])
+    card = synthesize(sft_runs / "chat", num=6, out=tmp_path / "s.jsonl", **{**GEN, "batch_size": 4})
     rows = read_jsonl(tmp_path / "s.jsonl")
-    users = [r["messages"][0]["content"] for r in rows]
-    assert users == ["2 times 3?", "ça va?", "q?", "2 times 3?", "ça va?", "q?"]
-    assert [r["messages"][1]["content"] for r in rows] == ["6.", "oui, très", "ok"] * 2
+    assert [r["id"] for r in rows] == [0, 2, 4, 6, 8, 10]
+    assert [[m["content"] for m in r["messages"]] for r in rows[:2]] == [["2 times 3?", "6."], ["ça va?", "oui, très"]]
     text = (tmp_path / "s.jsonl").read_text(encoding="utf-8")
-    assert not any(c in text for c in "\x00\x01\x1b\ufffd")
-    assert [r["id"] for r in rows] == [0, 4, 6, 7, 11, 13]
-    assert (card["samples_drawn"], card["samples_dropped_not_valid_text"]) == (14, 8)
-    assert DatasetCard.load(tmp_path / "s.card.md").data.to_dict()["synthetic"][
-        "samples_dropped_not_valid_text"] == 8
-    assert "8 of the 14 samples drawn were dropped" in (tmp_path / "s.card.md").read_text()
+    assert not any(c in text for c in "\x00\x01\x07\ufffd") and "\\u0000" not in text
+    assert (card["samples_drawn"], card["samples_dropped_not_valid_text"]) == (11, 5)
+    assert DatasetCard.load(tmp_path / "s.card.md").data.to_dict()["synthetic"]["samples_dropped_not_valid_text"] == 5
+    assert "5 of the 11 samples drawn were dropped" in (tmp_path / "s.card.md").read_text()
 
 
 def test_a_model_that_writes_no_text_is_a_one_line_error(sft_runs, tmp_path, monkeypatch):
-    import dpllm.checkpoint as checkpoint
     from dpllm.synthetic import SynthesisError, synthesize
 
-    real = checkpoint.load_model
-    monkeypatch.setattr(checkpoint, "load_model", lambda path, **kw: (Scripted(real(path, **kw)[0], [b"\x00"]),
-                                                                      real(path, **kw)[1]))
+    scripted_load(monkeypatch, users=[b"\x00"], answers=[b"x"])
     with pytest.raises(SynthesisError, match=r"only 0 of 3 samples were valid text after drawing 35"):
         synthesize(sft_runs / "chat", num=3, out=tmp_path / "z.jsonl", **GEN)
 

@@ -214,9 +214,9 @@ def test_fidelity_measures():
 def test_module_examples():
     import doctest
 
-    from dpllm.synthetic import fidelity as fidelity_module, leakage as leakage_module
+    from dpllm.synthetic import fidelity as fidelity_module, leakage as leakage_module, records as records_module
 
-    for module in (leakage_module, fidelity_module):
+    for module in (leakage_module, fidelity_module, records_module):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
 

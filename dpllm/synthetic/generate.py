@@ -19,8 +19,8 @@ from typing import Optional, Sequence
 
 from dpllm.io import write_json_atomic, write_text_atomic
 from dpllm.synthetic.card import card_markdown, card_paths, file_sha256, make_card
-from dpllm.synthetic.records import (Utf8Only, banned_token_ids, byte_values, chat_markers, clean, run_shape,
-                                     split_chat)
+from dpllm.synthetic.records import (ChatMarkers, Utf8Only, banned_token_ids, byte_values, chat_markers, clean,
+                                     run_shape, split_turn)
 
 
 class SynthesisError(ValueError):
@@ -71,10 +71,10 @@ def _start_ids(tok) -> list[int]:
     return [start]
 
 
-def _batch_seed(seed: int, batch: int) -> int:
+def _batch_seed(seed: int, batch: int, *phase: int) -> int:
     import numpy as np
 
-    return int(np.random.SeedSequence([seed, batch]).generate_state(1)[0])
+    return int(np.random.SeedSequence([seed, batch, *phase]).generate_state(1)[0])
 
 
 def synthesize(run_dir: str | Path, *, num: int, out: str | Path, temperature: float = 1.0, top_p: float = 1.0,
@@ -204,7 +204,7 @@ def _sample(run_dir: Path, out: Path, *, start: int, have: int, num: int, settin
     model, tok = load_model(run_dir, merge=True)
     labels, prompts, shape = settings["labels"], settings["prompts"], settings["shape"]
     B, mnt = settings["batch_size"], settings["max_new_tokens"]
-    markers = None
+    markers: Optional[ChatMarkers] = None
     if shape == "messages":
         try:
             markers = chat_markers(tok)
@@ -216,12 +216,10 @@ def _sample(run_dir: Path, out: Path, *, start: int, have: int, num: int, settin
         if labels:
             lab = labels[i % len(labels)]
             return tok(control_code(lab), add_special_tokens=False)["input_ids"], {"label": lab}
-        if shape == "messages":  # the user turn: a public prompt, or sampled after the template's user header
+        if shape == "messages":  # the user turn: a public prompt, or sampled first (see the loop)
             if prompts:
-                p = prompts[i % len(prompts)]
-                text = _render(tok, [{"role": "user", "content": p}], generation_prompt=True)
-                return tok(text, add_special_tokens=False)["input_ids"], {"prompt": p}
-            return tok(markers.user_prefix, add_special_tokens=False)["input_ids"] or _start_ids(tok), {}
+                return chat_prompt(prompts[i % len(prompts)]), {"prompt": prompts[i % len(prompts)]}
+            return user_header, {}
         if prompts:
             p = prompts[i % len(prompts)]
             ids = tok(p, add_special_tokens=False)["input_ids"]
@@ -230,22 +228,25 @@ def _sample(run_dir: Path, out: Path, *, start: int, have: int, num: int, settin
             return ids or _start_ids(tok), {"prompt": p}
         return _start_ids(tok), {}
 
+    def chat_prompt(user: str) -> list[int]:
+        text = _render(tok, [{"role": "user", "content": user}], generation_prompt=True)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def cut(row: list[int]) -> list[int]:
+        return row[: row.index(tok.eos_token_id)] if tok.eos_token_id in row else row
+
+    user_header = (tok(markers.user_prefix, add_special_tokens=False)["input_ids"] or _start_ids(tok)) if markers else []
+
     def record(i: int, extra: dict, row: list[int]) -> Optional[dict]:
-        if tok.eos_token_id is not None and tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id)]
+        row = cut(row)
         if shape == "messages":
-            if "prompt" in extra:
-                answer = tok.decode(row, skip_special_tokens=True)
-                end = markers.end.strip()
-                answer = clean((answer[: answer.index(end)] if end and end in answer else answer).strip())
-                pair = (extra["prompt"], answer) if answer else None
-            else:  # the markers may be special tokens: decode them too
-                pair = split_chat(tok.decode(row, skip_special_tokens=False), markers)
-                pair = (clean(pair[0]), clean(pair[1])) if pair else None
-            if not pair or not pair[0] or not pair[1]:
+            user = extra.get("prompt") or extra.get("user")
+            answer = tok.decode(row, skip_special_tokens=True)
+            answer = clean(split_turn(answer, markers.end).strip())
+            if not user or not answer:
                 return None
-            return {"id": i, "messages": [{"role": "user", "content": pair[0]},
-                                          {"role": "assistant", "content": pair[1]}]}
+            return {"id": i, "messages": [{"role": "user", "content": user},
+                                          {"role": "assistant", "content": answer}]}
         text = clean(tok.decode(row, skip_special_tokens=True))
         if text is None:
             return None
@@ -267,6 +268,20 @@ def _sample(run_dir: Path, out: Path, *, start: int, have: int, num: int, settin
         from transformers import LogitsProcessorList
 
         processors = LogitsProcessorList([Utf8Only(byte_of, len(tok))])
+    def draw(prompts_ids: list[list[int]], seed: int) -> list[list[int]]:
+        """The new tokens of one seeded batch, each row after its prompt (left-padded: generation starts together)."""
+        T = max(len(p) for p in prompts_ids)
+        input_ids = torch.tensor([[pad] * (T - len(p)) + p for p in prompts_ids])
+        mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts_ids])
+        with torch.random.fork_rng():  # the caller's global generator is left as it was
+            torch.manual_seed(seed)
+            with torch.no_grad():
+                gen = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
+                                     do_sample=True, temperature=settings["temperature"], top_p=settings["top_p"],
+                                     top_k=0, max_new_tokens=mnt, pad_token_id=pad, eos_token_id=tok.eos_token_id,
+                                     suppress_tokens=banned or None, logits_processor=processors)
+        return gen[:, T:].tolist()
+
     limit_ids = _max_draws(num, B)
     bar = tqdm(total=num, initial=have, desc="synthesize", unit="rec", disable=not progress)
     b = start // B
@@ -275,19 +290,12 @@ def _sample(run_dir: Path, out: Path, *, start: int, have: int, num: int, settin
         # are replaced by the next ids, so a file holds the same lines however often it was interrupted
         ids = range(b * B, (b + 1) * B)
         conds = [condition(i) for i in ids]
-        T = max(len(c[0]) for c in conds)
-        # left padding: every row's prompt ends at the same position, where generation starts
-        input_ids = torch.tensor([[pad] * (T - len(c[0])) + c[0] for c in conds])
-        mask = torch.tensor([[0] * (T - len(c[0])) + [1] * len(c[0]) for c in conds])
-        with torch.random.fork_rng():  # the caller's global generator is left as it was
-            torch.manual_seed(_batch_seed(settings["seed"], b))
-            with torch.no_grad():
-                gen = model.generate(input_ids=input_ids.to(model.device), attention_mask=mask.to(model.device),
-                                     do_sample=True, temperature=settings["temperature"], top_p=settings["top_p"],
-                                     top_k=0, max_new_tokens=mnt, pad_token_id=pad, eos_token_id=tok.eos_token_id,
-                                     suppress_tokens=banned or None, logits_processor=processors)
+        if markers is not None and not prompts:  # a chat without public prompts: sample the user turns first
+            users = [clean(split_turn(tok.decode(cut(row), skip_special_tokens=False), markers.user_end).strip())
+                     for row in draw([c[0] for c in conds], _batch_seed(settings["seed"], b, 1))]
+            conds = [(chat_prompt(u), {"user": u}) if u else (user_header, {}) for u in users]
         lines = []
-        for i, (_, extra), row in zip(ids, conds, gen[:, T:].tolist()):
+        for i, (_, extra), row in zip(ids, conds, draw([c[0] for c in conds], _batch_seed(settings["seed"], b))):
             if i < start or i >= limit_ids or have + len(lines) >= num:  # on disk already (same seed, same sample)
                 continue
             rec = record(i, extra, row)

@@ -3,10 +3,11 @@
 **Shape.** A run on chat data (``messages`` records, :mod:`dpllm.sft`) synthesizes chat records, a
 prompt/completion run prompt/completion records, a plain run text (:func:`run_shape`, read from the run's
 ``splits.json`` ``sft.format``: the data's schema, not its content). A chat record is sampled through the
-checkpoint's chat template: its user turn is a public prompt, or is sampled too, after the template's
-user header; the assistant turn follows the template's generation prompt. Where the template's markers
-(:func:`chat_markers`, found by rendering placeholder turns) are not in a sample, it is not a conversation and
-is dropped.
+checkpoint's chat template, in two draws: the user turn is a public prompt, or is sampled after the
+template's user header (up to the end of a user turn); the answer is then sampled after the template's
+generation prompt for that user turn (:func:`chat_markers` finds the template's text around turns by
+rendering placeholder turns). A model trained on answers only (``loss_on: answer``) never learned to write
+user turns, so public prompts give it better conversations.
 
 **Valid text.** A sample never carries a NUL, a control character other than ``\\n`` and ``\\t``, or bytes
 that are not UTF-8 (decoded as U+FFFD). Three layers: tokens that decode to such characters are never
@@ -106,6 +107,7 @@ class ChatMarkers:
     """The text a chat template puts around turns: ``user_prefix`` + user + ``between`` + answer + ``end``."""
 
     user_prefix: str
+    user_end: str
     between: str
     end: str
 
@@ -128,21 +130,17 @@ def chat_markers(tok) -> ChatMarkers:
     prefix = one[: one.index(u)]
     between = prompt[prompt.index(u) + len(u):]
     end = full[full.index(a) + len(a):]
-    return ChatMarkers(user_prefix=prefix, between=between, end=end)
+    return ChatMarkers(user_prefix=prefix, user_end=one[one.index(u) + len(u):], between=between, end=end)
 
 
-def split_chat(text: str, markers: ChatMarkers) -> Optional[tuple[str, str]]:
-    """``(user, answer)`` of a sampled conversation (text after the user header), or None when it is not one."""
-    between = markers.between.strip()
-    at = text.find(between) if between else -1
-    if at < 0:
-        return None
-    user, answer = text[:at], text[at + len(between):]
-    end = markers.end.strip()
-    if end and end in answer:
-        answer = answer[: answer.index(end)]
-    user, answer = user.strip(), answer.strip()
-    return (user, answer) if user and answer else None
+def split_turn(text: str, end: str) -> str:
+    """``text`` up to the first ``end`` marker (whitespace around it ignored; all of ``text`` when absent).
+
+    >>> split_turn("What is 2?\\n<|assistant|>\\n4", "\\n"), split_turn("4.</s>", "</s>"), split_turn("x", "")
+    ('What is 2?', '4.', 'x')
+    """
+    marker = end.strip() or end
+    return text[: text.index(marker)] if marker and marker in text else text
 
 
 def as_text(record) -> str:
