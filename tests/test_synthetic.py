@@ -214,7 +214,9 @@ def test_fidelity_measures():
 def test_module_examples():
     import doctest
 
-    from dpllm.synthetic import fidelity as fidelity_module, leakage as leakage_module, records as records_module
+    from dpllm.synthetic import fidelity as fidelity_module
+    from dpllm.synthetic import leakage as leakage_module
+    from dpllm.synthetic import records as records_module
 
     for module in (leakage_module, fidelity_module, records_module):
         result = doctest.testmod(module)
@@ -237,7 +239,8 @@ def test_quality_warnings_thresholds():
     from dpllm.synthetic.report import FRECHET_RATIO, JS_GAP, quality_warnings
 
     def result(frechet, js, acc=None):
-        fid = {"synthetic": {"frechet": frechet, "ngram_js_1": js}, "real_reference": {"frechet": 1.0, "ngram_js_1": 0.3}}
+        fid = {"synthetic": {"frechet": frechet, "ngram_js_1": js},
+               "real_reference": {"frechet": 1.0, "ngram_js_1": 0.3}}
         if acc is not None:
             fid["synthetic"]["downstream_accuracy"], fid["majority_accuracy"] = acc, 0.4
         return {"fidelity": fid, "leakage": {"empty_share": 0.0}}

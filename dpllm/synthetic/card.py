@@ -130,7 +130,7 @@ def _card_body(card: dict) -> str:
 | conditioning | {cond} |
 | sampling | temperature {g['temperature']:g}, top-p {g['top_p']:g}, at most {g['max_new_tokens']} new tokens, batch {g['batch_size']}, sampling seed {g['seed']} |
 
-Each line of the file is one JSON object with the fields {', '.join(f'`{c}`' for c in card.get('columns', ['id', 'text']))}{_dropped(card)}
+Each line of the file is one JSON object with the fields {_columns(card)}{_dropped(card)}
 The sampling seed seeds only the sampling, which reads nothing private; the DP
 training noise was secret (see `source.privacy.noise_secret` in the JSON card).
 
@@ -139,10 +139,14 @@ comes with it (`*.report.*`) is computed against the training records and stays 
 """
 
 
+def _columns(card: dict) -> str:
+    return ", ".join(f"`{c}`" for c in card.get("columns", ["id", "text"]))
+
+
 def _dropped(card: dict) -> str:
     n = card.get("samples_dropped_not_valid_text")
-    return ("." if not n else f"; {n} of the {card['samples_drawn']} samples drawn were dropped as not valid text (NUL or "
-            "control characters, bytes that are not UTF-8, or no conversation) and replaced by further samples.")
+    return ("." if not n else f"; {n} of the {card['samples_drawn']} samples drawn were dropped as not valid text "
+            "(NUL or control characters, bytes that are not UTF-8, or an empty turn) and replaced by further samples.")
 
 
 def release_folder(synth: str | Path, dest: str | Path) -> Path:

@@ -12,15 +12,22 @@ only the batches still missing (the settings must be the same; the card records 
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Optional, Sequence
 
 from dpllm.io import write_json_atomic, write_text_atomic
 from dpllm.synthetic.card import card_markdown, card_paths, file_sha256, make_card
-from dpllm.synthetic.records import (ChatMarkers, Utf8Only, banned_token_ids, byte_values, chat_markers, clean,
-                                     run_shape, split_turn)
+from dpllm.synthetic.records import (
+    ChatMarkers,
+    Utf8Only,
+    banned_token_ids,
+    byte_values,
+    chat_markers,
+    clean,
+    run_shape,
+    split_turn,
+)
 
 
 class SynthesisError(ValueError):
@@ -163,11 +170,13 @@ def synthesize(run_dir: str | Path, *, num: int, out: str | Path, temperature: f
     if done < num:
         _sample(run_dir, out, start=next_id, have=done, num=num, settings=settings, progress=progress)
     card = write_card(_existing(out)[0] >= num)
+    markers_needed = shape == "messages" and not prompts
     if not card["complete"]:
         raise SynthesisError(f"only {card['num_records']} of {num} samples were valid text after drawing "
-                             f"{_max_draws(num, batch_size)} (the rest held NUL or control characters or bytes that are "
-                             f"not UTF-8, or were not {shape} records): the model does not write clean text yet; "
-                             "train it longer, or lower --temperature / --top-p")
+                             f"{_max_draws(num, batch_size)} (the rest held NUL or control characters or bytes "
+                             f"that are not UTF-8, or an empty {shape} turn): the model does not write clean text "
+                             "yet; train it longer, or lower --temperature / --top-p"
+                             + (", or give public prompts (--prompt) for the user turns" if markers_needed else ""))
     return card
 
 
@@ -235,7 +244,9 @@ def _sample(run_dir: Path, out: Path, *, start: int, have: int, num: int, settin
     def cut(row: list[int]) -> list[int]:
         return row[: row.index(tok.eos_token_id)] if tok.eos_token_id in row else row
 
-    user_header = (tok(markers.user_prefix, add_special_tokens=False)["input_ids"] or _start_ids(tok)) if markers else []
+    user_header = []
+    if markers is not None:
+        user_header = tok(markers.user_prefix, add_special_tokens=False)["input_ids"] or _start_ids(tok)
 
     def record(i: int, extra: dict, row: list[int]) -> Optional[dict]:
         row = cut(row)
