@@ -173,6 +173,23 @@ def test_dp_metadata_of_a_non_private_run():
     assert "differential-privacy" not in meta["tags"]  # nobody searching for DP models should find it
 
 
+def test_dp_metadata_of_a_user_level_run_and_a_noise_schedule():
+    from dpllm.privacy.report import PrivacyReport
+
+    report = PrivacyReport.from_dict({
+        "enabled": True, "num_records": None, "steps": 30, "privacy_unit": "user", "epsilon": 3.5, "delta": 1e-6,
+        "accountant": "prv", "noise_multiplier": 1.2, "sample_rate": 0.05, "max_grad_norm": 1.0, "clipping": "flat",
+        "poisson_sampling": True, "composition": "single stage",
+        "noise_schedule": {"kind": "step", "pieces_sigma_steps": [[1.2, 10], [0.9, 20]]},
+        "user_level": {"unit": "user", "sampling": "els", "max_records_per_user": 8, "record_delta": 1e-7},
+        "release": {"neighbouring_relation": "add or remove one user (with at most 8 records)"}})
+    dp = hub.dp_metadata(report)
+    assert (dp["unit"], dp["max_records_per_user"], dp["epsilon"], dp["delta"]) == ("user", 8, 3.5, 1e-6)
+    assert dp["neighbouring_relation"] == "add or remove one user (with at most 8 records)"
+    assert dp["accountant"].startswith("pld") and dp["noise_schedule"] == [[1.2, 10], [0.9, 20]]
+    assert "num_records_declared_public" not in dp
+
+
 def test_module_examples():
     import doctest
 
