@@ -161,7 +161,7 @@ def _network_errors() -> tuple[type, ...]:
 
 
 def push_folder(folder: str | Path, repo_id: str, *, private: bool = False, repo_type: str = "model",
-                token: Optional[str] = None, commit_message: str = "dpllm release") -> dict:
+                token: Optional[str] = None, commit_message: str = "dpllm release", retry: Optional[str] = None) -> dict:
     """Upload exactly the files of the release ``folder`` to ``repo_id`` in one commit.
 
     Args:
@@ -171,6 +171,8 @@ def push_folder(folder: str | Path, repo_id: str, *, private: bool = False, repo
         repo_type: ``model`` or ``dataset``.
         token: a Hub token; default :func:`require_token`.
         commit_message: the commit's title.
+        retry: what the message on an unreachable Hub tells the user to do later (default: ``hf upload`` the
+            folder).
 
     Returns:
         ``{"repo_id", "repo_type", "private", "files", "url"}``.
@@ -196,9 +198,10 @@ def push_folder(folder: str | Path, repo_id: str, *, private: bool = False, repo
     except _network_errors() as err:
         first = (str(err).strip().splitlines() or [""])[0][:200]
         raise PushError(f"could not push {folder} to the Hugging Face Hub repository {repo_id} "
-                        f"({type(err).__name__}: {first}); nothing was committed there. The folder is complete: "
-                        f"push it again when the Hub is reachable, e.g. `hf upload {repo_id} {folder} . "
-                        f"--repo-type {repo_type}`") from None
+                        f"({type(err).__name__}: {first}); nothing was committed there. "
+                        + (retry or f"The folder is complete: push it again when the Hub is reachable, e.g. "
+                                    f"`hf upload {repo_id} {folder} . --repo-type {repo_type}"
+                                    f"{' --private' if private else ''}`")) from None
     return {"repo_id": repo_id, "repo_type": repo_type, "private": private, "files": files,
             "url": str(getattr(info, "commit_url", "") or getattr(info, "repo_url", "") or info or "")}
 

@@ -363,3 +363,21 @@ def test_synthesize_push_without_token_samples_nothing(sft_runs, tmp_path, no_to
     err = capsys.readouterr().err
     assert code == 1 and err.count("\n") == 1 and "no Hugging Face token" in err
     assert not (tmp_path / "s.jsonl").exists()
+
+
+def test_synthesize_push_to_an_unreachable_hub_is_rerun_as_is(sft_runs, tmp_path, fake_hub, capsys):
+    import httpx2
+
+    out = tmp_path / "s.jsonl"
+    cmd = ["synthesize", str(sft_runs / "chat"), "--num", "3", "--out", str(out), "--prompt", "What is 4?",
+           "--max-new-tokens", "12", "--batch-size", "8", "--no-progress", "--no-report", "--push-to-hub", "me/s"]
+    fake_hub.fail = httpx2.ConnectError("[Errno 101] Network is unreachable")
+    assert dpllm_main(cmd) == 1
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("dpllm")]  # (transformers prints a loading bar)
+    assert len(ours) == 1 and "could not push" in ours[0] and "Rerun the same command" in ours[0]
+    before = out.read_bytes()
+    fake_hub.fail = None
+    assert dpllm_main(cmd) == 0, capsys.readouterr().err
+    assert out.read_bytes() == before  # nothing sampled again
+    assert ("upload_folder", "me/s", "dataset", ["README.md", "s.card.json", "s.jsonl"]) in fake_hub.calls

@@ -116,8 +116,11 @@ def _release(args, card: dict, release) -> int:
             print("dpllm synthesize: not pushed: the card says NOT RELEASABLE", file=sys.stderr)
             return 1
         try:
+            retry = None if release is not None else (
+                "Rerun the same command when the Hub is reachable (the file is complete: nothing is sampled again), "
+                "or add --release-dir DIR to keep the folder and upload it later")
             pushed = hub.push_folder(folder, args.push_to_hub, private=args.private, repo_type="dataset",
-                                     commit_message="dpllm synthesize")
+                                     commit_message="dpllm synthesize", retry=retry)
         except hub.PushError as err:
             print(f"dpllm synthesize: {err}", file=sys.stderr)
             return 1
