@@ -167,6 +167,7 @@ def test_cli_writes_file_card_and_private_report(runs, tmp_path, capsys):
     assert [float(line[2:].split(":")[0]) for line in pairs.splitlines() if line.startswith("- ")] == pytest.approx(
         [e["distance"] for e in examples], abs=1e-3)
     # a tiny model after 2 steps writes poor text: the operator is told on the console, and in the report
+    assert all((e["nearest_train"] is None) == (e["distance"] == 1.0) for e in examples)  # none is "nearest"
     assert rep["warnings"] and all(w in md for w in rep["warnings"])
     assert "warning: fidelity is poor" in capsys.readouterr().out
     assert dpllm_main(["synthesize", str(runs / "nodp"), "--num", "1", "--out", str(tmp_path / "z.jsonl")]) == 1

@@ -151,7 +151,9 @@ def markdown(result: dict) -> str:
     lines += ["", "## Closest synthetic/training pairs", "",
               "Nearest-neighbour distance (as in the table: 1 - char 5-gram Jaccard; 0 is a copy), synthetic record, "
               "its nearest record of the size-matched training sample.", ""]
-    lines += [f"- {_distance(e):.3f}: `{e['synthetic'][:120]!r}` ~ `{e['nearest_train'][:120]!r}`"
+    lines += [f"- {_distance(e):.3f}: `{e['synthetic'][:120]!r}` ~ "
+              + (f"`{e['nearest_train'][:120]!r}`" if e.get("nearest_train") is not None else
+                 f"(no training record shares a {lk['settings']['ngram']}-character sequence with it)")
               for e in lk["examples"]]
     return "\n".join(lines) + "\n"
 
