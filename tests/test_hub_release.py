@@ -280,7 +280,7 @@ def scripted_load(monkeypatch, users, answers):
     monkeypatch.setattr(checkpoint, "load_model", load)
 
 
-def test_bytes_that_are_not_text_never_reach_the_file(sft_runs, tmp_path, monkeypatch):
+def test_bytes_that_are_not_text_never_reach_the_file(sft_runs, tmp_path, monkeypatch, capsys):
     """A chat sampled in two draws (user turn, then answer); NUL and control characters in either turn, or an empty
     turn, drop the sample and the next ids replace it; a character cut at the end is trimmed."""
     from dpllm.io import read_jsonl
@@ -297,6 +297,10 @@ def test_bytes_that_are_not_text_never_reach_the_file(sft_runs, tmp_path, monkey
     assert (card["samples_drawn"], card["samples_dropped_not_valid_text"]) == (11, 5)
     assert DatasetCard.load(tmp_path / "s.card.md").data.to_dict()["synthetic"]["samples_dropped_not_valid_text"] == 5
     assert "5 of the 11 samples drawn were dropped" in (tmp_path / "s.card.md").read_text()
+    capsys.readouterr()
+    assert dpllm_main(["synthesize", str(sft_runs / "chat"), "--num", "6", "--out", str(tmp_path / "c.jsonl"),
+                       "--batch-size", "4", "--max-new-tokens", "16", "--no-progress", "--no-report"]) == 0
+    assert "warning: 5 of 11 samples were not valid text" in capsys.readouterr().out
 
 
 def test_a_model_that_writes_no_text_is_a_one_line_error(sft_runs, tmp_path, monkeypatch):

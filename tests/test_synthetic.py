@@ -114,6 +114,15 @@ def test_labels_card_and_resume(runs, tmp_path):
     assert card["sha256"] == file_sha256(whole) and str(runs) not in json.dumps(card) and card["source"]["dp_guarantee"]
     assert f"ε = {report['epsilon']:.3f}" in (tmp_path / "whole.card.md").read_text()
 
+    # the releasable part loads with datasets as it is (offline: a local folder, the card's configs metadata)
+    import datasets
+
+    from dpllm.synthetic.card import release_folder
+
+    ds = datasets.load_dataset(str(release_folder(whole, tmp_path / "release")))["train"]
+    assert ds.column_names == card["columns"] == ["id", "text", "label"] and ds.num_rows == 10
+    assert ds["label"] == [r["label"] for r in rows]
+
     # interrupted after 6 records (mid-batch) and a cut line: the rerun writes what one run would have
     synthesize(runs / "dp", num=6, out=part, **GEN)
     with open(part, "a") as fh:

@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 
 
+DROPPED_SHARE = 0.1  # warn when more than 10% of the samples drawn were dropped as not valid text
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="dpllm synthesize", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,6 +89,10 @@ def cli_main(argv: list[str]) -> int:
         print(f"dpllm synthesize: {err}", file=sys.stderr)
         return 1
     print(f"{args.out}: {card['num_records']} records; {card['statement']}")
+    dropped, drawn = card.get("samples_dropped_not_valid_text") or 0, card.get("samples_drawn") or 0
+    if drawn and dropped > DROPPED_SHARE * drawn:
+        print(f"warning: {dropped} of {drawn} samples were not valid text (NUL or control characters, bytes that are "
+              "not UTF-8, an empty turn) and were replaced: the model writes poor text")
     if not args.no_report:
         from dpllm.synthetic.report import evaluate, quality_warnings, write_report
 
