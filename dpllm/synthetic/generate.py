@@ -2,11 +2,14 @@
 
 Record ``i`` is conditioned on ``labels[i % L]`` (the control code ``[label] `` the model was trained
 with, ``data.label_column``), on ``prompts[i % P]``, or on nothing (the tokenizer's BOS token, else its
-EOS token as a start-of-text marker). Batch ``b`` holds records ``b·B … b·B + B - 1`` (always a full
-batch; records past ``num`` are dropped) and draws from its own generator seeded by ``(seed, b)``, so an
-interrupted run continued later, or a file extended to a larger ``num``, holds exactly the lines one
-uninterrupted run would have written: a rerun reads the file, keeps its complete lines, and samples
-only the batches still missing (the settings must be the same; the card records them).
+EOS token as a start-of-text marker). Batch ``b`` holds samples ``b·B … b·B + B - 1`` (always a full
+batch) and draws from its own generator seeded by ``(seed, b)``. A sample that is not valid text, or not a
+record of the run's shape (:mod:`dpllm.synthetic.records`: chat runs give ``messages``, prompt/completion
+runs ``prompt``/``completion``), is dropped and the next ids replace it, until the file holds ``num`` records
+(at most :func:`_max_draws` samples). Each line keeps its sample's id, so an interrupted run continued later,
+or a file extended to a larger ``num``, holds exactly the lines one uninterrupted run would have written: a
+rerun reads the file, keeps its complete lines, and samples on from the id after the last one (the settings
+must be the same; the card records them).
 """
 
 from __future__ import annotations
