@@ -136,7 +136,7 @@ def check_folder(folder: str | Path) -> list[str]:
     if not folder.is_dir():
         raise PushError(f"{folder}: no such folder to push")
     for d in (folder.resolve(), *folder.resolve().parents):
-        if (d / ".dpllm_run").exists() or (d / "splits.json").exists() or (d / "privacy_ledger.jsonl").exists():
+        if (d / ".dpllm_run").exists() or ((d / "splits.json").is_file() and (d / "privacy_ledger.jsonl").is_file()):
             raise PushError(f"refusing to push {folder}: it is {'' if d == folder.resolve() else 'inside '}a private "
                             f"run directory ({d}); push the folder dpllm export or dpllm synthesize wrote")
     private = _private_files(folder)
