@@ -161,7 +161,8 @@ def _network_errors() -> tuple[type, ...]:
 
 
 def push_folder(folder: str | Path, repo_id: str, *, private: bool = False, repo_type: str = "model",
-                token: Optional[str] = None, commit_message: str = "dpllm release", retry: Optional[str] = None) -> dict:
+                token: Optional[str] = None, commit_message: str = "dpllm release",
+                retry: Optional[str] = None) -> dict:
     """Upload exactly the files of the release ``folder`` to ``repo_id`` in one commit.
 
     Args:

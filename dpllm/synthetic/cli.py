@@ -14,7 +14,6 @@ import argparse
 import sys
 from pathlib import Path
 
-
 DROPPED_SHARE = 0.1  # warn when more than 10% of the samples drawn were dropped as not valid text
 
 
