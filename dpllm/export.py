@@ -6,7 +6,9 @@ has un-noised training and held-out losses, ``config.yaml`` names the data and t
 
     model weights or LoRA adapter (+ base_model/ when the base has no public name), tokenizer,
     privacy_report.json (the public fields only, :func:`release_report`), README.md (a model card built
-    from that released report, :func:`model_card`)
+    from that released report, :func:`model_card`, under the Hub's YAML metadata block: :mod:`dpllm.hub`)
+
+``--push-to-hub REPO_ID [--private]`` uploads exactly that bundle afterwards (:func:`dpllm.hub.push_folder`).
 
 **What the released report may say** is decided here, by allow-lists (:data:`RELEASED_FIELDS`,
 :data:`RELEASED_STAGE_FIELDS`, :data:`RELEASED_USER_FIELDS`): the mechanism's public parameters (σ, q,
@@ -39,7 +41,7 @@ import argparse
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 from dpllm.io import atomic_directory, looks_local, write_text_atomic
 from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError
@@ -341,7 +343,8 @@ def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, wh
 
 
 def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = False,
-           declare_public: Sequence[str] = ()) -> Path:
+           declare_public: Sequence[str] = (), base_model: Optional[str] = None,
+           license: Optional[str] = None) -> Path:
     """Write the release bundle of ``run_dir`` to ``out`` (atomically).
 
     Args:
@@ -349,11 +352,17 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
         out: a new (or empty) directory for the bundle.
         allow_non_private: export a run trained without DP (the card says there is no guarantee).
         declare_public: facts of :data:`PUBLIC_FACTS` the publisher declares public (released exactly).
+        base_model: the base model's public Hub id, for the card's metadata when the run loaded it from a local
+            path (:func:`dpllm.hub.public_base_model`; a Hub id the run loaded is named without it).
+        license: the card's ``license`` (a Hub license id such as ``apache-2.0``); none when not given.
 
     Raises:
         ExportError: no finished run, a ledger that fails to verify, seeded noise, a non-private run
-            (without ``allow_non_private``), an unknown fact, or an ``out`` that is not empty.
+            (without ``allow_non_private``), an unknown fact, a base model given as a path, or an ``out`` that
+            is not empty or lies inside the run directory.
     """
+    from dpllm import hub
+
     run_dir, out = Path(run_dir), Path(out)
     ckpt = run_dir / "checkpoint"
     from dpllm import ledger
@@ -362,6 +371,12 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
     report = check_releasable(run_dir, allow_non_private=allow_non_private, verified=verified)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not empty; pick a new directory")
+    if out.resolve() == run_dir.resolve() or run_dir.resolve() in out.resolve().parents:
+        raise ExportError(f"--out {out} is inside the private run directory {run_dir}; pick a folder outside it")
+    try:
+        base_name = hub.public_base_model(report.base_model, base_model)
+    except hub.PushError as err:
+        raise ExportError(str(err)) from None
     released = release_report(report, declare_public=declare_public)
     lora = (ckpt / "adapter_config.json").is_file()
     has_base = (ckpt / "base_model").is_dir()
@@ -375,9 +390,10 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
             for f in _released_files(ckpt / "base_model"):
                 shutil.copy2(f, tmp / "base_model" / f.name)
         released.write(tmp / "privacy_report.json")
-        write_text_atomic(tmp / "README.md", model_card(released, lora=lora, has_base=has_base,
-                                                        record_kind=declared_record_kind(run_dir))
-                          + compliance_section(run_dir, verified=verified))
+        body = (model_card(released, lora=lora, has_base=has_base, record_kind=declared_record_kind(run_dir))
+                + compliance_section(run_dir, verified=verified))
+        meta = hub.model_card_data(released, lora=lora, base_model=base_name, license=license)
+        write_text_atomic(tmp / "README.md", hub.card_text(meta, body))
     return out
 
 
@@ -391,15 +407,39 @@ def cli_main(argv: list[str]) -> int:
                     help="release this fact exactly, declaring it public (repeatable): "
                          + "; ".join(f"{k}: {v}" for k, v in PUBLIC_FACTS.items())
                          + ". Under add/remove neighbours N is private unless it was public already")
+    ap.add_argument("--base-model", metavar="HUB_ID",
+                    help="the base model's public Hub id for the card's metadata, when the run loaded it from a local "
+                         "path (a Hub id the run loaded is named anyway; a local path is never written)")
+    ap.add_argument("--license", help="the card's license, a Hub license id (e.g. apache-2.0, llama3.1, other)")
+    ap.add_argument("--push-to-hub", metavar="REPO_ID",
+                    help="after exporting, upload exactly the bundle to this Hugging Face Hub model repository "
+                         "(needs HF_TOKEN or `hf auth login`)")
+    ap.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    from dpllm import hub
+
+    if args.private and not args.push_to_hub:
+        print("dpllm export: --private applies to --push-to-hub REPO_ID; add it or drop --private", file=sys.stderr)
+        return 2
     try:
+        if args.push_to_hub:  # before anything is written: a missing token is fixed and the command rerun as is
+            hub.require_token()
         path = export(args.run_dir, args.out, allow_non_private=args.allow_non_private,
-                      declare_public=args.declare_public)
-    except ExportError as err:
+                      declare_public=args.declare_public, base_model=args.base_model, license=args.license)
+    except (ExportError, hub.PushError) as err:
         print(f"dpllm export: {err}", file=sys.stderr)
         return 1
     print(f"exported {args.run_dir} -> {path}: " + ", ".join(sorted(p.name for p in path.iterdir())))
+    if args.push_to_hub:
+        try:
+            pushed = hub.push_folder(path, args.push_to_hub, private=args.private, repo_type="model",
+                                     commit_message="dpllm export")
+        except hub.PushError as err:
+            print(f"dpllm export: {err}", file=sys.stderr)
+            return 1
+        print(f"pushed {len(pushed['files'])} files to https://huggingface.co/{args.push_to_hub}"
+              + (" (private)" if args.private else ""))
     return 0

@@ -114,6 +114,15 @@ def test_labels_card_and_resume(runs, tmp_path):
     assert card["sha256"] == file_sha256(whole) and str(runs) not in json.dumps(card) and card["source"]["dp_guarantee"]
     assert f"ε = {report['epsilon']:.3f}" in (tmp_path / "whole.card.md").read_text()
 
+    # the releasable part loads with datasets as it is (offline: a local folder, the card's configs metadata)
+    import datasets
+
+    from dpllm.synthetic.card import release_folder
+
+    ds = datasets.load_dataset(str(release_folder(whole, tmp_path / "release")))["train"]
+    assert ds.column_names == card["columns"] == ["id", "text", "label"] and ds.num_rows == 10
+    assert ds["label"] == [r["label"] for r in rows]
+
     # interrupted after 6 records (mid-batch) and a cut line: the rerun writes what one run would have
     synthesize(runs / "dp", num=6, out=part, **GEN)
     with open(part, "a") as fh:
@@ -155,7 +164,21 @@ def test_cli_writes_file_card_and_private_report(runs, tmp_path, capsys):
     rep = json.loads((out.parent / "synth.report.json").read_text())
     assert rep["leakage"]["n"] == 8 and rep["leakage"]["canaries"]["canaries"] == 4
     assert "downstream_accuracy" in rep["fidelity"]["synthetic"] and rep["fidelity"]["embedder"].startswith("lsa")
-    assert "PRIVATE" in (out.parent / "synth.report.md").read_text()
+    md = (out.parent / "synth.report.md").read_text()
+    assert "PRIVATE" in md
+    # the report's numbers agree: the closest pairs are listed by the distance the table uses
+    values = sorted(rep["leakage"]["nn_distance"]["train"]["values"])
+    examples = rep["leakage"]["examples"]
+    assert [e["distance"] for e in examples] == pytest.approx(values[:len(examples)], abs=1e-4)
+    assert all(e["distance"] == pytest.approx(1 - e["similarity"], abs=1e-4) for e in examples)
+    assert rep["leakage"]["nn_distance"]["train"]["min"] == pytest.approx(examples[0]["distance"], abs=1e-4)
+    pairs = md.split("## Closest synthetic/training pairs")[1]
+    assert [float(line[2:].split(":")[0]) for line in pairs.splitlines() if line.startswith("- ")] == pytest.approx(
+        [e["distance"] for e in examples], abs=1e-3)
+    # a tiny model after 2 steps writes poor text: the operator is told on the console, and in the report
+    assert all((e["nearest_train"] is None) == (e["distance"] == 1.0) for e in examples)  # none is "nearest"
+    assert rep["warnings"] and all(w in md for w in rep["warnings"])
+    assert "warning: fidelity is poor" in capsys.readouterr().out
     assert dpllm_main(["synthesize", str(runs / "nodp"), "--num", "1", "--out", str(tmp_path / "z.jsonl")]) == 1
     assert "--allow-non-private" in capsys.readouterr().err
 
@@ -201,8 +224,51 @@ def test_fidelity_measures():
 def test_module_examples():
     import doctest
 
-    from dpllm.synthetic import fidelity as fidelity_module, leakage as leakage_module
+    from dpllm.synthetic import fidelity as fidelity_module
+    from dpllm.synthetic import leakage as leakage_module
+    from dpllm.synthetic import records as records_module
 
-    for module in (leakage_module, fidelity_module):
+    for module in (leakage_module, fidelity_module, records_module):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
+
+
+def test_report_figure_has_no_colour_the_legend_does_not_name():
+    from dpllm.synthetic.report import figure
+
+    result = {"synthetic_file": "s.jsonl", "leakage": {"nn_distance": {
+        "train": {"values": [0.2, 0.3, 0.3, 0.5]}, "heldout": {"values": [0.3, 0.3, 0.4, 0.6]}}}}
+    fig = figure(result)
+    ax = fig.axes[0]
+    legend = {h.get_edgecolor() for h in ax.get_legend().legend_handles}
+    assert ax.patches and all(not p.get_fill() for p in ax.patches)  # outlines: overlaps mix no new colour
+    assert {p.get_edgecolor() for p in ax.patches} <= legend
+
+
+def test_quality_warnings_thresholds():
+    from dpllm.synthetic.report import FRECHET_RATIO, JS_GAP, quality_warnings
+
+    def result(frechet, js, acc=None):
+        fid = {"synthetic": {"frechet": frechet, "ngram_js_1": js},
+               "real_reference": {"frechet": 1.0, "ngram_js_1": 0.3}}
+        if acc is not None:
+            fid["synthetic"]["downstream_accuracy"], fid["majority_accuracy"] = acc, 0.4
+        return {"fidelity": fid, "leakage": {"empty_share": 0.0}}
+
+    assert quality_warnings(result(FRECHET_RATIO * 0.99, 0.3 + JS_GAP * 0.99, acc=0.6)) == []
+    got = quality_warnings(result(FRECHET_RATIO * 1.01, 0.3 + JS_GAP * 1.01, acc=0.4))
+    assert len(got) == 3 and "3.0x" in got[0] and "+0.15" in got[1] and "most common label" in got[2]
+
+
+def test_sampled_text_is_valid_text(runs, tmp_path):
+    """The real sampler on a barely trained byte-level model, hot: no NUL, control character or broken UTF-8."""
+    from dpllm.synthetic.records import NOT_TEXT
+
+    card = synthesize(runs / "plain", num=48, out=tmp_path / "hot.jsonl",
+                      **{**GEN, "temperature": 1.5, "top_p": 1.0, "max_new_tokens": 24, "batch_size": 16})
+    raw = (tmp_path / "hot.jsonl").read_bytes()
+    text = raw.decode("utf-8")  # strict: every byte is UTF-8
+    rows = read_jsonl(tmp_path / "hot.jsonl")
+    assert len(rows) == 48 and not any(NOT_TEXT.search(r["text"]) for r in rows) and "\\u0000" not in text
+    assert card["samples_dropped_not_valid_text"] == rows[-1]["id"] + 1 - 48
+    assert sum(len(r["text"]) for r in rows) > 48 * 5  # real text came out, not empty strings

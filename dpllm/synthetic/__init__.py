@@ -10,13 +10,18 @@ synthetic copy of the private data can leave the run as freely as the model can.
                    no DP are refused unless overridden), then batched, seeded, resumable sampling from
                    the checkpoint, unconditional, on public prompts, or on labels (control codes,
                    ``data.label_column``)
+``records``        the record shape of the run (chat, prompt/completion, text) and the valid-text guard:
+                   no NUL, control character or broken UTF-8 reaches the file
 ``card``           ``synth.card.json`` / ``synth.card.md``: the source's (ε, δ) and privacy unit, the
-                   generation settings, the post-processing statement (**releasable**, with the file)
+                   generation settings, the post-processing statement (**releasable**, with the file);
+                   the ``.md`` opens with the Hub's dataset metadata (:mod:`dpllm.hub`), and
+                   ``release_folder`` copies the releasable files into a folder ``datasets`` loads
 ``leakage``        verbatim / near-duplicate rates and nearest-neighbour distances against training
                    vs held-out records, planted canaries found or not (**private**)
 ``fidelity``       n-gram JS divergence, Fréchet distance of embeddings, a downstream classifier
                    trained on synthetic vs on real records (**private**: it reads the held-out data)
-``report``         ``synth.report.json`` / ``.md`` / ``.png`` beside the file (**private**)
+``report``         ``synth.report.json`` / ``.md`` / ``.png`` beside the file (**private**), with plain
+                   warnings when fidelity is poor (``quality_warnings``)
 =================  ==================================================================================
 
 Python::

@@ -16,7 +16,8 @@ from typing import Optional
 from dpllm.privacy.report import PrivacyReport
 
 PRIVACY_FIELDS = ("enabled", "epsilon", "delta", "privacy_unit", "accountant", "noise_multiplier", "sample_rate",
-                  "steps", "max_grad_norm", "clipping", "noise_schedule", "noise_secret", "user_level", "release")
+                  "steps", "max_grad_norm", "clipping", "noise_schedule", "noise_secret", "user_level", "release",
+                  "poisson_sampling", "composition")
 
 
 def card_paths(out: str | Path) -> tuple[Path, Path]:
@@ -51,9 +52,24 @@ def statement(report: PrivacyReport, refusal: Optional[str]) -> str:
             "not hide patterns shared by many records, nor anything in the public pretraining data.")
 
 
+def columns(settings: dict) -> list[str]:
+    """The fields of every line of a synthetic file sampled with ``settings``."""
+    shape = settings.get("shape", "text")
+    if shape == "messages":
+        return ["id", "messages"]
+    if shape == "prompt_completion":
+        return ["id", "prompt", "completion"]
+    return ["id", "text"] + (["label"] if settings.get("labels") else ["prompt"] if settings.get("prompts") else [])
+
+
 def make_card(*, run_name: str, report: PrivacyReport, refusal: Optional[str], settings: dict, file: str,
-              num_records: int, complete: bool, sha256: Optional[str]) -> dict:
-    """The card as JSON-serialisable data (schema ``dpllm.synthetic.card/1``)."""
+              num_records: int, complete: bool, sha256: Optional[str], drawn: Optional[int] = None,
+              license: Optional[str] = None) -> dict:
+    """The card as JSON-serialisable data (schema ``dpllm.synthetic.card/1``).
+
+    ``drawn`` is how many samples were drawn up to the file's last record; ``drawn - num_records`` of them were
+    dropped as not valid text (:mod:`dpllm.synthetic.records`). Both are functions of the samples only.
+    """
     from dpllm.checkpoint import library_versions
     from dpllm.export import release_report
 
@@ -62,7 +78,11 @@ def make_card(*, run_name: str, report: PrivacyReport, refusal: Optional[str], s
         "schema": "dpllm.synthetic.card/1",
         "file": file,
         "num_records": num_records,
+        "columns": columns(settings),
+        "samples_drawn": drawn,
+        "samples_dropped_not_valid_text": None if drawn is None else drawn - num_records,
         "complete": complete,
+        "license": license,
         "sha256": sha256,
         "source": {"run": run_name, "privacy": {k: public.get(k) for k in PRIVACY_FIELDS if k in public},
                    "releasable": refusal is None, "dp_guarantee": refusal is None and report.enabled,
@@ -74,7 +94,18 @@ def make_card(*, run_name: str, report: PrivacyReport, refusal: Optional[str], s
 
 
 def card_markdown(card: dict) -> str:
-    """README-style view of the card."""
+    """The data card a reader and the Hub see: ``DatasetCardData``'s YAML block (:mod:`dpllm.hub`), then the
+    README-style view of ``card``."""
+    from dpllm import hub
+
+    released = PrivacyReport.from_dict({"num_records": None, "steps": 0, **card["source"]["privacy"]})
+    meta = hub.dataset_card_data(released, refusal=card["source"]["refusal_overridden"], file=card["file"],
+                                 num_records=card["num_records"], columns=card.get("columns", ["id", "text"]),
+                                 license=card.get("license"), dropped=card.get("samples_dropped_not_valid_text"))
+    return hub.card_text(meta, _card_body(card))
+
+
+def _card_body(card: dict) -> str:
     p, g = card["source"]["privacy"], card["generation"]
     if p.get("enabled"):
         guarantee = (f"(ε = {p['epsilon']:.3f}, δ = {p['delta']:g}) at the level of one {p['privacy_unit']} "
@@ -99,10 +130,46 @@ def card_markdown(card: dict) -> str:
 | conditioning | {cond} |
 | sampling | temperature {g['temperature']:g}, top-p {g['top_p']:g}, at most {g['max_new_tokens']} new tokens, batch {g['batch_size']}, sampling seed {g['seed']} |
 
-Each line of the file is one JSON object: `id`, `text`, and `label` (label conditioning) or `prompt`
-(prompt conditioning). The sampling seed seeds only the sampling, which reads nothing private; the DP
+Each line of the file is one JSON object with the fields {_columns(card)}{_dropped(card)}
+The sampling seed seeds only the sampling, which reads nothing private; the DP
 training noise was secret (see `source.privacy.noise_secret` in the JSON card).
 
 Written by `dpllm synthesize` (dpllm {card['versions'].get('dpllm')}). The leakage and fidelity report that
 comes with it (`*.report.*`) is computed against the training records and stays with the data owner.
 """
+
+
+def _columns(card: dict) -> str:
+    return ", ".join(f"`{c}`" for c in card.get("columns", ["id", "text"]))
+
+
+def _dropped(card: dict) -> str:
+    n = card.get("samples_dropped_not_valid_text")
+    return ("." if not n else f"; {n} of the {card['samples_drawn']} samples drawn were dropped as not valid text "
+            "(NUL or control characters, bytes that are not UTF-8, or an empty turn) and replaced by further samples.")
+
+
+def release_folder(synth: str | Path, dest: str | Path) -> Path:
+    """Write the releasable part of a synthetic set into the new folder ``dest``: the data file, its JSON card and
+    the data card as ``README.md`` (``datasets.load_dataset(dest)`` reads the file as the ``train`` split).
+
+    Raises:
+        FileExistsError: ``dest`` exists and is not empty.
+        FileNotFoundError: no synthetic file or card.
+    """
+    import shutil
+
+    from dpllm.io import atomic_directory
+
+    synth, dest = Path(synth), Path(dest)
+    card_json, card_md = card_paths(synth)
+    for p in (synth, card_json, card_md):
+        if not p.is_file():
+            raise FileNotFoundError(f"{p}: missing; run dpllm synthesize first")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise FileExistsError(f"{dest} exists and is not empty; pick a new folder")
+    with atomic_directory(dest) as tmp:
+        shutil.copy2(synth, tmp / synth.name)
+        shutil.copy2(card_json, tmp / card_json.name)
+        shutil.copy2(card_md, tmp / "README.md")
+    return dest

@@ -3,6 +3,7 @@
     dpllm synthesize runs/dp --num 1000 --out synth/synth.jsonl
     dpllm synthesize runs/dp --num 1000 --out synth/synth.jsonl --labels json,argparse --temperature 0.8
     dpllm synthesize runs/dp --num 200 --out s.jsonl --prompt "def " --prompt "class " --no-report
+    dpllm synthesize runs/dp --num 1000 --out synth/synth.jsonl --release-dir release --push-to-hub me/synth
 
 Rerunning the same command continues an interrupted file. Exit status 1 when the run is refused.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+
+DROPPED_SHARE = 0.1  # warn when more than 10% of the samples drawn were dropped as not valid text
 
 
 def parser() -> argparse.ArgumentParser:
@@ -35,6 +38,14 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--embedder", default="auto",
                     help="report's embedding model: auto (the run's local base model, else lsa), lsa, or a model dir")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--license", help="the data card's license, a Hub license id (e.g. cc-by-4.0, other)")
+    ap.add_argument("--release-dir", metavar="DIR",
+                    help="also write the releasable files into this new folder: the data, its JSON card and the data "
+                         "card as README.md (datasets.load_dataset(DIR) reads it); never the private report")
+    ap.add_argument("--push-to-hub", metavar="REPO_ID",
+                    help="upload exactly the release folder to this Hugging Face Hub dataset repository "
+                         "(needs HF_TOKEN or `hf auth login`); refused for a file that is not releasable")
+    ap.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
     return ap
 
 
@@ -52,18 +63,73 @@ def cli_main(argv: list[str]) -> int:
             return 2
         prompts += [p for p in Path(args.prompts_file).read_text().splitlines() if p.strip()]
     labels = [x.strip() for x in args.labels.split(",") if x.strip()] if args.labels else None
+    from dpllm import hub
+
+    if args.private and not args.push_to_hub:
+        print("dpllm synthesize: --private applies to --push-to-hub REPO_ID; add it or drop --private", file=sys.stderr)
+        return 2
+    if args.push_to_hub and args.allow_unreleasable:
+        print("dpllm synthesize: --push-to-hub with --allow-unreleasable: a file sampled from a run the release checks "
+              "refuse is not releasable; drop one of them", file=sys.stderr)
+        return 2
+    release = Path(args.release_dir) if args.release_dir else None
+    if release is not None and release.exists() and (not release.is_dir() or any(release.iterdir())):
+        print(f"dpllm synthesize: --release-dir {release} exists and is not empty; pick a new folder", file=sys.stderr)
+        return 2
     try:
+        if args.push_to_hub:  # before sampling: a missing token is fixed and the same command rerun
+            hub.require_token()
         card = synthesize(args.run_dir, num=args.num, out=args.out, temperature=args.temperature, top_p=args.top_p,
                           max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, seed=args.seed,
                           prompts=prompts or None, labels=labels, allow_non_private=args.allow_non_private,
-                          allow_unreleasable=args.allow_unreleasable, progress=not args.no_progress)
-    except SynthesisError as err:
+                          allow_unreleasable=args.allow_unreleasable, progress=not args.no_progress,
+                          license=args.license)
+    except (SynthesisError, hub.PushError) as err:
         print(f"dpllm synthesize: {err}", file=sys.stderr)
         return 1
     print(f"{args.out}: {card['num_records']} records; {card['statement']}")
+    dropped, drawn = card.get("samples_dropped_not_valid_text") or 0, card.get("samples_drawn") or 0
+    if drawn and dropped > DROPPED_SHARE * drawn:
+        print(f"warning: {dropped} of {drawn} samples were not valid text (NUL or control characters, bytes that are "
+              "not UTF-8, an empty turn) and were replaced: the model writes poor text")
     if not args.no_report:
-        from dpllm.synthetic.report import evaluate, write_report
+        from dpllm.synthetic.report import evaluate, quality_warnings, write_report
 
-        paths = write_report(evaluate(args.out, args.run_dir, embedder=args.embedder), args.out)
+        result = evaluate(args.out, args.run_dir, embedder=args.embedder)
+        paths = write_report(result, args.out)
         print(f"report (private: it is computed on the training records): {paths['md']}")
+        for line in quality_warnings(result):
+            print(f"warning: {line}")
+    if release is not None or args.push_to_hub:
+        return _release(args, card, release)
+    return 0
+
+
+def _release(args, card: dict, release) -> int:
+    """Write the release folder (a temporary one for a push alone) and push it."""
+    import tempfile
+
+    from dpllm import hub
+    from dpllm.synthetic.card import release_folder
+
+    with tempfile.TemporaryDirectory(prefix="dpllm-synth-") as tmp:
+        folder = release_folder(args.out, release if release is not None else Path(tmp) / "release")
+        if release is not None:
+            print(f"release folder: {folder} ({', '.join(sorted(p.name for p in folder.iterdir()))})")
+        if not args.push_to_hub:
+            return 0
+        if not card["source"]["releasable"]:
+            print("dpllm synthesize: not pushed: the card says NOT RELEASABLE", file=sys.stderr)
+            return 1
+        try:
+            retry = None if release is not None else (
+                "Rerun the same command when the Hub is reachable (the file is complete: nothing is sampled again), "
+                "or add --release-dir DIR to keep the folder and upload it later")
+            pushed = hub.push_folder(folder, args.push_to_hub, private=args.private, repo_type="dataset",
+                                     commit_message="dpllm synthesize", retry=retry)
+        except hub.PushError as err:
+            print(f"dpllm synthesize: {err}", file=sys.stderr)
+            return 1
+    print(f"pushed {len(pushed['files'])} files to https://huggingface.co/datasets/{args.push_to_hub}"
+          + (" (private)" if args.private else ""))
     return 0

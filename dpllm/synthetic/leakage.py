@@ -139,8 +139,11 @@ def leakage(synthetic: Sequence[str], train: Sequence[str], heldout: Sequence[st
         "near": {"train": float(np.mean(sim_tr >= near)), "heldout": float(np.mean(sim_ho >= near))},
         "nn_distance": {"train": quantiles(d_tr), "heldout": quantiles(d_ho)},
         "closer_to_train": closer,
-        "examples": [{"synthetic": synthetic[i], "nearest_train": matched[arg_tr[i]],
-                      "similarity": round(float(sim_tr[i]), 4)} for i in order],
+        # the same distance as nn_distance["train"] (1 - similarity), so the table and the pairs agree
+        # no shared n-gram (similarity 0): no record is nearer than another, so none is named
+        "examples": [{"synthetic": synthetic[i], "nearest_train": matched[arg_tr[i]] if sim_tr[i] > 0 else None,
+                      "similarity": round(float(sim_tr[i]), 4), "distance": round(float(d_tr[i]), 4)} for i in order],
+        "empty_share": float(np.mean([not t.strip() for t in synthetic])),
         "settings": {"ngram": NGRAM, "near": near, "min_chars": min_chars, "seed": seed},
     }
     if canaries:
