@@ -45,6 +45,17 @@ def csv_fit(tmp_path_factory):
     return out
 
 
+def test_fit_names_the_users_own_columns(tmp_path, capsys):
+    # issue 35: the summary said "N = params_trainable" of a table whose column is "params"
+    runs = _isoflop_csv(tmp_path / "runs.csv")
+    assert main(["scaling", "fit", "--runs", str(runs), *COLS, "--out", str(tmp_path / "fit"), "--n-boot", "0",
+                 "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    assert "N = params; D = tokens; loss = eval_loss; " in text and "params_trainable" not in text
+    doc = json.loads((tmp_path / "fit" / "fit.json").read_text())
+    assert doc["inputs"]["columns"] == {"N": "params", "D": "tokens", "loss": "eval_loss"}
+
+
 def test_csv_fit_needs_no_steps_or_batch_and_draws_every_plot(csv_fit, capsys):
     doc = json.loads((csv_fit / "fit" / "fit.json").read_text())
     fit = doc["fits"]["non-private"]

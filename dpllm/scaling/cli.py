@@ -141,6 +141,18 @@ def _columns(args: argparse.Namespace) -> dict[str, str]:
     return cols
 
 
+def _column_names(args: argparse.Namespace, inputs: tuple[str, ...]) -> dict[str, str]:
+    """The user's own column for each input the form reads and for the loss (``--params-col params`` → N =
+    params), so the summary names what is in their table, not our runs-table fields."""
+    from dpllm.scaling.runs import PARAMS_FIELDS
+
+    cols = {field: field for field in COLUMNS.values()} | _columns(args)
+    n_field = PARAMS_FIELDS[args.params]
+    names = {"N": cols.get(n_field, n_field), "D": cols["tokens_seen"], "S": cols["steps"],
+             "sigma_bar": f"{cols['noise_multiplier']} / {cols['logical_batch_size']}"}
+    return {**{k: names[k] for k in inputs}, "loss": cols["final_eval_loss"]}
+
+
 def _scatter_line(fit: dict) -> str:
     r = fit.get("scatter", {}).get("log_residuals", [])
     if len(r) < 2:
@@ -163,6 +175,7 @@ def _fit(args: argparse.Namespace) -> int:
     doc = fit_runs(rows, form=args.form, params=args.params, epsilon=args.epsilon, n_boot=args.n_boot,
                    seed=args.seed)
     doc["inputs"]["runs_file"] = str(runs_path)
+    doc["inputs"]["columns"] = _column_names(args, get_form(args.form).inputs)
     out = Path(args.out) if args.out else runs_path.parent / "fit"
     path = write_fit(doc, out / "fit.json")
     plots = []
@@ -173,8 +186,8 @@ def _fit(args: argparse.Namespace) -> int:
                                 inputs=get_form(args.form).inputs)
         plots = plot_fit(doc, points, out)
     print(f"{doc['form']}: {doc['formula']}")
-    print(f"  N = {doc['filter']['N_field']}; {doc['inputs']['n_runs']} runs of {doc['inputs']['n_runs_in_file']} "
-          f"in {runs_path}")
+    named = "; ".join(f"{k} = {v}" for k, v in doc["inputs"]["columns"].items())
+    print(f"  {named}; {doc['inputs']['n_runs']} runs of {doc['inputs']['n_runs_in_file']} in {runs_path}")
     for label, fit in doc["fits"].items():
         boot = fit["bootstrap"]
         print(f"  [{label}] points={fit['n_points']} runs={fit['n_runs']} R²(loss)={fit['r2']:.4f} "
