@@ -153,6 +153,34 @@ def _column_names(args: argparse.Namespace, inputs: tuple[str, ...]) -> dict[str
     return {**{k: names[k] for k in inputs}, "loss": cols["final_eval_loss"]}
 
 
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:.0f}%"
+
+
+def _validation_lines(ex: dict) -> list[str]:
+    """The rolling-origin validation of extrapolation, as printed by `fit`: per fold and held-out size, then
+    pooled, then the widening it calibrated."""
+    if not ex:
+        return []
+    if ex.get("kappa") is None:
+        return [f"    extrapolation {ex['status']}: intervals beyond the data are the in-range ones, likely too narrow"]
+    axis, lines = ex["axis"], [f"    extrapolation, validated by rolling origin along {ex['axis']} (fit the smaller "
+                               f"sizes, predict each larger one; {_pct(ex['level'])} intervals):"]
+    for r in ex["per_size"]:
+        c = r["coverage"]
+        lines.append(f"      fitted {axis} ≤ {r['cut']:.3g} → {axis}={r[axis]:.3g} (×{r['beyond_factor']:.2g} beyond): "
+                     f"{r['n_runs']} runs, error {r['mean_error_pct']:+.2f}% (rms {r['rms_error_pct']:.2f}%), covered "
+                     f"in-range {_pct(c['in_range'])}, widened {_pct(c['widened'])}")
+    c, w = ex["coverage"], ex["median_width_pct"]
+    lines.append(f"      all {ex['n_held_out']} held-out runs: covered by the CI of the mean {_pct(c['parameter_only'])}, "
+                 f"the in-range prediction interval {_pct(c['in_range'])}, the widened one {_pct(c['widened'])} "
+                 f"(cross-validated over folds {_pct(c['widened_cv'])}); median widths {w['parameter_only']:.2g}%, "
+                 f"{w['in_range']:.2g}%, {w['widened']:.2g}%")
+    lines.append(f"      beyond the data, intervals widen by kappa = {100 * ex['kappa']:.2g}% sd of log-loss per unit of "
+                 f"Δ·(1 + Δ/W) (Δ e-folds beyond the data, W e-folds the fit spans in {axis})")
+    return lines
+
+
 def _scatter_line(fit: dict) -> str:
     r = fit.get("scatter", {}).get("log_residuals", [])
     if len(r) < 2:
@@ -197,6 +225,8 @@ def _fit(args: argparse.Namespace) -> int:
                   + ("  (at its bound: not determined by the data)" if name in fit.get("at_bound", []) else ""))
         if _scatter_line(fit):
             print(_scatter_line(fit))
+        for line in _validation_lines(fit.get("extrapolation", {})):
+            print(line)
         for reason in fit.get("degenerate", []):
             print(f"    DEGENERATE: {reason}")
     for label, reason in doc["skipped"].items():
