@@ -292,7 +292,7 @@ def _predict(args: argparse.Namespace) -> int:
         lo, hi = fit.prediction_interval(args.level, **x)
         mlo, mhi = fit.confidence_interval(args.level, **x)
         rows.append({**x, "loss": float(fit.predict(**x)), "prediction_interval": [float(lo), float(hi)],
-                     "mean_ci": [float(mlo), float(mhi)]})
+                     "mean_ci": [float(mlo), float(mhi)], **_where(fit, args.level, x)})
     if args.json:
         print(json.dumps({"fit": str(args.fit), "form": fit.form, "group": fit.label, "level": args.level,
                           "prior": fit.prior or None, "predictions": rows}, indent=2))
@@ -309,7 +309,34 @@ def _predict(args: argparse.Namespace) -> int:
                 else f"no prediction interval ({'a published point estimate' if fit.prior else 'no residuals'})")
         mean = (f"; {pct} CI of the mean [{ci[0]:.4f}, {ci[1]:.4f}]" if np.isfinite(ci[0]) else "")
         print(f"  {where}  loss {r['loss']:.4f} (ppl {math.exp(r['loss']):.4g})  {band}{mean}")
+        print(f"    {r['data']}; interval: {r['interval_calibration']}")
     return 0
+
+
+def _where(fit, level: float, x: dict) -> dict:
+    """Whether ``x`` is inside or beyond the fit's data (how far, along which input) and how the interval there
+    was calibrated: the fields every `predict` and `plan` answer carries."""
+    from dpllm.scaling.extrapolate import describe
+
+    factor, name = (v.item() if hasattr(v, "item") else v for v in fit.beyond(**x))
+    inside = factor <= 1.0 + 1e-9
+    what = {"N": "N", "D": "D", "S": "S", "sigma_bar": "σ̄", "compute": "compute 6·N·D"}.get(name, name)
+    if fit.prior:
+        data = "inside" if inside else f"beyond: ×{factor:.3g} in {what} past the range it was fitted on"
+        return {"inside_data": inside, "beyond_factor": factor, "beyond_input": name or None,
+                "data": f"{data} (published law's range)",
+                "interval_calibration": "none: a published point estimate, its papers give no residuals"}
+    if inside:
+        how = (f"{100 * level:g}% in-range prediction interval (bootstrap laws + resampled run residuals; held "
+               f"95.8% on held-out runs inside a fitted range, tests/test_scaling_intervals.py)")
+        data = "inside the data"
+    else:
+        lo, hi = fit.domain.get(name, [None, None]) if name in fit.domain else (None, None)
+        edge = "" if hi is None else f" (fitted {what} {lo:.3g} to {hi:.3g})"
+        data = f"BEYOND the data: ×{factor:.3g} in {what} past the fitted range{edge}"
+        how = describe(fit.extrapolation)
+    return {"inside_data": inside, "beyond_factor": factor, "beyond_input": name or None, "data": data,
+            "interval_calibration": how, "validation_coverage": (fit.extrapolation or {}).get("coverage")}
 
 
 def _published(args: argparse.Namespace) -> int:
@@ -456,6 +483,18 @@ def _plan(args: argparse.Namespace) -> int:
         need = planning.compute_for_target(fit, target_loss=target, **kw)
         answer.update(question="least compute that reaches the target, at its compute-optimal N, D",
                       N=need["N"], D=need["D"], compute=need["compute"])
+    if "prediction_interval" not in answer:  # "train N at D": the loss range such a run will likely give
+        from dpllm.scaling.forms import get_form
+
+        x = {k: v for k, v in {"N": answer.get("N"), "D": answer.get("D"), "sigma_bar": sigma_bar or 0.0}.items()
+             if k in get_form(fit.form).inputs}
+        answer["predicted_loss"] = float(fit.predict(**x))
+        answer["prediction_interval"] = [float(v) for v in fit.prediction_interval(**x)]
+        answer["mean_ci"] = [float(v) for v in fit.confidence_interval(**x)]
+    else:
+        x = {k: v for k, v in {"N": answer["N"], "D": answer["D"], "sigma_bar": sigma_bar or 0.0}.items()
+             if k in ("N", "D") or fit.form == "dp_noise"}
+    answer.update(_where(fit, 0.95, x))
     if fit.prior:
         answer["prior"] = fit.prior
     if args.json:
@@ -476,13 +515,14 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  N = {answer['N']:.4g} parameters")
     if "D" in answer:
         print(f"  D = {answer['D']:.4g} tokens")
-    if "predicted_ppl" in answer:
-        verdict = "" if target is None else ("  (meets target)" if answer["meets_target"] else "  (misses target)")
-        print(f"  predicted loss {answer['predicted_loss']:.4f} (ppl {answer['predicted_ppl']:.4g}){verdict}")
-        pi, ci = answer["prediction_interval"], answer["mean_ci"]
-        if math.isfinite(pi[0]):
-            print(f"  95% prediction interval [{pi[0]:.4f}, {pi[1]:.4f}] (a run at this N, D); 95% CI of the mean "
-                  f"[{ci[0]:.4f}, {ci[1]:.4f}]")
+    verdict = "" if target is None or "meets_target" not in answer else (
+        "  (meets target)" if answer["meets_target"] else "  (misses target)")
+    print(f"  predicted loss {answer['predicted_loss']:.4f} (ppl {math.exp(answer['predicted_loss']):.4g}){verdict}")
+    pi, ci = answer["prediction_interval"], answer["mean_ci"]
+    if math.isfinite(pi[0]):
+        print(f"  95% prediction interval [{pi[0]:.4f}, {pi[1]:.4f}] (a run at this N" + (", D" if "D" in answer else "")
+              + ")" + (f"; 95% CI of the mean [{ci[0]:.4f}, {ci[1]:.4f}]" if math.isfinite(ci[0]) else ""))
+    print(f"  {answer['data']}; interval: {answer['interval_calibration']}")
     return 0
 
 

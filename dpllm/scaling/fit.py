@@ -174,8 +174,9 @@ class FitResult:
             lo[start:start + 64], hi[start:start + 64] = np.percentile(draws, [tail, 100 - tail], axis=0)
         kappa = self.extrapolation.get("kappa")
         if widen and kappa:
-            dist, _ = distance_beyond(self.domain, x, compute_range(self.residuals))
-            dist = effective_distance(dist, self.domain, self.extrapolation.get("axis", "N"))
+            crange = compute_range(self.residuals)
+            dist, name = distance_beyond(self.domain, x, crange)
+            dist = effective_distance(dist, name, self.domain, crange)
             center = np.log(form.predict(self.params, x)).reshape(-1)
             lo, hi = widen_interval(center, lo, hi, distance=dist.reshape(-1), kappa=kappa, z=z_of(level))
         return np.exp(lo).reshape(shape), np.exp(hi).reshape(shape)
