@@ -331,7 +331,10 @@ def _where(fit, level: float, x: dict) -> dict:
                f"95.8% on held-out runs inside a fitted range, tests/test_scaling_intervals.py)")
         data = "inside the data"
     else:
-        lo, hi = fit.domain.get(name, [None, None]) if name in fit.domain else (None, None)
+        from dpllm.scaling.extrapolate import compute_range
+
+        lo, hi = (fit.domain.get(name) if name in fit.domain else compute_range(fit.residuals) if name == "compute"
+                  else None) or (None, None)
         edge = "" if hi is None else f" (fitted {what} {lo:.3g} to {hi:.3g})"
         data = f"BEYOND the data: ×{factor:.3g} in {what} past the fitted range{edge}"
         how = describe(fit.extrapolation)
