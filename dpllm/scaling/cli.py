@@ -15,8 +15,12 @@
 ``fit`` reads a runs.jsonl or a CSV/TSV (``--*-col`` name its columns) and writes ``OUT/fit.json``
 (parameters, 95% bootstrap intervals, R² on loss, residuals, input summary and the filter used) and plots:
 loss vs N and vs D with curves at the data's own D and N, predicted vs observed, residuals vs N and D.
+``fit`` also validates how the law extrapolates on this sweep (rolling origin along N: fit the smaller sizes,
+predict the larger; per held-out size in the summary, fit.json and extrapolation.png) and calibrates how much
+wider intervals beyond the data must be.
 ``predict`` prints the law's loss at N, D (S, σ̄) with its 95% prediction interval (where a new run will
-land) and the 95% CI of the mean (where the law itself lies). ``--fit published:NAME`` uses a published
+land) and the 95% CI of the mean (where the law itself lies), and says whether the point is inside the data
+or beyond it (×k in which input) and how its interval was calibrated. ``--fit published:NAME`` uses a published
 law instead of your fit (``dpllm scaling published`` lists them): a prior from other, non-private data.
 ``plan`` prints tokens for a target at ``--n``, parameters at ``--d``, the compute-optimal point for
 ``--compute``, or (with none of them) the least compute that reaches the target. With a ``noise_batch``

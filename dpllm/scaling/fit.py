@@ -13,7 +13,9 @@ Two intervals answer two questions, and every printed one says which it is:
   draw is a bootstrap law plus one resampled residual of a fitted run (on log-loss; the part of it that is
   the configuration mean's misfit is inflated by √(n/(n−p)) for the p fitted parameters, see
   :func:`_scatter`), so it carries the scatter of runs around the law as well as the uncertainty in the
-  law. It does not narrow below that scatter.
+  law. It does not narrow below that scatter. Beyond the fitted data it is widened by the error of
+  extrapolating that :func:`dpllm.scaling.extrapolate.validate` measured on the sweep itself (rolling origin:
+  fit the smaller sizes, predict the larger); ``fit_runs`` validates every fit, ``fit_form(validate=True)`` too.
 
 Example:
     >>> import numpy as np
