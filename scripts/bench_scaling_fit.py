@@ -1,6 +1,7 @@
 """CPU time of a scaling fit with its default 1,000 bootstrap resamples, for a 20-row and a 240-row table.
 
     OMP_NUM_THREADS=1 python scripts/bench_scaling_fit.py            # both tables, 1,000 resamples
+    python scripts/bench_scaling_fit.py --validate                   # and with the extrapolation validation
     python scripts/bench_scaling_fit.py --rows 240 --n-boot 1000     # one table
     python scripts/bench_scaling_fit.py --table my_runs.csv          # your own N, D, loss CSV
 
@@ -44,14 +45,15 @@ def read_csv(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return tuple(np.array([float(r[k]) for r in rows]) for k in ("N", "D", "loss"))
 
 
-def bench(name: str, n, d, y, n_boot: int, repeats: int) -> None:
+def bench(name: str, n, d, y, n_boot: int, repeats: int, validate: bool = False) -> None:
     times = []
     for _ in range(repeats):
         t0, w0 = time.process_time(), time.perf_counter()
-        res = fit_form("chinchilla", loss=y, N=n, D=d, n_boot=n_boot, seed=0)
+        res = fit_form("chinchilla", loss=y, N=n, D=d, n_boot=n_boot, seed=0, validate=validate)
         times.append((time.process_time() - t0, time.perf_counter() - w0))
     cpu, wall = min(t[0] for t in times), min(t[1] for t in times)
-    print(f"{name:>14}  rows={len(y):>4}  n_boot={n_boot}  fitted {res.bootstrap['n_ok']}/{n_boot}  "
+    name += " +validation" if validate else ""
+    print(f"{name:>26}  rows={len(y):>4}  n_boot={n_boot}  fitted {res.bootstrap['n_ok']}/{n_boot}  "
           f"CPU {cpu:6.2f} s  wall {wall:6.2f} s  (best of {repeats})  alpha 95% CI "
           f"[{res.ci['alpha'][0]:.4f}, {res.ci['alpha'][1]:.4f}]" if res.ci else "", flush=True)
 
@@ -62,12 +64,14 @@ def main() -> None:
     p.add_argument("--n-boot", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--table", help="a CSV with columns N, D, loss to time instead")
+    p.add_argument("--validate", action="store_true", help="also time the fit with its extrapolation validation "
+                   "(what `dpllm scaling fit` runs: up to 4 more fits of n_boot/5 resamples)")
     args = p.parse_args()
-    if args.table:
-        bench(args.table, *read_csv(args.table), args.n_boot, args.repeats)
-        return
-    for rows in args.rows:
-        bench(f"synthetic {rows}", *table(rows), args.n_boot, args.repeats)
+    tables = [(args.table, read_csv(args.table))] if args.table else [(f"synthetic {r}", table(r)) for r in args.rows]
+    for name, data in tables:
+        bench(name, *data, args.n_boot, args.repeats)
+        if args.validate:
+            bench(name, *data, args.n_boot, args.repeats, validate=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dpllm.privacy.planning
+import dpllm.scaling.extrapolate
 import dpllm.scaling.fit
 import dpllm.scaling.forms
 import dpllm.scaling.plan
@@ -156,7 +157,7 @@ def test_scaling_error_is_a_value_error():
     assert issubclass(ScalingError, ValueError)
 
 
-@pytest.mark.parametrize("module", [dpllm.scaling.forms, dpllm.scaling.fit, dpllm.scaling.plan,
+@pytest.mark.parametrize("module", [dpllm.scaling.forms, dpllm.scaling.fit, dpllm.scaling.plan, dpllm.scaling.extrapolate,
                                     dpllm.privacy.planning])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)

@@ -440,7 +440,13 @@ def _frontier(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{label:>8}  C={r['budget']:.3g}  N={r['N']:.3g}  B={r['batch']}  S={r['steps']}  "
                   f"σ={r['noise_multiplier']:.3g}  loss={r['loss']:.4f}  95% prediction interval "
-                  f"[{r['loss_low']:.4f}, {r['loss_high']:.4f}]")
+                  f"[{r['loss_low']:.4f}, {r['loss_high']:.4f}]"
+                  + (f"  BEYOND the data ×{r['beyond_factor']:.2g} in {r['beyond_input']}"
+                     if r.get("beyond_factor", 1.0) > 1.0 + 1e-9 else ""))
+    if any(r.get("beyond_factor", 1.0) > 1.0 + 1e-9 for rows in curves.values() for r in rows):
+        from dpllm.scaling.extrapolate import describe
+
+        print(f"intervals beyond the data: {describe(fit.extrapolation)}")
     print(f"wrote {out / 'frontier.json'}, {png}")
     return 0
 
