@@ -290,7 +290,7 @@ def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterabl
         level: interval coverage (percentile bootstrap).
         label: group name stored on the result.
         validate: run the rolling-origin validation of extrapolation along N
-            (:func:`dpllm.scaling.extrapolate.validate`, each fold bootstrapped ``max(50, n_boot // 5)`` times)
+            (:func:`dpllm.scaling.extrapolate.validate`, each fold bootstrapped ``max(20, n_boot // 5)`` times)
             and store it as ``extrapolation``, so intervals beyond the data are widened by it.
 
     Raises:
@@ -339,7 +339,7 @@ def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterabl
     if validate:
         from dpllm.scaling.extrapolate import validate as validate_extrapolation
 
-        res.extrapolation = validate_extrapolation(form, x, y, axis="N", level=level, n_boot=max(50, n_boot // 5),
+        res.extrapolation = validate_extrapolation(form, x, y, axis="N", level=level, n_boot=max(20, n_boot // 5),
                                                    seed=seed)
     return res
 
