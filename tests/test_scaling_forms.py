@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import doctest
 import itertools
-import time
 
 import numpy as np
 import pytest
 
 import dpllm.privacy.planning
+import dpllm.scaling.extrapolate
 import dpllm.scaling.fit
 import dpllm.scaling.forms
 import dpllm.scaling.plan
@@ -101,19 +101,27 @@ def test_bootstrap_resamples_runs_when_a_configuration_has_one_seed():
     assert len(single) == 2 and all(r["loss_std"] == 0.0 for r in single)
 
 
-def test_bootstrap_is_seeded_and_default_1000_is_fast():
+def test_bootstrap_is_seeded():
+    # How long the default 1,000 resamples take is a benchmark figure (scripts/bench_scaling_fit.py), not an
+    # assertion: a timed test fails on a loaded machine for reasons that have nothing to do with the code.
     n, d = (a.ravel() for a in np.meshgrid([1e6, 3e6, 1e7, 3e7, 1e8], [1e7, 1e8, 1e9, 1e10]))
     loss = _noisy("chinchilla", CHIN, {"N": n, "D": d}, 0.003, seed=0)
-    t0 = time.perf_counter()
-    a = fit_form("chinchilla", loss=loss, N=n, D=d, seed=7)  # n_boot=1000 default
-    elapsed = time.perf_counter() - t0
-    assert a.bootstrap["n_boot"] == 1000 and a.bootstrap["n_ok"] >= 990
-    assert elapsed < 30, f"1000-resample chinchilla bootstrap took {elapsed:.1f}s"
+    a = fit_form("chinchilla", loss=loss, N=n, D=d, seed=7, n_boot=100)
     b = fit_form("chinchilla", loss=loss, N=n, D=d, seed=7, n_boot=100)
-    c = fit_form("chinchilla", loss=loss, N=n, D=d, seed=7, n_boot=100)
     e = fit_form("chinchilla", loss=loss, N=n, D=d, seed=8, n_boot=100)
-    assert b.ci == c.ci
-    assert b.ci["alpha"] != e.ci["alpha"]
+    assert a.bootstrap["n_ok"] >= 99
+    assert a.ci == b.ci and a.samples == b.samples
+    assert a.ci["alpha"] != e.ci["alpha"]
+
+
+def test_bootstrap_limits_the_blas_that_scipy_loads():
+    # threadpoolctl limits only libraries already loaded; the forms import scipy lazily, so the limit must load
+    # scipy's BLAS before it is set (unlimited, its threads spun against each other: 6× the CPU time, issue 35).
+    from threadpoolctl import threadpool_info
+
+    with dpllm.scaling.fit._one_blas_thread():
+        blas = [p for p in threadpool_info() if p["user_api"] == "blas"]
+    assert blas and all(p["num_threads"] == 1 for p in blas), blas
 
 
 @pytest.mark.parametrize(
@@ -149,7 +157,7 @@ def test_scaling_error_is_a_value_error():
     assert issubclass(ScalingError, ValueError)
 
 
-@pytest.mark.parametrize("module", [dpllm.scaling.forms, dpllm.scaling.fit, dpllm.scaling.plan,
+@pytest.mark.parametrize("module", [dpllm.scaling.forms, dpllm.scaling.fit, dpllm.scaling.plan, dpllm.scaling.extrapolate,
                                     dpllm.privacy.planning])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)

@@ -45,6 +45,47 @@ def csv_fit(tmp_path_factory):
     return out
 
 
+def test_fit_reports_extrapolation_validation_and_predict_says_where_it_is(csv_fit, capsys):
+    # issue 36: the summary and fit.json carry the rolling-origin validation; predict and plan say inside/beyond
+    doc = json.loads((csv_fit / "fit" / "fit.json").read_text())
+    ex = doc["fits"]["non-private"]["extrapolation"]
+    assert ex["status"] == "calibrated" and ex["axis"] == "N" and ex["level"] == 0.95
+    assert ex["per_size"] and all({"N", "cut", "beyond_factor", "mean_error_pct", "coverage"} <= set(r)
+                                  for r in ex["per_size"])
+    data = (csv_fit / "fit" / "extrapolation.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    fit_json = str(csv_fit / "fit" / "fit.json")
+    assert main(["scaling", "predict", "--fit", fit_json, "--params", "1e7,1e9", "--tokens", "1e9",
+                 "--extrapolate", "20", "--json"]) == 0
+    inside, beyond = json.loads(capsys.readouterr().out)["predictions"]
+    assert inside["inside_data"] and inside["data"] == "inside the data" and inside["beyond_factor"] == 1.0
+    assert not beyond["inside_data"] and beyond["beyond_input"] == "N" and beyond["beyond_factor"] == pytest.approx(10.0)
+    assert "rolling-origin validation along N" in beyond["interval_calibration"]
+    fit = FitResult.from_dict(doc["fits"]["non-private"])
+    assert beyond["prediction_interval"] == pytest.approx([float(v) for v in fit.prediction_interval(N=1e9, D=1e9)])
+    assert main(["scaling", "predict", "--fit", fit_json, "--params", "1e9", "--tokens", "1e9", "--extrapolate", "20"]) == 0
+    text = capsys.readouterr().out
+    assert "BEYOND the data: ×10 in N past the fitted range (fitted N 1e+06 to 1e+08)" in text
+    assert "held-out coverage at nominal 95%" in text
+    # the planner's "train N at D" comes with the loss range such a run will likely give, and where it is
+    assert main(["scaling", "plan", "--fit", fit_json, "--target-loss", "4.0", "--n", "3e7", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    lo, hi = plan["prediction_interval"]
+    assert plan["predicted_loss"] == pytest.approx(4.0) and lo < 4.0 < hi
+    assert plan["inside_data"] and plan["data"] == "inside the data" and "in-range" in plan["interval_calibration"]
+
+
+def test_fit_names_the_users_own_columns(tmp_path, capsys):
+    # issue 35: the summary said "N = params_trainable" of a table whose column is "params"
+    runs = _isoflop_csv(tmp_path / "runs.csv")
+    assert main(["scaling", "fit", "--runs", str(runs), *COLS, "--out", str(tmp_path / "fit"), "--n-boot", "0",
+                 "--no-plots"]) == 0
+    text = capsys.readouterr().out
+    assert "N = params; D = tokens; loss = eval_loss; " in text and "params_trainable" not in text
+    doc = json.loads((tmp_path / "fit" / "fit.json").read_text())
+    assert doc["inputs"]["columns"] == {"N": "params", "D": "tokens", "loss": "eval_loss"}
+
+
 def test_csv_fit_needs_no_steps_or_batch_and_draws_every_plot(csv_fit, capsys):
     doc = json.loads((csv_fit / "fit" / "fit.json").read_text())
     fit = doc["fits"]["non-private"]

@@ -15,8 +15,12 @@
 ``fit`` reads a runs.jsonl or a CSV/TSV (``--*-col`` name its columns) and writes ``OUT/fit.json``
 (parameters, 95% bootstrap intervals, R² on loss, residuals, input summary and the filter used) and plots:
 loss vs N and vs D with curves at the data's own D and N, predicted vs observed, residuals vs N and D.
+``fit`` also validates how the law extrapolates on this sweep (rolling origin along N: fit the smaller sizes,
+predict the larger; per held-out size in the summary, fit.json and extrapolation.png) and calibrates how much
+wider intervals beyond the data must be.
 ``predict`` prints the law's loss at N, D (S, σ̄) with its 95% prediction interval (where a new run will
-land) and the 95% CI of the mean (where the law itself lies). ``--fit published:NAME`` uses a published
+land) and the 95% CI of the mean (where the law itself lies), and says whether the point is inside the data
+or beyond it (×k in which input) and how its interval was calibrated. ``--fit published:NAME`` uses a published
 law instead of your fit (``dpllm scaling published`` lists them): a prior from other, non-private data.
 ``plan`` prints tokens for a target at ``--n``, parameters at ``--d``, the compute-optimal point for
 ``--compute``, or (with none of them) the least compute that reaches the target. With a ``noise_batch``
@@ -141,6 +145,46 @@ def _columns(args: argparse.Namespace) -> dict[str, str]:
     return cols
 
 
+def _column_names(args: argparse.Namespace, inputs: tuple[str, ...]) -> dict[str, str]:
+    """The user's own column for each input the form reads and for the loss (``--params-col params`` → N =
+    params), so the summary names what is in their table, not our runs-table fields."""
+    from dpllm.scaling.runs import PARAMS_FIELDS
+
+    cols = {field: field for field in COLUMNS.values()} | _columns(args)
+    n_field = PARAMS_FIELDS[args.params]
+    names = {"N": cols.get(n_field, n_field), "D": cols["tokens_seen"], "S": cols["steps"],
+             "sigma_bar": f"{cols['noise_multiplier']} / {cols['logical_batch_size']}"}
+    return {**{k: names[k] for k in inputs}, "loss": cols["final_eval_loss"]}
+
+
+def _pct(v: float | None) -> str:
+    return "n/a" if v is None else f"{100 * v:.0f}%"
+
+
+def _validation_lines(ex: dict) -> list[str]:
+    """The rolling-origin validation of extrapolation, as printed by `fit`: per fold and held-out size, then
+    pooled, then the widening it calibrated."""
+    if not ex:
+        return []
+    if ex.get("kappa") is None:
+        return [f"    extrapolation {ex['status']}: intervals beyond the data are the in-range ones, likely too narrow"]
+    axis, lines = ex["axis"], [f"    extrapolation, validated by rolling origin along {ex['axis']} (fit the smaller "
+                               f"sizes, predict each larger one; {_pct(ex['level'])} intervals):"]
+    for r in ex["per_size"]:
+        c = r["coverage"]
+        lines.append(f"      fitted {axis} ≤ {r['cut']:.3g} → {axis}={r[axis]:.3g} (×{r['beyond_factor']:.2g} beyond): "
+                     f"{r['n_runs']} runs, error {r['mean_error_pct']:+.2f}% (rms {r['rms_error_pct']:.2f}%), covered "
+                     f"in-range {_pct(c['in_range'])}, widened {_pct(c['widened'])}")
+    c, w = ex["coverage"], ex["median_width_pct"]
+    lines.append(f"      all {ex['n_held_out']} held-out runs: covered by the CI of the mean {_pct(c['parameter_only'])}, "
+                 f"the in-range prediction interval {_pct(c['in_range'])}, the widened one {_pct(c['widened'])} "
+                 f"(cross-validated over folds {_pct(c['widened_cv'])}); median widths {w['parameter_only']:.2g}%, "
+                 f"{w['in_range']:.2g}%, {w['widened']:.2g}%")
+    lines.append(f"      beyond the data, intervals widen by kappa = {100 * ex['kappa']:.2g}% sd of log-loss per unit of "
+                 f"Δ·(1 + Δ/W) (Δ e-folds beyond the data, W e-folds the fit spans in {axis})")
+    return lines
+
+
 def _scatter_line(fit: dict) -> str:
     r = fit.get("scatter", {}).get("log_residuals", [])
     if len(r) < 2:
@@ -163,6 +207,7 @@ def _fit(args: argparse.Namespace) -> int:
     doc = fit_runs(rows, form=args.form, params=args.params, epsilon=args.epsilon, n_boot=args.n_boot,
                    seed=args.seed)
     doc["inputs"]["runs_file"] = str(runs_path)
+    doc["inputs"]["columns"] = _column_names(args, get_form(args.form).inputs)
     out = Path(args.out) if args.out else runs_path.parent / "fit"
     path = write_fit(doc, out / "fit.json")
     plots = []
@@ -173,8 +218,8 @@ def _fit(args: argparse.Namespace) -> int:
                                 inputs=get_form(args.form).inputs)
         plots = plot_fit(doc, points, out)
     print(f"{doc['form']}: {doc['formula']}")
-    print(f"  N = {doc['filter']['N_field']}; {doc['inputs']['n_runs']} runs of {doc['inputs']['n_runs_in_file']} "
-          f"in {runs_path}")
+    named = "; ".join(f"{k} = {v}" for k, v in doc["inputs"]["columns"].items())
+    print(f"  {named}; {doc['inputs']['n_runs']} runs of {doc['inputs']['n_runs_in_file']} in {runs_path}")
     for label, fit in doc["fits"].items():
         boot = fit["bootstrap"]
         print(f"  [{label}] points={fit['n_points']} runs={fit['n_runs']} R²(loss)={fit['r2']:.4f} "
@@ -184,6 +229,8 @@ def _fit(args: argparse.Namespace) -> int:
                   + ("  (at its bound: not determined by the data)" if name in fit.get("at_bound", []) else ""))
         if _scatter_line(fit):
             print(_scatter_line(fit))
+        for line in _validation_lines(fit.get("extrapolation", {})):
+            print(line)
         for reason in fit.get("degenerate", []):
             print(f"    DEGENERATE: {reason}")
     for label, reason in doc["skipped"].items():
@@ -249,7 +296,7 @@ def _predict(args: argparse.Namespace) -> int:
         lo, hi = fit.prediction_interval(args.level, **x)
         mlo, mhi = fit.confidence_interval(args.level, **x)
         rows.append({**x, "loss": float(fit.predict(**x)), "prediction_interval": [float(lo), float(hi)],
-                     "mean_ci": [float(mlo), float(mhi)]})
+                     "mean_ci": [float(mlo), float(mhi)], **_where(fit, args.level, x)})
     if args.json:
         print(json.dumps({"fit": str(args.fit), "form": fit.form, "group": fit.label, "level": args.level,
                           "prior": fit.prior or None, "predictions": rows}, indent=2))
@@ -266,7 +313,37 @@ def _predict(args: argparse.Namespace) -> int:
                 else f"no prediction interval ({'a published point estimate' if fit.prior else 'no residuals'})")
         mean = (f"; {pct} CI of the mean [{ci[0]:.4f}, {ci[1]:.4f}]" if np.isfinite(ci[0]) else "")
         print(f"  {where}  loss {r['loss']:.4f} (ppl {math.exp(r['loss']):.4g})  {band}{mean}")
+        print(f"    {r['data']}; interval: {r['interval_calibration']}")
     return 0
+
+
+def _where(fit, level: float, x: dict) -> dict:
+    """Whether ``x`` is inside or beyond the fit's data (how far, along which input) and how the interval there
+    was calibrated: the fields every `predict` and `plan` answer carries."""
+    from dpllm.scaling.extrapolate import describe
+
+    factor, name = (v.item() if hasattr(v, "item") else v for v in fit.beyond(**x))
+    inside = factor <= 1.0 + 1e-9
+    what = {"N": "N", "D": "D", "S": "S", "sigma_bar": "σ̄", "compute": "compute 6·N·D"}.get(name, name)
+    if fit.prior:
+        data = "inside" if inside else f"beyond: ×{factor:.3g} in {what} past the range it was fitted on"
+        return {"inside_data": inside, "beyond_factor": factor, "beyond_input": name or None,
+                "data": f"{data} (published law's range)",
+                "interval_calibration": "none: a published point estimate, its papers give no residuals"}
+    if inside:
+        how = (f"{100 * level:g}% in-range prediction interval (bootstrap laws + resampled run residuals; held "
+               f"95.8% on held-out runs inside a fitted range, tests/test_scaling_intervals.py)")
+        data = "inside the data"
+    else:
+        from dpllm.scaling.extrapolate import compute_range
+
+        lo, hi = (fit.domain.get(name) if name in fit.domain else compute_range(fit.residuals) if name == "compute"
+                  else None) or (None, None)
+        edge = "" if hi is None else f" (fitted {what} {lo:.3g} to {hi:.3g})"
+        data = f"BEYOND the data: ×{factor:.3g} in {what} past the fitted range{edge}"
+        how = describe(fit.extrapolation)
+    return {"inside_data": inside, "beyond_factor": factor, "beyond_input": name or None, "data": data,
+            "interval_calibration": how, "validation_coverage": (fit.extrapolation or {}).get("coverage")}
 
 
 def _published(args: argparse.Namespace) -> int:
@@ -363,7 +440,13 @@ def _frontier(args: argparse.Namespace) -> int:
         for r in rows:
             print(f"{label:>8}  C={r['budget']:.3g}  N={r['N']:.3g}  B={r['batch']}  S={r['steps']}  "
                   f"σ={r['noise_multiplier']:.3g}  loss={r['loss']:.4f}  95% prediction interval "
-                  f"[{r['loss_low']:.4f}, {r['loss_high']:.4f}]")
+                  f"[{r['loss_low']:.4f}, {r['loss_high']:.4f}]"
+                  + (f"  BEYOND the data ×{r['beyond_factor']:.2g} in {r['beyond_input']}"
+                     if r.get("beyond_factor", 1.0) > 1.0 + 1e-9 else ""))
+    if any(r.get("beyond_factor", 1.0) > 1.0 + 1e-9 for rows in curves.values() for r in rows):
+        from dpllm.scaling.extrapolate import describe
+
+        print(f"intervals beyond the data: {describe(fit.extrapolation)}")
     print(f"wrote {out / 'frontier.json'}, {png}")
     return 0
 
@@ -413,6 +496,18 @@ def _plan(args: argparse.Namespace) -> int:
         need = planning.compute_for_target(fit, target_loss=target, **kw)
         answer.update(question="least compute that reaches the target, at its compute-optimal N, D",
                       N=need["N"], D=need["D"], compute=need["compute"])
+    if "prediction_interval" not in answer:  # "train N at D": the loss range such a run will likely give
+        from dpllm.scaling.forms import get_form
+
+        x = {k: v for k, v in {"N": answer.get("N"), "D": answer.get("D"), "sigma_bar": sigma_bar or 0.0}.items()
+             if k in get_form(fit.form).inputs}
+        answer["predicted_loss"] = float(fit.predict(**x))
+        answer["prediction_interval"] = [float(v) for v in fit.prediction_interval(**x)]
+        answer["mean_ci"] = [float(v) for v in fit.confidence_interval(**x)]
+    else:
+        x = {k: v for k, v in {"N": answer["N"], "D": answer["D"], "sigma_bar": sigma_bar or 0.0}.items()
+             if k in ("N", "D") or fit.form == "dp_noise"}
+    answer.update(_where(fit, 0.95, x))
     if fit.prior:
         answer["prior"] = fit.prior
     if args.json:
@@ -433,13 +528,14 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"  N = {answer['N']:.4g} parameters")
     if "D" in answer:
         print(f"  D = {answer['D']:.4g} tokens")
-    if "predicted_ppl" in answer:
-        verdict = "" if target is None else ("  (meets target)" if answer["meets_target"] else "  (misses target)")
-        print(f"  predicted loss {answer['predicted_loss']:.4f} (ppl {answer['predicted_ppl']:.4g}){verdict}")
-        pi, ci = answer["prediction_interval"], answer["mean_ci"]
-        if math.isfinite(pi[0]):
-            print(f"  95% prediction interval [{pi[0]:.4f}, {pi[1]:.4f}] (a run at this N, D); 95% CI of the mean "
-                  f"[{ci[0]:.4f}, {ci[1]:.4f}]")
+    verdict = "" if target is None or "meets_target" not in answer else (
+        "  (meets target)" if answer["meets_target"] else "  (misses target)")
+    print(f"  predicted loss {answer['predicted_loss']:.4f} (ppl {math.exp(answer['predicted_loss']):.4g}){verdict}")
+    pi, ci = answer["prediction_interval"], answer["mean_ci"]
+    if math.isfinite(pi[0]):
+        print(f"  95% prediction interval [{pi[0]:.4f}, {pi[1]:.4f}] (a run at this N" + (", D" if "D" in answer else "")
+              + ")" + (f"; 95% CI of the mean [{ci[0]:.4f}, {ci[1]:.4f}]" if math.isfinite(ci[0]) else ""))
+    print(f"  {answer['data']}; interval: {answer['interval_calibration']}")
     return 0
 
 

@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from dpllm.privacy.accounting import PrivacyPlanError, calibrate_noise, check_delta
+from dpllm.scaling.extrapolate import describe
 from dpllm.scaling.fit import FitResult
 from dpllm.scaling.forms import ScalingError
 from dpllm.scaling.plan import (
@@ -155,13 +156,16 @@ class _Planner:
             lo, hi = self.fit.confidence_interval(**x)  # where the law's mean lies
             c["mean_low"], c["mean_high"] = float(lo), float(hi)
             c["extrapolated"] = not _in_domain(self.fit, 1.0, N=c["N"], S=c["steps"], sigma_bar=c["sigma_bar"])
+            factor, name = self.fit.beyond(**x)  # how far beyond the data; the interval above is widened by it
+            c["beyond_factor"], c["beyond_input"] = float(factor), (str(name) or None)
         return out
 
     def header(self) -> dict:
         t = self.table
         return {"records": t.records, "epsilon": t.epsilon, "delta": t.delta, "accountant": self.accountant,
                 "screen_accountant": SCREEN_ACCOUNTANT, "tokens_per_record": self.ell, "extrapolate": self.x,
-                "fit_domain": self.fit.domain, "fit_label": self.fit.label, "fit_r2": self.fit.r2}
+                "fit_domain": self.fit.domain, "fit_label": self.fit.label, "fit_r2": self.fit.r2,
+                "interval_calibration": describe(self.fit.extrapolation)}
 
 
 def best_for_compute(fit: FitResult, *, records: int, epsilon: float, delta: float, compute: float,
@@ -308,7 +312,10 @@ def format_plan(doc: dict) -> str:
                 f"{_band(c.get('mean_low'), c.get('mean_high'), 'no bootstrap samples')}")
         lines.append(f"{c['N']:>10.3g} {c['batch']:>7d} {c['steps']:>7d} {c['epochs']:>7.3g} "
                      f"{c['noise_multiplier']:>8.4g} {c['sigma_bar']:>10.3g} {c['compute']:>10.3g} "
-                     f"{c['loss']:>10.4f}  {band}" + ("  EXTRAPOLATED" if c.get("extrapolated") else ""))
+                     f"{c['loss']:>10.4f}  {band}" + (f"  EXTRAPOLATED ×{c.get('beyond_factor', float('nan')):.2g} in "
+                                                     f"{c.get('beyond_input')}" if c.get("extrapolated") else ""))
+    if any(c.get("extrapolated") for c in doc["candidates"]) and doc.get("interval_calibration"):
+        lines.append(f"intervals of EXTRAPOLATED candidates: {doc['interval_calibration']}")
     return "\n".join(lines)
 
 

@@ -13,7 +13,9 @@ Two intervals answer two questions, and every printed one says which it is:
   draw is a bootstrap law plus one resampled residual of a fitted run (on log-loss; the part of it that is
   the configuration mean's misfit is inflated by √(n/(n−p)) for the p fitted parameters, see
   :func:`_scatter`), so it carries the scatter of runs around the law as well as the uncertainty in the
-  law. It does not narrow below that scatter.
+  law. It does not narrow below that scatter. Beyond the fitted data it is widened by the error of
+  extrapolating that :func:`dpllm.scaling.extrapolate.validate` measured on the sweep itself (rolling origin:
+  fit the smaller sizes, predict the larger); ``fit_runs`` validates every fit, ``fit_form(validate=True)`` too.
 
 Example:
     >>> import numpy as np
@@ -36,6 +38,8 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
+from dpllm.scaling.extrapolate import compute_range, distance_beyond, effective_distance, z_of
+from dpllm.scaling.extrapolate import widen as widen_interval
 from dpllm.scaling.forms import HUBER_DELTA, Form, ScalingError, exponent_bounds, get_form
 from dpllm.scaling.runs import PARAMS_FIELDS, parse_epsilon, runs_to_points
 
@@ -68,6 +72,8 @@ class FitResult:
             published prior.
         prior: empty for a fit to your runs; for a published law (:mod:`dpllm.scaling.published`) its name,
             source and caveats: the law was fitted to someone else's data.
+        extrapolation: the rolling-origin validation of extrapolation and the widening it calibrated
+            (:func:`dpllm.scaling.extrapolate.validate`); empty when the fit was not validated.
     """
 
     form: str
@@ -85,6 +91,7 @@ class FitResult:
     degenerate: list[str] = field(default_factory=list)
     scatter: dict = field(default_factory=dict)
     prior: dict = field(default_factory=dict)
+    extrapolation: dict = field(default_factory=dict)
 
     def predict(self, **inputs: Any) -> np.ndarray:
         """Predicted loss at ``N=..., D=..., sigma_bar=...`` (whichever the form reads)."""
@@ -126,7 +133,15 @@ class FitResult:
         tail = 100 * (1 - level) / 2
         return np.percentile(preds, tail, axis=0), np.percentile(preds, 100 - tail, axis=0)
 
-    def prediction_interval(self, level: float = 0.95, **inputs: Any) -> tuple[np.ndarray, np.ndarray]:
+    def beyond(self, **inputs: Any) -> tuple[np.ndarray, np.ndarray]:
+        """How far ``inputs`` lie beyond the fitted data: ``(factor, input)`` per point, factor 1 and input ""
+        inside; e.g. ``(3.2, "N")`` for a model 3.2× the largest fitted one (:func:`extrapolate.distance_beyond`,
+        compute 6·N·D included)."""
+        dist, name = distance_beyond(self.domain, self._inputs(inputs), compute_range(self.residuals))
+        return np.exp(dist), name
+
+    def prediction_interval(self, level: float = 0.95, *, widen: bool = True,
+                            **inputs: Any) -> tuple[np.ndarray, np.ndarray]:
         """Interval that holds a new run's loss at ``inputs`` with probability ``level``.
 
         Draws ``log L = log law_b(x) + c·r_j`` over bootstrap laws b (the fitted law alone when the fit has no
@@ -134,6 +149,10 @@ class FitResult:
         fits written by this version), and takes percentiles.
         Every (b, j) pair is used when there are at most :data:`MAX_PAIRS`, else that many seeded draws,
         so the interval is reproducible. nan when the fit stores no residuals (a published prior).
+
+        Beyond the fitted data, when the fit carries a calibrated ``extrapolation`` record and ``widen`` is true,
+        the interval is widened for the error of extrapolating (:func:`dpllm.scaling.extrapolate.widen`: an extra
+        sd of ``kappa`` per e-fold beyond the data, in quadrature); inside the data it is unchanged.
         """
         x = self._inputs(inputs)
         shape = np.shape(next(iter(x.values())))
@@ -155,6 +174,13 @@ class FitResult:
         for start in range(0, flat_p.shape[1], 64):  # chunks keep (pairs × points) small for plot grids
             draws = flat_p[bi, start:start + 64] + r[ri, None]
             lo[start:start + 64], hi[start:start + 64] = np.percentile(draws, [tail, 100 - tail], axis=0)
+        kappa = self.extrapolation.get("kappa")
+        if widen and kappa:
+            crange = compute_range(self.residuals)
+            dist, name = distance_beyond(self.domain, x, crange)
+            dist = effective_distance(dist, name, self.domain, crange)
+            center = np.log(form.predict(self.params, x)).reshape(-1)
+            lo, hi = widen_interval(center, lo, hi, distance=dist.reshape(-1), kappa=kappa, z=z_of(level))
         return np.exp(lo).reshape(shape), np.exp(hi).reshape(shape)
 
     @classmethod
@@ -252,7 +278,7 @@ def _identified(form: Form, x: dict[str, np.ndarray]) -> bool:
 
 def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterable[float] | None = None,
              sigma_bar: Iterable[float] | None = None, S: Iterable[float] | None = None, n_boot: int = 1000, seed: int = 0,
-             level: float = 0.95, label: str = "") -> FitResult:
+             level: float = 0.95, label: str = "", validate: bool = False) -> FitResult:
     """Fit ``form`` to one loss per run and bootstrap its parameters.
 
     Args:
@@ -263,6 +289,9 @@ def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterabl
         seed: bootstrap RNG seed; the same seed gives the same intervals.
         level: interval coverage (percentile bootstrap).
         label: group name stored on the result.
+        validate: run the rolling-origin validation of extrapolation along N
+            (:func:`dpllm.scaling.extrapolate.validate`, each fold bootstrapped ``max(20, n_boot // 5)`` times)
+            and store it as ``extrapolation``, so intervals beyond the data are widened by it.
 
     Raises:
         ScalingError: unknown form, missing/non-positive/NaN inputs, too few configurations or distinct
@@ -307,6 +336,11 @@ def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterabl
                     domain=domain_of(xc), samples=[[float(v) for v in samples[i]] for i in sorted(keep)],
                     scatter=scatter)
     res.degenerate = degenerate_reasons(res)
+    if validate:
+        from dpllm.scaling.extrapolate import validate as validate_extrapolation
+
+        res.extrapolation = validate_extrapolation(form, x, y, axis="N", level=level, n_boot=max(20, n_boot // 5),
+                                                   seed=seed)
     return res
 
 
@@ -347,6 +381,9 @@ def _one_blas_thread():
         from threadpoolctl import threadpool_limits
     except ImportError:
         return contextlib.nullcontext()
+    # threadpoolctl limits only the libraries loaded when the limit is set: load scipy's BLAS first (the
+    # forms import scipy lazily, inside the limit, where its own OpenBLAS escaped it: 6× the CPU time).
+    import scipy.optimize  # noqa: F401
     return threadpool_limits(limits=1, user_api="blas")
 
 
@@ -366,13 +403,13 @@ def _bootstrap(f: Form, x, y, xc, inverse, counts, params, n_boot: int, seed: in
         members = [np.flatnonzero(inverse == c) for c in range(len(counts))]
         ymeans = np.column_stack([y_adj[m[rng.integers(0, len(m), size=(n_boot, len(m)))]].mean(axis=1)
                                   for m in members])
-        out = [_refit(f, xc, yb, params) for yb in ymeans]
+        out = [_refit(f, xc, yb, params) for yb in _progress(ymeans, f.name)]
     else:
         # Some configuration has a single run, so its seed noise is unknown: resample runs instead
         # (with one run per configuration this is resampling configurations) and re-average.
         method = "runs"
         n = len(y)
-        for idx in rng.integers(0, n, size=(n_boot, n)):
+        for idx in _progress(rng.integers(0, n, size=(n_boot, n)), f.name):
             xb = {k: v[idx] for k, v in x.items()}
             if not _identified(f, xb):
                 out.append(None)
@@ -384,6 +421,13 @@ def _bootstrap(f: Form, x, y, xc, inverse, counts, params, n_boot: int, seed: in
         warnings.warn(f"{f.name}: only {len(ok)}/{n_boot} bootstrap resamples could be fitted; the interval "
                       f"is from those")
     return np.array([[o[p] for p in f.param_names] for o in ok]).reshape(-1, len(f.param_names)), method
+
+
+def _progress(rows, name: str):
+    """A progress bar over the bootstrap's resamples, shown on a terminal once it has run 2 s (tqdm's delay)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(rows, desc=f"{name} bootstrap", unit="refit", delay=2.0, leave=False, disable=None)
 
 
 def _refit(f: Form, x, y, start) -> dict | None:
@@ -419,7 +463,7 @@ def summarise_groups(points: Mapping[str, np.ndarray]) -> dict[str, dict]:
 
 
 def fit_runs(rows: Iterable[Mapping[str, Any]], *, form: str, params: str = "trainable",
-             epsilon: str | float | None = None, n_boot: int = 1000, seed: int = 0) -> dict:
+             epsilon: str | float | None = None, n_boot: int = 1000, seed: int = 0, validate: bool = True) -> dict:
     """Fit ``form`` to a runs table and return the ``fit.json`` document.
 
     ``power_law`` and ``chinchilla`` are fitted once per privacy group (non-private, and each ε rounded
@@ -432,6 +476,8 @@ def fit_runs(rows: Iterable[Mapping[str, Any]], *, form: str, params: str = "tra
         params: ``"trainable"`` or ``"total"`` parameter count as N.
         epsilon: keep only this group (``8``, ``"inf"`` for non-private); ``None`` keeps all.
         n_boot, seed: bootstrap resamples and RNG seed.
+        validate: validate extrapolation by rolling origin along N and widen intervals beyond the data by it
+            (``fit_form(validate=True)``).
 
     Raises:
         ScalingError: bad form/params/epsilon, bad values, or no group could be fitted.
@@ -446,7 +492,8 @@ def fit_runs(rows: Iterable[Mapping[str, Any]], *, form: str, params: str = "tra
         m = np.ones(len(points["loss"]), bool) if g == JOINT else points["group"] == g
         try:
             fits[g] = fit_form(form, loss=points["loss"][m], N=points["N"][m], D=points["D"][m],
-                               sigma_bar=points["sigma_bar"][m], S=points["S"][m], n_boot=n_boot, seed=seed, label=g).to_dict()
+                               sigma_bar=points["sigma_bar"][m], S=points["S"][m], n_boot=n_boot, seed=seed, label=g,
+                               validate=validate).to_dict()
         except ScalingError as err:
             if len(groups) == 1:
                 raise

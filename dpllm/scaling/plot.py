@@ -8,6 +8,9 @@
   interval at its configuration; the title counts how many runs fall inside (in-sample).
 - ``residuals.png``: log(observed / predicted) against each input (N, D, S, σ̄): a trend left in a panel is
   a term the form is missing. The dashed lines are the residual part of the 95% prediction interval.
+- ``extrapolation.png``: how well the law extrapolates on this sweep: the rolling-origin validation's held-out
+  runs (fitted on the smaller sizes, predicted at the larger), their error against how far beyond the fold's
+  data they lie, with the in-range and the widened interval (:mod:`dpllm.scaling.extrapolate`).
 
 Loss axes are logarithmic with plain tick labels ("2.5", not "2.5×10⁰"). matplotlib is imported here only,
 with the Agg backend (no display needed).
@@ -197,7 +200,46 @@ def plot_fit(doc: Mapping[str, Any], points: Mapping[str, np.ndarray], out_dir: 
         written.append(_save(fig, out_dir / f"loss_vs_{xname}.png"))
     written.append(plot_pred_vs_obs(fits, points, inputs, out_dir / "pred_vs_obs.png", form))
     written.append(plot_residuals(fits, points, inputs, out_dir / "residuals.png", form))
+    if any(f.extrapolation.get("runs") for _, f, _ in fits):
+        written.append(plot_extrapolation(fits, out_dir / "extrapolation.png"))
     return written
+
+
+def plot_extrapolation(fits, path: Path) -> Path:
+    """Held-out larger sizes of the rolling-origin validation: error (%) against distance beyond the fold's
+    data, with the fold's in-range interval (grey) and the widened one (colour); one panel per group."""
+    plt = _plt()
+    fits = [(g, f) for g, f, _ in fits if f.extrapolation.get("runs")]
+    fig, axes = plt.subplots(1, len(fits), figsize=(5.6 * len(fits), 4.4), squeeze=False)
+    for ax, (g, fit) in zip(axes[0], fits):
+        ex = fit.extrapolation
+        r = {k: np.asarray(v, dtype=float) for k, v in ex["runs"].items()}
+        axis = ex["axis"]
+        factor = r[axis] / r["cut"]
+        cuts = sorted(set(r["cut"]))
+        colours = plt.get_cmap("viridis")(np.linspace(0.0, 0.85, max(len(cuts), 1)))
+        for c, col in zip(cuts, colours):
+            m = r["cut"] == c
+            jitter = factor[m] * np.exp(0.03 * (cuts.index(c) - len(cuts) / 2))
+            ax.vlines(jitter, 100 * r["in_range"][m, 0], 100 * r["in_range"][m, 1], color="0.6", lw=4, alpha=0.5)
+            ax.vlines(jitter, 100 * r["widened"][m, 0], 100 * r["widened"][m, 1], color=col, lw=1)
+            ax.scatter(jitter, 100 * r["error"][m], color=col, s=14, zorder=3,
+                       label=f"fitted on {axis} ≤ {c:.3g}")
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        plain_log_axis(ax, "x")
+        ax.set_xlabel(f"held-out {axis} / largest fitted {axis} (×)")
+        ax.set_ylabel("log(observed / predicted), %")
+        cov = ex["coverage"]
+        ax.set_title(f"{g}: {100 * ex['level']:g}% intervals cover {100 * cov['in_range']:.0f}% in-range (grey), "
+                     f"{100 * cov['widened']:.0f}% widened\n(colour; {100 * cov['widened_cv']:.0f}% cross-validated), "
+                     f"{ex['n_held_out']} held-out runs" if cov.get("widened_cv") is not None else
+                     f"{g}: {100 * ex['level']:g}% intervals cover {100 * cov['in_range']:.0f}% in-range (grey), "
+                     f"{100 * cov['widened']:.0f}% widened (colour)", fontsize=8)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:
