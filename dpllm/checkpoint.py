@@ -87,6 +87,9 @@ def save_checkpoint(
                 Path(weights_dir).rmdir()
             else:
                 model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
+            quantized = getattr(getattr(model, "config", None), "quantization_config", None)
+            if quantized is not None and (tmp / "adapter_config.json").exists():  # QLoRA: how the base was quantized
+                write_json_atomic(tmp / BASE_QUANTIZATION, _quantization_dict(quantized))
             tokenizer.save_pretrained(tmp)
             if base_model is not None:
                 base_model.save_pretrained(tmp / "base_model")
@@ -101,6 +104,25 @@ def save_checkpoint(
         raise CheckpointError(f"could not write the checkpoint to {path} ({err}); nothing half-written was left "
                               "behind. Free disk space (or pick another output_dir) and run again") from err
     return path
+
+
+#: Beside a QLoRA adapter: the base's ``BitsAndBytesConfig`` as a dict, so loaders quantize it exactly as in training.
+BASE_QUANTIZATION = "base_quantization.json"
+
+
+def _quantization_dict(q) -> dict:
+    d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+    return {k: (str(v).replace("torch.", "") if "dtype" in k and v is not None else v) for k, v in d.items()}
+
+
+def base_quantization(path: str | Path):
+    """The ``BitsAndBytesConfig`` a QLoRA checkpoint's base was quantized with (:data:`BASE_QUANTIZATION`), or None."""
+    f = Path(path) / BASE_QUANTIZATION
+    if not f.is_file():
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig.from_dict(json.loads(f.read_text()))
 
 
 def run_quantization(path: str | Path) -> tuple[str, str]:
@@ -157,7 +179,7 @@ def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dt
             from dpllm.models import ModelError, dequantize, load_quantized
 
             try:
-                base = load_quantized(base_name, quantization, torch_dtype=torch_dtype)
+                base = load_quantized(base_name, quantization, torch_dtype=torch_dtype, config=base_quantization(path))
             except ModelError as err:
                 raise CheckpointError(f"{path}: {err}") from err
             if merge:  # merged into the dequantized weights: the trained function, in full precision

@@ -102,6 +102,13 @@ def source_of(cfg: ModelConfig) -> dict:
     Raises:
         ModelError: a local path that does not exist.
     """
+    source = _source_of(cfg)
+    if cfg.quantization != "none":  # how the base was loaded: the report, the export card and loaders say so
+        source["quantization"] = cfg.quantization
+    return source
+
+
+def _source_of(cfg: ModelConfig) -> dict:
     name = cfg.model_name_or_path
     if name in TINY_MODELS:
         return {"kind": "tiny", "name": name}
@@ -124,13 +131,15 @@ def bnb_config(quantization: str, torch_dtype: str = "float32"):
 
     4-bit: NF4 or FP4 with double quantization (the quantization constants quantized too, ~0.4 bits per weight
     saved, as in QLoRA) and computation in the adapters' dtype (float32 unless torch_dtype is bfloat16/float16).
-    int8: LLM.int8 (bitsandbytes' mixed int8/fp16 matmul)."""
+    int8: bitsandbytes' int8 weights, with LLM.int8's outlier decomposition off (``llm_int8_threshold=0``): on a
+    GPU it picks the activation columns to keep in float16 from the whole batch, so one record would change how
+    the others are computed, and per-record clipping would no longer bound what a record changes."""
     if quantization in (None, "none"):
         return None
     from transformers import BitsAndBytesConfig
 
     if quantization == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
     compute = _dtype(torch_dtype) if torch_dtype in ("bfloat16", "float16") else torch.float32
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_compute_dtype=compute,
                               bnb_4bit_use_double_quant=True)
@@ -153,8 +162,10 @@ def _load_device_map():
     return {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
 
 
-def load_quantized(where, quantization: str, *, torch_dtype: str = "float32", trust_remote_code: bool = False):
-    """``AutoModelForCausalLM.from_pretrained(where)`` with the base quantized (:func:`bnb_config`).
+def load_quantized(where, quantization: str, *, torch_dtype: str = "float32", trust_remote_code: bool = False,
+                   config=None):
+    """``AutoModelForCausalLM.from_pretrained(where)`` with the base quantized (:func:`bnb_config`, or ``config``:
+    the ``BitsAndBytesConfig`` a checkpoint recorded).
 
     Raises:
         ModelError: bitsandbytes is not installed (names the extra).
@@ -169,7 +180,8 @@ def load_quantized(where, quantization: str, *, torch_dtype: str = "float32", tr
         raise ModelError(f"quantization={quantization} needs bitsandbytes: {QLORA_EXTRA}") from err
     dtype = _dtype(torch_dtype)
     model = AutoModelForCausalLM.from_pretrained(
-        where, quantization_config=bnb_config(quantization, torch_dtype), device_map=_load_device_map(),
+        where, quantization_config=config if config is not None else bnb_config(quantization, torch_dtype),
+        device_map=_load_device_map(),
         dtype=torch.float32 if dtype == "auto" else dtype, trust_remote_code=trust_remote_code)
     return _one_cpu_path(model)
 
