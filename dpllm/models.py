@@ -207,7 +207,10 @@ def quantize_in_memory(model: nn.Module, quantization: str, *, torch_dtype: str 
 
     with tempfile.TemporaryDirectory(prefix="dpllm-quantize-") as tmp:
         model.save_pretrained(tmp)
-        return load_quantized(tmp, quantization, torch_dtype=torch_dtype)
+        quantized = load_quantized(tmp, quantization, torch_dtype=torch_dtype)
+    name = getattr(model, "name_or_path", "") or ""  # not the temporary directory, gone now
+    quantized.name_or_path = quantized.config._name_or_path = name
+    return quantized
 
 
 _UNQUANTIZED = "_dpllm_unquantized_base"
