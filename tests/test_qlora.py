@@ -2,9 +2,10 @@
 trained privately.
 
 - The adapters' private sums (bk, Opacus hooks and ghost, noise 0) equal Σᵢ w(‖gᵢ‖)·gᵢ computed record by record
-  on the same quantized model, to the tolerance of the unquantized comparison in test_clipping_equivalence.py
-  (rtol 1e-4: float32, a record alone versus padded in a batch; the 4-bit layers dequantize to float32 and
-  multiply in float32, so quantization adds no batch dependence).
+  on the same quantized model (NF4; bk also FP4 and int8), to the tolerance of the unquantized comparison in
+  test_clipping_equivalence.py (rtol 1e-4: float32, a record alone versus padded in a batch; in training
+  bitsandbytes' CPU path dequantizes the weights to float32 and multiplies in float32, so quantization adds no
+  batch dependence).
 - ε and the privacy report equal an unquantized run's with the same configuration.
 - A trainable adapter used outside its own layer is still refused, in every mode.
 - Full fine-tuning of a quantized base, and quantization without bitsandbytes, are refused before anything loads.
@@ -49,11 +50,17 @@ def test_the_base_is_quantized_and_frozen_and_only_the_adapters_train():
     assert len(quantized) == 2 * 7  # q k v o gate up down in each of 2 layers
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_A" in n or "lora_B" in n for n in trainable)
+    # the frozen 4-bit layers are no engine's concern: bk has a rule for every trainable layer, so auto picks it
+    from dpllm.privacy.bk import unsupported_layers
+    from dpllm.privacy.modes import choose_mode
+
+    assert unsupported_layers(model) == [] and choose_mode("auto", model).mode == "bk"
 
 
-@pytest.mark.parametrize("mode", ["bk", "hooks", "ghost"])
-def test_adapter_private_sum_matches_explicit_per_record_clipping(mode):
-    model, tok = qlora_model()
+@pytest.mark.parametrize("mode, quantization", [("bk", "nf4"), ("hooks", "nf4"), ("ghost", "nf4"), ("bk", "fp4"),
+                                                ("bk", "int8")])
+def test_adapter_private_sum_matches_explicit_per_record_clipping(mode, quantization):
+    model, tok = qlora_model(quantization)
     batch = batch_of(tok)
     per_sample = explicit_per_sample_grads(copy.deepcopy(model), batch)
     norms = torch.stack([torch.sqrt(sum((g ** 2).sum() for g in gs)) for gs in per_sample])

@@ -140,3 +140,55 @@ def test_dptrainer_trains_a_quantized_model_with_adapters(tmp_path):
     assert "quantization: nf4" in (tmp_path / "hf" / "config.yaml").read_text()
     reloaded, _ = load_model(tmp_path / "hf")
     assert _loss(reloaded, tok) == pytest.approx(_loss(trainer.model.eval(), tok), abs=1e-6)
+
+
+def test_a_locally_saved_model_is_quantized_while_loading_and_named_by_the_card(tmp_path):
+    """A saved tiny Llama loaded as any pretrained model: quantized while loading, no base_model/ copy written, the
+    adapter names the base's directory and the exported card loads that base quantized."""
+    from dpllm.checkpoint import load_model
+    from dpllm.config import ModelConfig
+    from dpllm.export import export
+    from dpllm.models import build_tiny, byte_tokenizer
+
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    build_tiny(ModelConfig(tiny_hidden_size=32, tiny_num_heads=2), tok, 64).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    run = tmp_path / "run"
+    train(parse_config(["--model_name_or_path", str(tmp_path / "base"), "--output_dir", str(run),
+                        "--quantization", "nf4", "--dataset", "pydoc", *FAST]))
+    report = PrivacyReport.read(run)
+    assert report.base_model == {"kind": "pretrained", "path": str((tmp_path / "base").resolve()),
+                                 "quantization": "nf4"}
+    assert not (run / "checkpoint" / "base_model").exists()
+    model, _ = load_model(run)
+    assert type(model.base_model.model.model.layers[0].mlp.up_proj.base_layer).__name__ == "Linear4bit"
+    card = (export(run, tmp_path / "bundle") / "README.md").read_text()
+    assert 'from_pretrained("base", quantization_config=BitsAndBytesConfig(load_in_4bit=True' in card
+
+
+def test_the_memory_estimate_counts_the_4bit_base_as_bitsandbytes_stores_it():
+    """scripts/qlora_memory.py's 4-bit term against the bytes of a quantized model's weights and constants."""
+    import importlib.util
+    import os
+
+    import bitsandbytes as bnb
+
+    from dpllm.config import ModelConfig
+    from dpllm.models import load_base
+
+    spec = importlib.util.spec_from_file_location("qlora_memory", os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "qlora_memory.py"))
+    mem = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mem)
+    h, i = 256, 1024
+    model, _, _ = load_base(ModelConfig(quantization="nf4", tiny_hidden_size=h, tiny_intermediate_size=i,
+                                        tiny_num_heads=4, tiny_num_layers=2), 64)
+    stored = 0
+    for m in model.modules():
+        if isinstance(m, bnb.nn.Linear4bit):
+            qs = m.weight.quant_state
+            stored += m.weight.numel() * m.weight.element_size() + qs.absmax.numel() * qs.absmax.element_size()
+            stored += qs.state2.absmax.numel() * qs.state2.absmax.element_size()
+    est = mem.estimate(hidden=h, intermediate=i, layers=2, heads=4, kv_heads=4, vocab=384, tied=False, batch=1, seq=64)
+    assert est["base (4-bit)"] == pytest.approx(stored, rel=0.02)
