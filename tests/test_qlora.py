@@ -128,3 +128,34 @@ def test_without_bitsandbytes_the_message_names_the_extra(monkeypatch):
         parse_config(["--quantization", "nf4"])
     assert "\n" not in str(err.value)
     parse_config(["--quantization", "none"])  # nothing asked, nothing needed
+
+
+def test_peft_default_preparation_with_reentrant_checkpointing_clips_exactly_under_bk():
+    """``prepare_model_for_kbit_training(model)`` as peft users call it turns on reentrant gradient checkpointing and
+    makes the embeddings' output require gradients: bk still clips each record once (its callback ends the
+    outermost backward pass), equal to per-record clipping; Opacus's modes refuse it (tests/test_bk_checkpointing)."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    from dpllm.models import activation_checkpointing
+
+    torch.manual_seed(0)
+    base, tok, _ = load_base(ModelConfig(quantization="nf4", tiny_hidden_size=32, tiny_num_heads=2,
+                                         tiny_intermediate_size=64), 64)
+    model = get_peft_model(prepare_model_for_kbit_training(base), LoraConfig(r=4, target_modules="all-linear",
+                                                                             task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.train()
+    assert activation_checkpointing(model) == "reentrant"
+    batch = batch_of(tok)
+    per_sample = explicit_per_sample_grads(copy.deepcopy(model), batch)
+    norms = torch.stack([torch.sqrt(sum((g ** 2).sum() for g in gs)) for gs in per_sample])
+    cfg = PrivacyConfig(max_grad_norm=float(norms.median()), grad_sample_mode="bk")
+    weights = clipping.get("flat").weights(norms, cfg)
+    expected = [sum(w * gs[j] for w, gs in zip(weights, per_sample)) for j in range(len(per_sample[0]))]
+    for g, e in zip(private_sum(model, tok, batch, cfg), expected):
+        assert torch.allclose(g, e, rtol=1e-4, atol=1e-6), (g - e).abs().max()
+    with pytest.raises(ModelError, match="reentrant gradient checkpointing"):
+        private_sum(model, tok, batch, PrivacyConfig(grad_sample_mode="hooks"))
