@@ -183,10 +183,10 @@ def load_quantized(where, quantization: str, *, torch_dtype: str = "float32", tr
         where, quantization_config=config if config is not None else bnb_config(quantization, torch_dtype),
         device_map=_load_device_map(),
         dtype=torch.float32 if dtype == "auto" else dtype, trust_remote_code=trust_remote_code)
-    return _one_cpu_path(model)
+    return one_cpu_path(model)
 
 
-def _one_cpu_path(model: nn.Module) -> nn.Module:
+def one_cpu_path(model: nn.Module) -> nn.Module:
     """Keep bitsandbytes' 4-bit layers on one computation on the CPU.
 
     On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight *in place* the first time the layer runs

@@ -78,7 +78,7 @@ def test_export_audit_and_synthesize_load_the_quantized_run(runs, tmp_path):
     exec(snippet.replace("THIS_DIR", str(out)), scope)
     ref, tok = load_model(runs / "nf4")
     # (train mode: in eval mode bitsandbytes 0.50 repacks 4-bit weights for AVX512-BF16 CPUs, which fails on layers
-    # narrower than its block of 64, as this tiny model's; dpllm's loader turns that path off: models._one_cpu_path)
+    # narrower than its block of 64, as this tiny model's; dpllm's loader turns that path off: models.one_cpu_path)
     assert _loss(scope["model"].train(), tok) == pytest.approx(_loss(ref, tok), abs=1e-6)
     assert mia_main(["audit", "--checkpoint", str(runs / "nf4"), "--attacks", "loss", "--n-bootstrap", "10",
                      "--no-progress"]) == 0

@@ -37,7 +37,7 @@ from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
 from dpllm.hf.records import PadRecords, Rows, rows_of
 from dpllm.io import looks_local, write_json_atomic, write_text_atomic
 from dpllm.sft import SFTArguments, format_of, is_untokenized_sft, trainer_rows
-from dpllm.models import (check_checkpointing, check_dp_layers, count_parameters, quantization_of,
+from dpllm.models import (check_checkpointing, check_dp_layers, count_parameters, one_cpu_path, quantization_of,
                           untie_output_embeddings)
 from dpllm.train import Trainer as RunTrainer
 from dpllm.train import seed_everything
@@ -245,6 +245,8 @@ class HFRun(RunTrainer):
     def setup_model(self) -> None:
         model, self.tokenizer = self.hf_model, self.hf.processing_class
         self.adjustments = []
+        if quantization_of(model) != "none":  # a user's own from_pretrained: one computation on the CPU too
+            one_cpu_path(model)
         peft = hasattr(model, "peft_config")
         self.lora_base = _base_copy(model) if peft and not _base_has_name(model) else None
         if not peft:  # bk clips a head tied to the input embedding as it is; the other engines need it untied
