@@ -13,6 +13,7 @@ trained privately.
 
 import copy
 import json
+import json
 
 import pytest
 import torch
@@ -159,3 +160,21 @@ def test_peft_default_preparation_with_reentrant_checkpointing_clips_exactly_und
         assert torch.allclose(g, e, rtol=1e-4, atol=1e-6), (g - e).abs().max()
     with pytest.raises(ModelError, match="reentrant gradient checkpointing"):
         private_sum(model, tok, batch, PrivacyConfig(grad_sample_mode="hooks"))
+
+
+def test_a_run_saved_before_the_quantization_option_resumes_with_the_same_config_and_key(tmp_path):
+    import yaml
+
+    from dpllm import resume
+
+    cfg = parse_config([])
+    old = cfg.to_dict()
+    del old["model"]["quantization"]  # a checkpoint written before the option existed
+    (tmp_path / "dpllm_config.yaml").write_text(yaml.safe_dump(old))
+    resume.check_config(tmp_path, cfg)  # no difference
+    with pytest.raises(ConfigError, match=r"model.quantization \('none' → 'nf4'\)"):
+        resume.check_config(tmp_path, parse_config(["--quantization", "nf4"]))
+    import hashlib
+
+    legacy = {k: v for k, v in resume._flat(old).items() if k.split(".", 1)[1] not in resume.NOT_COMPARED}
+    assert resume.config_key(cfg) == hashlib.sha256(json.dumps(legacy, sort_keys=True, default=str).encode()).hexdigest()
