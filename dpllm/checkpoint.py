@@ -87,6 +87,9 @@ def save_checkpoint(
                 Path(weights_dir).rmdir()
             else:
                 model.save_pretrained(tmp, **({"state_dict": state_dict} if state_dict is not None else {}))
+            quantized = getattr(getattr(model, "config", None), "quantization_config", None)
+            if quantized is not None and (tmp / "adapter_config.json").exists():  # QLoRA: how the base was quantized
+                write_json_atomic(tmp / BASE_QUANTIZATION, _quantization_dict(quantized))
             tokenizer.save_pretrained(tmp)
             if base_model is not None:
                 base_model.save_pretrained(tmp / "base_model")
@@ -103,12 +106,45 @@ def save_checkpoint(
     return path
 
 
+#: Beside a QLoRA adapter: the base's ``BitsAndBytesConfig`` as a dict, so loaders quantize it exactly as in training.
+BASE_QUANTIZATION = "base_quantization.json"
+
+
+def _quantization_dict(q) -> dict:
+    d = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+    return {k: (str(v).replace("torch.", "") if "dtype" in k and v is not None else v) for k, v in d.items()}
+
+
+def base_quantization(path: str | Path):
+    """The ``BitsAndBytesConfig`` a QLoRA checkpoint's base was quantized with (:data:`BASE_QUANTIZATION`), or None."""
+    f = Path(path) / BASE_QUANTIZATION
+    if not f.is_file():
+        return None
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig.from_dict(json.loads(f.read_text()))
+
+
+def run_quantization(path: str | Path) -> tuple[str, str]:
+    """``(quantization, torch_dtype)`` of the run that wrote checkpoint ``path`` (its ``dpllm_config.yaml``);
+    ``("none", "float32")`` for a checkpoint without one (any HF model directory)."""
+    import yaml
+
+    f = Path(path) / "dpllm_config.yaml"
+    model = ((yaml.safe_load(f.read_text()) or {}).get("model") or {}) if f.is_file() else {}
+    return str(model.get("quantization") or "none"), str(model.get("torch_dtype") or "float32")
+
+
 def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dtype=None):
     """Load ``(model, tokenizer)`` from a dpllm checkpoint or run directory, full or LoRA.
 
+    A QLoRA run's base (``model.quantization`` in its ``dpllm_config.yaml``) is loaded quantized the same way as
+    in training, so audits score the model that was trained.
+
     Args:
         path: a checkpoint directory, a run directory (its ``checkpoint/`` is used), or any HF model dir.
-        merge: for LoRA, merge the adapter into the base and return a plain transformers model.
+        merge: for LoRA, merge the adapter into the base and return a plain transformers model (a QLoRA run's
+            base is dequantized first: the merged model is the trained function in full precision).
 
     Raises:
         CheckpointError: no model or no tokenizer at ``path``.
@@ -130,12 +166,25 @@ def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dt
 
         base_dir = path / "base_model"
         if base_dir.is_dir():
-            base = AutoModelForCausalLM.from_pretrained(base_dir, **kw)
+            base_name = base_dir
         else:
             base_name = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
             if not base_name:
                 raise CheckpointError(f"{path} is a LoRA adapter that names no base model and has no base_model/ "
                                       "beside it; load it from the run directory that wrote it")
+        quantization, torch_dtype = run_quantization(path)
+        if quantization != "none":  # QLoRA: the base quantized as in training (dpllm.models.load_quantized)
+            import torch
+
+            from dpllm.models import ModelError, dequantize, load_quantized
+
+            try:
+                base = load_quantized(base_name, quantization, torch_dtype=torch_dtype, config=base_quantization(path))
+            except ModelError as err:
+                raise CheckpointError(f"{path}: {err}") from err
+            if merge:  # merged into the dequantized weights: the trained function, in full precision
+                base = dequantize(base, dtype or torch.float32)
+        else:
             base = AutoModelForCausalLM.from_pretrained(base_name, **kw)
         model = PeftModel.from_pretrained(base, path)
         if merge:
@@ -144,6 +193,8 @@ def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dt
         model = AutoModelForCausalLM.from_pretrained(path, **kw)
     else:
         raise CheckpointError(f"{path} holds neither a model (config.json) nor an adapter (adapter_config.json)")
+    if getattr(model, "hf_device_map", None) is not None or getattr(model, "is_loaded_in_8bit", False):
+        return model.eval(), tokenizer  # placed while loading (bitsandbytes); int8 models refuse .to()
     return model.to(device).eval(), tokenizer
 
 

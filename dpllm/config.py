@@ -45,6 +45,10 @@ class ModelConfig:
         "all-linear", "Comma-separated module names for LoRA, or 'all-linear' (every linear layer but the head)."
     )
     torch_dtype: str = _f("float32", "Weights dtype when loading: float32, bfloat16 or auto.")
+    quantization: str = _f("none", "Load the frozen base quantized by bitsandbytes (QLoRA; finetuning: lora only; "
+                                   "needs pip install 'dpllm[qlora]'): 'nf4' (4-bit NormalFloat, double-quantized, "
+                                   "the QLoRA default), 'fp4', 'int8', or 'none'. The adapters train in torch_dtype "
+                                   "(float32 by default) under DP as usual; only trainable parameters are clipped.")
     trust_remote_code: bool = _f(False, "Passed to from_pretrained.")
     tiny_hidden_size: int = _f(64, "Hidden size of the tiny model built from a config.")
     tiny_num_layers: int = _f(2, "Layers of the tiny model.")
@@ -362,11 +366,36 @@ def noise_schedule(p: "PrivacyConfig"):
         raise ConfigError(str(err)) from None
 
 
+QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
+QLORA_EXTRA = "pip install 'dpllm[qlora]'"
+
+
+def check_quantization(m: "ModelConfig") -> None:
+    """Refuse a quantization that cannot run: an unknown kind, full fine-tuning of a quantized base, or
+    bitsandbytes missing (found without importing it, before any model loads).
+
+    Raises:
+        ConfigError: naming the value and what to change.
+    """
+    _choice("quantization", m.quantization, QUANTIZATIONS)
+    if m.quantization == "none":
+        return
+    if m.finetuning != "lora":
+        raise ConfigError(f"quantization={m.quantization} freezes the base in {m.quantization} weights, which cannot be "
+                          f"trained: use finetuning: lora (QLoRA), or quantization: none for finetuning={m.finetuning}")
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"quantization={m.quantization} needs bitsandbytes, which is not installed: {QLORA_EXTRA} "
+                          "(or pip install 'bitsandbytes>=0.45'), or set quantization: none")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check values that need no data or model; raise :class:`ConfigError` naming the fix."""
     m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.privacy
     _choice("finetuning", m.finetuning, ("lora", "full"))
     _choice("torch_dtype", m.torch_dtype, ("float32", "bfloat16", "float16", "auto"))
+    check_quantization(m)
     _choice("optimizer", t.optimizer, ("adamw", "sgd"))
     _choice("lr_scheduler", t.lr_scheduler, ("constant", "linear", "cosine"))
     _choice("mixed_precision", t.mixed_precision, ("no", "bf16"))

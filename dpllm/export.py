@@ -49,7 +49,8 @@ from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError
 # What save_pretrained writes for a model, an adapter or a tokenizer; nothing else leaves the run.
 RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
                      "adapter_config.json", "adapter_model*.safetensors", "tokenizer*", "special_tokens_map.json",
-                     "vocab*", "merges.txt", "*.model", "added_tokens.json", "chat_template*")
+                     "vocab*", "merges.txt", "*.model", "added_tokens.json", "chat_template*",
+                     "base_quantization.json")  # QLoRA: the base's BitsAndBytesConfig (public settings, no data)
 
 # The privacy report's fields a bundle carries: the mechanism's public parameters, ε and how it was computed.
 RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_size", "privacy_unit", "epsilon", "delta",
@@ -303,6 +304,40 @@ directory.
 """
 
 
+def qlora_section(report: PrivacyReport, ckpt: Path, *, has_base: bool) -> str:
+    """The card's QLoRA section: the adapters were trained over a quantized base, and how to load that base the
+    same way (its ``BitsAndBytesConfig``, recorded in the checkpoint). Empty for any other run."""
+    kind = (report.base_model or {}).get("quantization")
+    if not kind:
+        return ""
+    import json
+
+    from dpllm.checkpoint import BASE_QUANTIZATION
+
+    f = ckpt / BASE_QUANTIZATION
+    q = json.loads(f.read_text()) if f.is_file() else {}
+    if q.get("load_in_8bit") or kind == "int8":
+        args = f"load_in_8bit=True, llm_int8_threshold={q.get('llm_int8_threshold', 0.0)!r}"
+    else:
+        args = (f"load_in_4bit=True, bnb_4bit_quant_type=\"{q.get('bnb_4bit_quant_type', kind)}\", "
+                f"bnb_4bit_use_double_quant={q.get('bnb_4bit_use_double_quant', True)!r}, "
+                f"bnb_4bit_compute_dtype=torch.{q.get('bnb_4bit_compute_dtype') or 'float32'}")
+    base = "THIS_DIR/base_model" if has_base else str((report.base_model or {}).get("path", "BASE_MODEL"))
+    return f"""
+## Quantized base (QLoRA)
+The adapters were trained with DP over a frozen base quantized to {kind} by bitsandbytes (`{BASE_QUANTIZATION}`
+holds its settings); load the base the same way, so the adapters run on the weights they were trained with:
+```python
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+base = AutoModelForCausalLM.from_pretrained("{base}", quantization_config=BitsAndBytesConfig({args}))
+model = PeftModel.from_pretrained(base, "THIS_DIR")
+```
+"""
+
+
 def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, what: str = "export",
                      verified=None) -> PrivacyReport:
     """The checks every release path makes (``dpllm export``, ``dpllm synthesize``) before anything leaves the run.
@@ -391,6 +426,7 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
                 shutil.copy2(f, tmp / "base_model" / f.name)
         released.write(tmp / "privacy_report.json")
         body = (model_card(released, lora=lora, has_base=has_base, record_kind=declared_record_kind(run_dir))
+                + qlora_section(released, ckpt, has_base=has_base)
                 + compliance_section(run_dir, verified=verified))
         meta = hub.model_card_data(released, lora=lora, base_model=base_name, license=license)
         write_text_atomic(tmp / "README.md", hub.card_text(meta, body))

@@ -12,6 +12,11 @@ privacy report under ``model_adjustments``):
   (:func:`position_ids_for`).
 - Layers without an Opacus norm sampler (GPT-2's ``Conv1D``, Llama's RMSNorm) fall back to per-sample
   gradients computed with functorch: correct, slower, more memory.
+- QLoRA (``quantization: nf4 | fp4 | int8``): the base is loaded quantized by bitsandbytes through transformers'
+  ``BitsAndBytesConfig`` (:func:`load_quantized`) and prepared with peft's ``prepare_model_for_kbit_training``
+  before the adapters are attached. Every quantized layer is frozen, so the engines see only the adapters'
+  ``nn.Linear`` layers as trainable: bk and Opacus clip exactly those, and the backward pass merely flows through
+  the 4-bit base.
 """
 
 from __future__ import annotations
@@ -97,6 +102,13 @@ def source_of(cfg: ModelConfig) -> dict:
     Raises:
         ModelError: a local path that does not exist.
     """
+    source = _source_of(cfg)
+    if cfg.quantization != "none":  # how the base was loaded: the report, the export card and loaders say so
+        source["quantization"] = cfg.quantization
+    return source
+
+
+def _source_of(cfg: ModelConfig) -> dict:
     name = cfg.model_name_or_path
     if name in TINY_MODELS:
         return {"kind": "tiny", "name": name}
@@ -114,6 +126,111 @@ def source_of(cfg: ModelConfig) -> dict:
     return {"kind": "pretrained", "path": str(ckpt.resolve()) if ckpt is not None else name}
 
 
+def bnb_config(quantization: str, torch_dtype: str = "float32"):
+    """transformers' ``BitsAndBytesConfig`` for ``quantization`` (None for ``none``).
+
+    4-bit: NF4 or FP4 with double quantization (the quantization constants quantized too, ~0.4 bits per weight
+    saved, as in QLoRA) and computation in the adapters' dtype (float32 unless torch_dtype is bfloat16/float16).
+    int8: bitsandbytes' int8 weights, with LLM.int8's outlier decomposition off (``llm_int8_threshold=0``): on a
+    GPU it picks the activation columns to keep in float16 from the whole batch, so one record would change how
+    the others are computed, and per-record clipping would no longer bound what a record changes."""
+    if quantization in (None, "none"):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
+    compute = _dtype(torch_dtype) if torch_dtype in ("bfloat16", "float16") else torch.float32
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_compute_dtype=compute,
+                              bnb_4bit_use_double_quant=True)
+
+
+def quantization_of(model: nn.Module) -> str:
+    """The ``quantization`` option a loaded model corresponds to: nf4, fp4, int8 or none (read from its config)."""
+    q = getattr(getattr(model, "config", None), "quantization_config", None)
+    if q is None:
+        return "none"
+    q = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+    if q.get("load_in_4bit"):
+        return str(q.get("bnb_4bit_quant_type", "fp4"))
+    return "int8" if q.get("load_in_8bit") else "none"
+
+
+def _load_device_map():
+    """Where bitsandbytes quantizes while loading: this process's GPU (never the whole model in full precision
+    on the CPU first), else the CPU."""
+    return {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
+
+
+def load_quantized(where, quantization: str, *, torch_dtype: str = "float32", trust_remote_code: bool = False,
+                   config=None):
+    """``AutoModelForCausalLM.from_pretrained(where)`` with the base quantized (:func:`bnb_config`, or ``config``:
+    the ``BitsAndBytesConfig`` a checkpoint recorded).
+
+    Raises:
+        ModelError: bitsandbytes is not installed (names the extra).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from dpllm.config import QLORA_EXTRA
+
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ModelError(f"quantization={quantization} needs bitsandbytes: {QLORA_EXTRA}") from err
+    dtype = _dtype(torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        where, quantization_config=config if config is not None else bnb_config(quantization, torch_dtype),
+        device_map=_load_device_map(),
+        dtype=torch.float32 if dtype == "auto" else dtype, trust_remote_code=trust_remote_code)
+    return one_cpu_path(model)
+
+
+def one_cpu_path(model: nn.Module) -> nn.Module:
+    """Keep bitsandbytes' 4-bit layers on one computation on the CPU.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight *in place* the first time the layer runs
+    in eval mode without gradients (an evaluation) and from then on multiplies in bfloat16: the same model would
+    give other numbers after an evaluation than before (a 1% difference measured on a tiny Llama). Turned off,
+    every call dequantizes to the compute dtype, as in training. No effect on a GPU."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
+def quantize_in_memory(model: nn.Module, quantization: str, *, torch_dtype: str = "float32") -> nn.Module:
+    """A quantized copy of a model built or merged in memory (a tiny model; an earlier run's merged LoRA): saved
+    to a temporary directory and loaded back through :func:`load_quantized` (bitsandbytes quantizes while
+    loading). Quantization is deterministic: the same weights give the same quantized model every time."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dpllm-quantize-") as tmp:
+        model.save_pretrained(tmp)
+        quantized = load_quantized(tmp, quantization, torch_dtype=torch_dtype)
+    name = getattr(model, "name_or_path", "") or ""  # not the temporary directory, gone now
+    quantized.name_or_path = quantized.config._name_or_path = name
+    return quantized
+
+
+_UNQUANTIZED = "_dpllm_unquantized_base"
+
+
+def unquantized_base(model: nn.Module) -> Optional[nn.Module]:
+    """The full-precision weights a model built in memory was quantized from (:func:`load_base`), handed over
+    once (None for any other model)."""
+    return model.__dict__.pop(_UNQUANTIZED, None)
+
+
+def dequantize(model: nn.Module, dtype=torch.float32) -> nn.Module:
+    """The model with every bitsandbytes layer replaced by an ``nn.Linear`` holding its dequantized weight (what the
+    layer multiplies by in training; transformers' ``dequantize``): a LoRA adapter merged into it gives the trained
+    function in full precision, where merging into the 4-bit weights would round the adapters' small update away.
+    Call it on a freshly loaded model (:func:`load_quantized`)."""
+    out = model.dequantize(dtype=dtype)
+    return out if out is not None else model
+
+
 def load_base(cfg: ModelConfig, max_length: int) -> tuple[nn.Module, object, dict]:
     """Return ``(model, tokenizer, source)``: a tiny model, a Hub/local model, or an earlier run's checkpoint.
 
@@ -126,14 +243,22 @@ def load_base(cfg: ModelConfig, max_length: int) -> tuple[nn.Module, object, dic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = source_of(cfg)
-    if source["kind"] == "tiny":
-        tok = byte_tokenizer()
-        return build_tiny(cfg, tok, max_length), tok, source
-    if source.get("merged_lora"):
-        from dpllm.checkpoint import load_model
+    q = cfg.quantization
+    if source["kind"] == "tiny" or source.get("merged_lora"):
+        if source["kind"] == "tiny":
+            tok = byte_tokenizer()
+            model = build_tiny(cfg, tok, max_length)
+        else:
+            from dpllm.checkpoint import load_model
 
-        model, tok = load_model(source["path"], merge=True)
-        return model, tok, source
+            model, tok = load_model(source["path"], merge=True)  # a QLoRA run: merged into its dequantized base
+        if q == "none":
+            return model, tok, source
+        quantized = quantize_in_memory(model, q, torch_dtype=cfg.torch_dtype)
+        # the base a LoRA checkpoint saves (it has no path on disk): the weights before quantization, which a
+        # loader quantizes again to the very same model (:func:`unquantized_base`)
+        quantized.__dict__[_UNQUANTIZED] = model
+        return quantized, tok, source
     where = source["path"]
     ckpt = Path(where) if Path(where).is_dir() else None
     if ckpt is not None and not any((ckpt / f).exists() for f in TOKENIZER_FILES):
@@ -143,9 +268,12 @@ def load_base(cfg: ModelConfig, max_length: int) -> tuple[nn.Module, object, dic
         tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
     except Exception as err:
         raise ModelError(f"no tokenizer at {where}: {err}; a model directory must include its tokenizer") from err
-    model = AutoModelForCausalLM.from_pretrained(
-        where, dtype=_dtype(cfg.torch_dtype), trust_remote_code=cfg.trust_remote_code
-    )
+    if q != "none":
+        model = load_quantized(where, q, torch_dtype=cfg.torch_dtype, trust_remote_code=cfg.trust_remote_code)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=_dtype(cfg.torch_dtype), trust_remote_code=cfg.trust_remote_code
+        )
     return model, tok, source
 
 
@@ -194,6 +322,19 @@ def prepare_model(model: nn.Module, cfg: ModelConfig, *, dp: bool, keep_tie: boo
     ``keep_tie``: leave an output head tied to the input embedding (for bk, which clips it exactly).
     """
     adjustments: list[str] = []
+    quantized = quantization_of(model)
+    if quantized != "none" and cfg.finetuning != "lora":
+        raise ModelError(f"the base is quantized ({quantized}) and cannot be fine-tuned in full: use finetuning: lora "
+                         "(QLoRA), or load it unquantized")
+    if quantized != "none":
+        from peft import prepare_model_for_kbit_training
+
+        # peft's preparation as QLoRA users know it: every base parameter frozen, the non-quantized ones (norms,
+        # embeddings, head) cast to float32. Checkpointing stays the trainer's choice (train.gradient_checkpointing,
+        # non-reentrant): peft's default would turn on reentrant checkpointing, which Opacus's modes cannot run.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+        adjustments.append(f"base quantized by bitsandbytes ({quantized}), frozen, prepared with peft's "
+                           "prepare_model_for_kbit_training (norms, embeddings and head in float32)")
     if cfg.finetuning == "full":
         for p in model.parameters():
             p.requires_grad_(True)

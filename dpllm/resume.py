@@ -113,11 +113,17 @@ def _flat(d: dict) -> dict:
     return {f"{section}.{k}": v for section, fields in d.items() for k, v in fields.items()}
 
 
+# Options added after a run may have started: absent from its saved config they mean this value, and at this value
+# they are left out of the key, so a run started before them resumes with the same config and the same key.
+ADDED_LATER = {"model.quantization": "none"}
+
+
 def config_key(cfg: RunConfig) -> str:
     """sha256 of the config without the fields a resumed run may change: the same run, the same key."""
     import hashlib
 
-    kept = {k: v for k, v in _flat(cfg.to_dict()).items() if k.split(".", 1)[1] not in NOT_COMPARED}
+    kept = {k: v for k, v in _flat(cfg.to_dict()).items() if k.split(".", 1)[1] not in NOT_COMPARED
+            and not (k in ADDED_LATER and v == ADDED_LATER[k])}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -127,7 +133,7 @@ def check_config(ckpt: Path, cfg: RunConfig) -> None:
     Raises:
         ConfigError: naming every differing field with both values.
     """
-    saved = _flat(yaml.safe_load((ckpt / "dpllm_config.yaml").read_text()))
+    saved = {**ADDED_LATER, **_flat(yaml.safe_load((ckpt / "dpllm_config.yaml").read_text()))}
     now = _flat(cfg.to_dict())
     diff = [f"{k} ({saved.get(k)!r} → {now.get(k)!r})" for k in sorted(set(saved) | set(now))
             if k.split(".", 1)[1] not in NOT_COMPARED and saved.get(k) != now.get(k)]

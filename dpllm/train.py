@@ -43,7 +43,7 @@ from dpllm.distributed import (World, all_max, all_sum, barrier, check_paralleli
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
 from dpllm.logs import known_warnings_silenced
 from dpllm.models import (check_checkpointing, check_dp_layers, context_length, count_parameters, load_base,
-                          position_ids_for, prepare_model, source_of, untie_output_embeddings)
+                          position_ids_for, prepare_model, source_of, unquantized_base, untie_output_embeddings)
 from dpllm.privacy import clipping, user_level
 from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import make_private, sequence_loss
@@ -346,7 +346,8 @@ class Trainer:
             log.info("canaries: added %d new tokens to the vocabulary (%s)", added, cfg.data.canary_design)
         # LoRA over a base that has no path of its own (tiny, or merged from a run) keeps a copy to save.
         keep_base = cfg.model.finetuning == "lora" and self.source["kind"] != "pretrained"
-        self.lora_base = _copy(model) if keep_base else None
+        unquantized = unquantized_base(model)  # QLoRA over such a base saves the weights it was quantized from
+        self.lora_base = (unquantized if unquantized is not None else _copy(model)) if keep_base else None
         # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
         keep_tie = self.dp and self.p.grad_sample_mode in ("auto", "bk")
         model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)

@@ -26,6 +26,14 @@ way to compare on a machine shared with other jobs; memory still from one proces
     OMP_NUM_THREADS=1 python scripts/bench_overhead.py --shape gpt2-small --seq 128 --batch 4 --modes nodp,bk \
         --interleave 7 --out docs/results/bench_cpu/gpt2_small_full.json
 
+QLoRA (``--quantization nf4|fp4``, LoRA only): the base's linear layers quantized by bitsandbytes and frozen, the
+adapters trained (the issue-34 goal: Llama-3-8B QLoRA DP at T = 512 under 24 GB, within 1.15× of no DP on an H100):
+
+    python scripts/bench_overhead.py --shape llama3-8b --finetuning lora --quantization nf4 --device cuda \
+        --dtype bfloat16 --autocast bf16 --seq 512 --batch 8 --modes nodp,bk --steps 10 \
+        --out runs/bench/llama3_8b_qlora.json
+    python scripts/bench_overhead.py --finetuning lora --quantization nf4 --modes nodp,bk   # tiny Llama, CPU
+
 ``--chunked-loss N`` computes the per-record loss N positions at a time (no float32 B×T×V logits);
 ``--gradient-checkpointing`` recomputes activations in backward (non-reentrant; bk and nodp only).
 """
@@ -75,15 +83,49 @@ def build_shape(name: str, device, dtype, seq: int):
         return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
+def quantize_shape(model, kind: str, compute_dtype):
+    """Replace every linear layer but the output head by a frozen bitsandbytes 4-bit layer, in place on the model's
+    device (what ``from_pretrained(quantization_config=BitsAndBytesConfig(...))`` builds, without a checkpoint on
+    disk), and mark the model quantized so ``prepare_model`` prepares it as QLoRA."""
+    import bitsandbytes as bnb
+    from torch import nn
+
+    from dpllm.models import bnb_config
+
+    if kind not in ("nf4", "fp4"):
+        raise SystemExit(f"--quantization {kind} with --shape: only nf4 and fp4 are built on the device here")
+    head = model.get_output_embeddings()
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear) and m is not head:
+            q = bnb.nn.Linear4bit(m.in_features, m.out_features, bias=m.bias is not None, compute_dtype=compute_dtype,
+                                  quant_type=kind, compress_statistics=True, device="meta")
+            q.weight = bnb.nn.Params4bit(m.weight.data, requires_grad=False, quant_type=kind,
+                                         compress_statistics=True).to(m.weight.device)  # quantized by .to()
+            if m.bias is not None:
+                q.bias = nn.Parameter(m.bias.data, requires_grad=False)
+            model.set_submodule(name, q)
+            del m
+    model.config.quantization_config = bnb_config(kind, torch_dtype_name(compute_dtype))
+    model.is_loaded_in_4bit = True
+    return model
+
+
+def torch_dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def build(args, device, dtype):
     from dpllm.config import ModelConfig
     from dpllm.models import load_base
 
     mcfg = ModelConfig(model_name_or_path=args.model, finetuning=args.finetuning, tiny_hidden_size=args.hidden,
                        tiny_num_layers=args.layers, tiny_num_heads=args.heads, tiny_intermediate_size=4 * args.hidden,
-                       tiny_max_positions=max(256, args.seq), torch_dtype=args.dtype, lora_r=args.lora_r)
+                       tiny_max_positions=max(256, args.seq), torch_dtype=args.dtype, lora_r=args.lora_r,
+                       quantization=args.quantization)
     if args.shape:
         model = build_shape(args.shape, device, dtype, args.seq)
+        if args.quantization != "none":
+            model = quantize_shape(model, args.quantization, dtype)
     else:
         model, _, _ = load_base(mcfg, args.seq)
     return model, mcfg
@@ -275,6 +317,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="random-init shape built on --device")
     ap.add_argument("--finetuning", default="full", choices=("full", "lora"))
     ap.add_argument("--lora-r", type=int, default=16)
+    ap.add_argument("--quantization", default="none", choices=("none", "nf4", "fp4", "int8"),
+                    help="QLoRA: the frozen base quantized by bitsandbytes (with --finetuning lora)")
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
@@ -298,6 +342,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--memory-steps", type=int, default=2, help="--interleave: steps of each memory process")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: run one mode
     args = ap.parse_args(argv)
+    if args.quantization != "none" and args.finetuning != "lora":
+        ap.error(f"--quantization {args.quantization} needs --finetuning lora (a quantized base cannot be trained)")
     if args.mode == "interleaved":
         print(json.dumps(interleaved(args)))
         return {}

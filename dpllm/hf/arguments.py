@@ -183,7 +183,7 @@ def _steps_or_ratio(value: float, steps: int) -> int:
 
 
 def run_config(args, privacy: PrivacyArguments, *, model_name: str, finetuning: str, records_path: str,
-               max_length: int, num_records: int, has_eval: bool) -> RunConfig:
+               max_length: int, num_records: int, has_eval: bool, quantization: str = "none") -> RunConfig:
     """The dpllm configuration equivalent to these arguments (written to OUTPUT_DIR/config.yaml).
 
     Raises:
@@ -222,7 +222,7 @@ def run_config(args, privacy: PrivacyArguments, *, model_name: str, finetuning: 
     save_every = every(args.save_strategy, args.save_steps)  # the Trainer's checkpoint-N, as resumable checkpoints
     eval_every = every(args.eval_strategy, args.eval_steps or args.logging_steps) if has_eval else 0
     cfg = RunConfig(
-        model=ModelConfig(model_name_or_path=model_name, finetuning=finetuning),
+        model=ModelConfig(model_name_or_path=model_name, finetuning=finetuning, quantization=quantization),
         data=DataConfig(dataset=records_path, text_column="text", max_length=max(2, max_length), min_chars=0),
         train=TrainConfig(output_dir=args.output_dir, overwrite_output_dir=privacy.overwrite_output_dir,
                           max_steps=args.max_steps if by_steps else None, epochs=epochs,

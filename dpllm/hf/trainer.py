@@ -38,7 +38,8 @@ from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
 from dpllm.hf.records import PadRecords, Rows, rows_of
 from dpllm.io import looks_local, write_json_atomic, write_text_atomic
 from dpllm.sft import SFTArguments, format_of, is_untokenized_sft, trainer_rows
-from dpllm.models import check_checkpointing, check_dp_layers, count_parameters, untie_output_embeddings
+from dpllm.models import (check_checkpointing, check_dp_layers, count_parameters, one_cpu_path, quantization_of,
+                          untie_output_embeddings)
 from dpllm.train import Trainer as RunTrainer
 from dpllm.train import seed_everything
 
@@ -77,6 +78,11 @@ class DPTrainer(Trainer):
             raise ConfigError("DPTrainer: pass processing_class=tokenizer; it is saved beside the trained model")
         if isinstance(eval_dataset, dict):
             raise ConfigError("DPTrainer: pass one eval_dataset (the held-out records), not a dict of them")
+        quantized = quantization_of(model) if model is not None else "none"
+        if quantized != "none" and not hasattr(model, "peft_config"):
+            raise ConfigError(f"DPTrainer: the model's base is quantized ({quantized}) and cannot be fine-tuned in full; "
+                              "attach LoRA adapters first (peft.prepare_model_for_kbit_training, then get_peft_model: "
+                              "QLoRA)")
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         self.dp_run: Optional[HFRun] = None
@@ -187,7 +193,7 @@ class HFRun(RunTrainer):
         cfg = run_config(args, p, model_name=_model_name(hf.model), finetuning=finetuning,
                          records_path=str((Path(args.output_dir) / RECORDS).resolve()),
                          max_length=max(train_rows.max_length, eval_rows.max_length), num_records=len(train_rows),
-                         has_eval=len(eval_rows) > 0)
+                         has_eval=len(eval_rows) > 0, quantization=quantization_of(hf.model))
         if is_untokenized_sft(hf.train_dataset):  # recorded in config.yaml: how the records were rendered
             s = hf.sft_args
             cfg.data.loss_on, cfg.data.chat_template = s.loss_on, s.chat_template
@@ -237,11 +243,15 @@ class HFRun(RunTrainer):
     def setup_plan(self) -> None:
         super().setup_plan()
         if not self.cfg.model.model_name_or_path or self.source.get("path") == IN_MEMORY:
-            self.source = {"kind": "in_memory", "name": type(self.hf_model).__name__}
+            self.source = {"kind": "in_memory", "name": type(self.hf_model).__name__,
+                           **({"quantization": self.cfg.model.quantization}
+                              if self.cfg.model.quantization != "none" else {})}
 
     def setup_model(self) -> None:
         model, self.tokenizer = self.hf_model, self.hf.processing_class
         self.adjustments = []
+        if quantization_of(model) != "none":  # a user's own from_pretrained: one computation on the CPU too
+            one_cpu_path(model)
         peft = hasattr(model, "peft_config")
         self.lora_base = _base_copy(model) if peft and not _base_has_name(model) else None
         if not peft:  # bk clips a head tied to the input embedding as it is; the other engines need it untied
