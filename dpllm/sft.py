@@ -21,7 +21,7 @@ The map, in the order a run uses it:
                         or on none (``loss_on: all``); truncated to ``max_length`` on the right
     drop_cut_answers    before the privacy plan: a record whose answer ``max_length`` cuts off entirely is
                         reported and leaves the train and held-out splits (never trained on zero tokens)
-    SFTRecords          the encoded records, batched by :class:`dpllm.hf.records.PadRecords`
+    SFTRecords          the encoded records, batched by :class:`PadRecords`
     generate_answers    greedy answers to a few held-out prompts, printed and saved (``generations.jsonl``)
 
 Why the privacy accounting does not change: the unit is still one record (one conversation, never split
@@ -48,6 +48,7 @@ import torch
 from torch.utils.data import Dataset
 
 from dpllm.config import DataConfig, ModelConfig
+from dpllm.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -60,12 +61,6 @@ ROLES = ("system", "user", "assistant", "tool")
 SIMPLE_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] }}"
                    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% else %}{{ '\n' }}{% endif %}{% endfor %}"
                    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
-
-
-def _data_error(msg: str) -> Exception:
-    from dpllm.data import DataError
-
-    return DataError(msg)
 
 
 # ---- the built-in instruction set ---------------------------------------------------------------------------
@@ -146,14 +141,14 @@ def shape_of(columns: Sequence[str], cfg: DataConfig) -> str:
     if fmt == "auto":
         if len(found) > 1 or (found and cfg.text_column in cols and cfg.text_column not in ("prompt", "completion")):
             shapes = found + ([cfg.text_column] if cfg.text_column in cols else [])
-            raise _data_error(f"dataset={cfg.dataset} has columns for several record shapes ({', '.join(shapes)}); "
-                              "set data_format to messages, prompt_completion or text")
+            raise DataError(f"dataset={cfg.dataset} has columns for several record shapes ({', '.join(shapes)}); "
+                            "set data_format to messages, prompt_completion or text")
         return found[0] if found else "text"
     need = {"messages": ["messages"], "prompt_completion": ["prompt", "completion"], "text": [cfg.text_column]}[fmt]
     if not set(need) <= cols:
-        raise _data_error(f"dataset={cfg.dataset}: data_format={fmt} needs the column(s) {need}; its columns are "
-                          f"{sorted(cols)}: rename them, or set data_format (auto detects messages / "
-                          "prompt+completion / text)")
+        raise DataError(f"dataset={cfg.dataset}: data_format={fmt} needs the column(s) {need}; its columns are "
+                        f"{sorted(cols)}: rename them, or set data_format (auto detects messages / "
+                        "prompt+completion / text)")
     return fmt
 
 
@@ -167,22 +162,22 @@ def canonical(row: dict, fmt: str, *, where: str) -> str:
     missing = [k for k in need if k not in row]
     if missing:  # auto detection reads the first record's fields; one file holds one record shape
         fields = ", ".join(sorted(row)) or "none"
-        raise _data_error(
+        raise DataError(
             f"{where} has no {' / '.join(repr(k) for k in missing)} field (its fields: {fields}) but the data set's "
             f"records are {fmt.replace('_', '/')} records: one file holds one record shape; convert every record "
             "to one shape (messages, or prompt and completion), or split the file")
     if fmt == "messages":
         rec = {"messages": _messages(row["messages"], where)}
         if not any(m["role"] == "assistant" for m in rec["messages"]):
-            raise _data_error(f"{where} has no assistant turn: nothing to train on; drop it or add the answer")
+            raise DataError(f"{where} has no assistant turn: nothing to train on; drop it or add the answer")
     else:
         p, c = row["prompt"], row["completion"]
         if isinstance(p, list) != isinstance(c, list):
-            raise _data_error(f"{where}: prompt and completion must both be strings or both message lists")
+            raise DataError(f"{where}: prompt and completion must both be strings or both message lists")
         rec = ({"prompt": _messages(p, where), "completion": _messages(c, where)} if isinstance(p, list) else
                {"prompt": "" if p is None else str(p), "completion": "" if c is None else str(c)})
         if isinstance(c, list) and not any(m["role"] == "assistant" for m in rec["completion"]):
-            raise _data_error(f"{where}: the completion has no assistant turn")
+            raise DataError(f"{where}: the completion has no assistant turn")
     return json.dumps(rec, ensure_ascii=False, sort_keys=True)
 
 
@@ -191,15 +186,15 @@ def _messages(value, where: str) -> list[dict]:
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise _data_error(f"{where}: messages is a string that is not JSON; give a list of "
-                              "{role, content}") from None
+            raise DataError(f"{where}: messages is a string that is not JSON; give a list of "
+                            "{role, content}") from None
     if not isinstance(value, list) or not value:
-        raise _data_error(f"{where}: messages must be a non-empty list of {{role, content}}, "
-                          f"got {type(value).__name__}")
+        raise DataError(f"{where}: messages must be a non-empty list of {{role, content}}, "
+                        f"got {type(value).__name__}")
     out = []
     for m in value:
         if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise _data_error(f"{where}: each message needs a role in {ROLES} and a string content, got {m!r:.80}")
+            raise DataError(f"{where}: each message needs a role in {ROLES} and a string content, got {m!r:.80}")
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
@@ -215,8 +210,8 @@ def rows_to_records(rows, cfg: DataConfig, source: str) -> tuple[list[str], Opti
     if cfg.privacy_unit == "user":
         missing = next((i for i, r in enumerate(rows, 1) if r.get(cfg.user_column) is None), None)
         if missing is not None:
-            raise _data_error(f"dataset {source} has no user column {cfg.user_column!r} in record {missing}: set "
-                              "user_column, or use privacy_unit=record")
+            raise DataError(f"dataset {source} has no user column {cfg.user_column!r} in record {missing}: set "
+                            "user_column, or use privacy_unit=record")
         users = [str(r[cfg.user_column]) for r in rows]
     return texts, users, fmt
 
@@ -236,8 +231,8 @@ def read_table(cfg: DataConfig) -> Optional[tuple[list[str], Optional[list[str]]
     path = Path(name)
     if name in ("pydoc", "pystdlib") or path.suffix.lower() == ".txt":
         if fmt in FORMATS:
-            raise _data_error(f"dataset={name} is plain text; data_format={fmt} needs a table with "
-                              f"{'a messages column' if fmt == 'messages' else 'prompt and completion columns'}")
+            raise DataError(f"dataset={name} is plain text; data_format={fmt} needs a table with "
+                            f"{'a messages column' if fmt == 'messages' else 'prompt and completion columns'}")
         return None
     if path.suffix.lower() == ".jsonl" and path.is_file():
         from dpllm.io import JsonlError, read_jsonl
@@ -277,12 +272,12 @@ def _load_dataset(cfg: DataConfig):
         try:
             ds = datasets.load_from_disk(str(path))
         except Exception as err:
-            raise _data_error(f"dataset={name} is a folder but not a datasets.save_to_disk one "
-                              f"({str(err).strip().splitlines()[-1][:160]}); give a .jsonl/.json/.csv/.parquet "
-                              "file or a saved dataset") from None
+            raise DataError(f"dataset={name} is a folder but not a datasets.save_to_disk one "
+                            f"({str(err).strip().splitlines()[-1][:160]}); give a .jsonl/.json/.csv/.parquet "
+                            "file or a saved dataset") from None
         if isinstance(ds, datasets.DatasetDict):
             if cfg.dataset_split not in ds:
-                raise _data_error(f"dataset={name} has splits {list(ds)}; set dataset_split to one of them")
+                raise DataError(f"dataset={name} has splits {list(ds)}; set dataset_split to one of them")
             ds = ds[cfg.dataset_split]
         return ds
     suffix = path.suffix.lower()
@@ -293,8 +288,8 @@ def _load_dataset(cfg: DataConfig):
             return datasets.load_dataset(suffix[1:], data_files=str(path), split="train")
         except Exception as err:
             if suffix == ".parquet":
-                raise _data_error(f"dataset={name} could not be parsed as parquet: "
-                                  f"{str(err).strip().splitlines()[-1][:300]}") from None
+                raise DataError(f"dataset={name} could not be parsed as parquet: "
+                                f"{str(err).strip().splitlines()[-1][:300]}") from None
             return None  # dpllm.data words the error for its own kinds
     from dpllm.io import path_like
 
@@ -362,16 +357,16 @@ def prepare_tokenizer(tokenizer, chat_template: Optional[str], *, needed: bool) 
         elif Path(chat_template).is_file():
             template = Path(chat_template).read_text()
         else:
-            raise _data_error(f"chat_template={chat_template!r} is neither a Jinja template, a file, nor 'simple'")
+            raise DataError(f"chat_template={chat_template!r} is neither a Jinja template, a file, nor 'simple'")
         tokenizer.chat_template = template
     elif getattr(tokenizer, "chat_template", None):
         return
     elif is_byte_tokenizer(tokenizer):
         tokenizer.chat_template = SIMPLE_TEMPLATE
     elif needed:
-        raise _data_error(f"the tokenizer ({type(tokenizer).__name__}) has no chat template to render messages "
-                          "with; set data.chat_template (a Jinja template, a .jinja file, or 'simple' for dpllm's "
-                          "built-in one)")
+        raise DataError(f"the tokenizer ({type(tokenizer).__name__}) has no chat template to render messages "
+                        "with; set data.chat_template (a Jinja template, a .jinja file, or 'simple' for dpllm's "
+                        "built-in one)")
 
 
 def _render(tokenizer, messages: list[dict], *, generation_prompt: bool) -> str:
@@ -398,9 +393,9 @@ def segments(record: dict, tokenizer) -> list[tuple[str, bool]]:
             before = _render(tokenizer, msgs[:i], generation_prompt=True) if i else ""
             upto = _render(tokenizer, msgs[: i + 1], generation_prompt=False)
             if not (full.startswith(upto) and upto.startswith(before) and len(before) >= at):
-                raise _data_error("the chat template does not render a conversation as the concatenation of its "
-                                  "turns (it rewrites earlier turns), so answer tokens cannot be told apart; give "
-                                  "data.chat_template another template")
+                raise DataError("the chat template does not render a conversation as the concatenation of its "
+                                "turns (it rewrites earlier turns), so answer tokens cannot be told apart; give "
+                                "data.chat_template another template")
             start, end = len(before), len(upto)
             out += [(full[at:start], False), (full[start:end], True)]
             at = end
@@ -456,7 +451,7 @@ def drop_cut_answers(records: Sequence[str], splits, tokenizer, *, max_length: i
     Raises:
         DataError: conversations and no chat template (see :func:`prepare_tokenizer`), or no record left.
     """
-    prepare_tokenizer(tokenizer, chat_template, needed=_needs_template(records, format_of(records)))
+    prepare_tokenizer(tokenizer, chat_template, needed=needs_template(records, format_of(records)))
     ids = sorted(set(splits.train) | set(splits.heldout))
     fits = answer_fits([records[i] for i in ids], tokenizer, max_length=max_length)
     dropped = [i for i, ok in zip(ids, fits) if not ok]
@@ -467,12 +462,12 @@ def drop_cut_answers(records: Sequence[str], splits, tokenizer, *, max_length: i
         log.warning("sft: %d record(s) lose their whole answer to max_length=%d and are dropped before training "
                     "(e.g. record %d); raise max_length to keep them", len(dropped), max_length, dropped[0])
         if not splits.train:
-            raise _data_error(f"every training record loses its answer to max_length={max_length}; raise max_length")
+            raise DataError(f"every training record loses its answer to max_length={max_length}; raise max_length")
     return dropped
 
 
 class SFTRecords(Dataset):
-    """Encoded SFT records: ``{"input_ids", "labels"}`` per item, as :class:`dpllm.hf.records.PadRecords` batches.
+    """Encoded SFT records: ``{"input_ids", "labels"}`` per item, as :class:`PadRecords` batches.
 
     Raises:
         DataError: a record with no answer token left (:func:`drop_cut_answers` should have removed it).
@@ -484,7 +479,7 @@ class SFTRecords(Dataset):
         for i, r in enumerate(self.records):
             enc = encode(parse(r), tokenizer, max_length=max_length, loss_on=loss_on)
             if enc["answer_tokens"] == 0:
-                raise _data_error(f"record {i} has no answer token within max_length={max_length}; raise max_length")
+                raise DataError(f"record {i} has no answer token within max_length={max_length}; raise max_length")
             self.items.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
 
     def __len__(self) -> int:
@@ -498,20 +493,37 @@ class SFTRecords(Dataset):
         return sum(len(x["input_ids"]) for x in self.items)
 
 
+@dataclass
+class PadRecords:
+    """Right-pad records into a batch; labels are -100 on padding, as :func:`dpllm.data.make_collate`."""
+
+    pad_token_id: int
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        if not rows:
+            return {}
+        T = max(1, max(len(r["input_ids"]) for r in rows))
+        ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), T), dtype=torch.long)
+        labels = torch.full((len(rows), T), -100, dtype=torch.long)
+        for i, r in enumerate(rows):
+            n = len(r["input_ids"])
+            ids[i, :n], mask[i, :n], labels[i, :n] = r["input_ids"], 1, r["labels"]
+        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
 def make_datasets(train_texts, eval_texts, tokenizer, cfg: DataConfig):
     """``(train_ds, eval_ds, collate)`` of a run: training labels as ``loss_on`` says; held-out ones
     always answer-only (the held-out metric is the answer's loss)."""
-    from dpllm.hf.records import PadRecords
-
     fmt = format_of(list(train_texts) + list(eval_texts))
-    prepare_tokenizer(tokenizer, cfg.chat_template, needed=_needs_template(train_texts, fmt))
+    prepare_tokenizer(tokenizer, cfg.chat_template, needed=needs_template(train_texts, fmt))
     train = SFTRecords(train_texts, tokenizer, max_length=cfg.max_length, loss_on=cfg.loss_on)
     heldout = SFTRecords(eval_texts, tokenizer, max_length=cfg.max_length, loss_on="answer") if eval_texts else []
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return train, heldout, PadRecords(pad if pad is not None else 0)
 
 
-def _needs_template(records, fmt) -> bool:
+def needs_template(records, fmt) -> bool:
     return fmt == "messages" or (fmt == "prompt_completion" and bool(records) and
                                  isinstance(parse(records[0])["prompt"], list))
 
@@ -555,36 +567,6 @@ def is_untokenized_sft(dataset) -> bool:
     row = dataset[0]
     return (isinstance(row, dict) and "input_ids" not in row
             and ("messages" in row or {"prompt", "completion"} <= set(row)))
-
-
-def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: str):
-    """The rows of an untokenized SFT dataset as :class:`dpllm.hf.records.Rows` (texts: canonical records).
-
-    Records whose answer ``max_length`` cuts off entirely are reported and dropped here, before the plan.
-    """
-    from dpllm.config import ConfigError
-    from dpllm.hf.records import Rows
-
-    if args.loss_on not in ("answer", "all"):
-        raise ConfigError(f"SFTArguments.loss_on={args.loss_on!r}; choose answer or all")
-    cols = list(dataset[0])
-    fmt = "messages" if "messages" in cols else "prompt_completion"
-    texts = [canonical(dataset[i], fmt, where=f"DPTrainer: {name} row {i}") for i in range(len(dataset))]
-    prepare_tokenizer(tokenizer, args.chat_template, needed=_needs_template(texts, fmt))
-    items, kept, dropped = [], [], 0
-    for t in texts:
-        enc = encode(parse(t), tokenizer, max_length=args.max_length, loss_on=loss_on)
-        if enc["answer_tokens"] == 0:
-            dropped += 1
-            continue
-        items.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
-        kept.append(t)
-    if dropped:
-        log.warning("sft: %d row(s) of %s lose their whole answer to max_length=%d and are dropped before training",
-                    dropped, name, args.max_length)
-    if not items and name == "train_dataset":
-        raise ConfigError(f"DPTrainer: every row of {name} loses its answer to max_length={args.max_length}; raise it")
-    return Rows(items, kept)
 
 
 # ---- held-out generations -----------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from dpllm import data, ledger, resume, rundir, sft, sharded_checkpoint
 from dpllm.canaries import add_tokens as add_canary_tokens, added_tokens as canary_tokens
 from dpllm.checkpoint import library_versions, save_checkpoint, unwrap
-from dpllm.config import ConfigError, RunConfig, noise_schedule
+from dpllm.config import ConfigError, RunConfig
 from dpllm.distributed import (World, all_max, all_sum, barrier, check_parallelism, gather_objects, is_sharded,
                                make_accelerator, params_digest, reshard, world_of, wrap_model)
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
@@ -50,6 +50,7 @@ from dpllm.privacy.engine import make_private, sequence_loss
 from dpllm.privacy.accounting import PrivacyPlanError, check_delta
 from dpllm.privacy.plan import PrivacyPlan, plan_privacy, sample_rate_for, steps_for
 from dpllm.privacy.randomness import privacy_generators
+from dpllm.privacy.schedule import noise_schedule
 from dpllm.privacy.report import PrivacyReport
 from dpllm.sampling import ShuffledBatchSampler
 from dpllm.stopping import StopRequests
@@ -348,7 +349,7 @@ class Trainer:
         # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
         keep_tie = self.dp and self.p.grad_sample_mode in ("auto", "bk")
         model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)
-        from dpllm.privacy.bk import resolve_mode
+        from dpllm.privacy.modes import resolve_mode
 
         # the engine, decided before anything is written (under FSDP auto is bk or a refusal: dpllm.privacy.modes)
         mode = resolve_mode(self.p.grad_sample_mode, model, sharded=self.world.kind == "fsdp") if self.dp else None

@@ -1,0 +1,7 @@
+"""Errors shared by modules in different layers (docs/architecture.md), kept below all of them."""
+
+from __future__ import annotations
+
+
+class DataError(ValueError):
+    """Unusable data: missing file, missing column, empty after filtering..."""
