@@ -5,3 +5,7 @@ from __future__ import annotations
 
 class DataError(ValueError):
     """Unusable data: missing file, missing column, empty after filtering..."""
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. a NaN loss); nothing half-written is left behind."""
