@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
 from dpllm.io import atomic_directory, write_json_atomic
 
-if TYPE_CHECKING:  # torch loads only where a model is handled (`dpllm report` answers without it)
+if TYPE_CHECKING:  # torch loads only where a model is handled
     from torch import nn
 
 
@@ -196,63 +195,3 @@ def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dt
     if getattr(model, "hf_device_map", None) is not None or getattr(model, "is_loaded_in_8bit", False):
         return model.eval(), tokenizer  # placed while loading (bitsandbytes); int8 models refuse .to()
     return model.to(device).eval(), tokenizer
-
-
-def _report_parser():
-    import argparse
-
-    parser = argparse.ArgumentParser(
-        prog="dpllm report", description="Print a run's privacy report: ε with δ, the accountant, σ, q and steps "
-        "behind it, then the whole report as JSON.",
-        epilog="exit status: 0 printed (with --compliance: every item met or not applicable), 1 an item not met or "
-               "an unreadable report, 2 bad options. Example: dpllm report runs/x --compliance")
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or its checkpoint/ or an exported bundle)")
-    parser.add_argument("--compliance", action="store_true",
-                        help="print the deployment checklist instead (dpllm.compliance): each item met, not met or "
-                             "not applicable, with the evidence")
-    parser.add_argument("--json", action="store_true", help="with --compliance: the checklist items as JSON")
-    return parser
-
-
-def cli_main(argv: list[str]) -> int:
-    """``dpllm report RUN_DIR``: print a run's privacy report; ``--compliance``: the deployment checklist
-    (:mod:`dpllm.compliance`), exit 1 when an item is not met; ``--json`` with it prints the items as JSON."""
-    from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError
-
-    parser = _report_parser()
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exit_:  # --help (0) or a bad option (2): argparse printed why
-        return int(exit_.code or 0)
-    if args.json and not args.compliance:
-        parser.print_usage(sys.stderr)
-        print("dpllm report: error: --json goes with --compliance", file=sys.stderr)
-        return 2
-    from dpllm.io import missing_path_error
-
-    missing = missing_path_error(args.run_dir, option="RUN_DIR", local=True)
-    if missing:
-        print(f"dpllm report: {missing}", file=sys.stderr)
-        return 1
-    flags = {f for f, on in (("--compliance", args.compliance), ("--json", args.json)) if on}
-    paths = [args.run_dir]
-    try:
-        report = PrivacyReport.read(paths[0])
-    except ReportError as err:
-        print(f"dpllm report: {err}", file=sys.stderr)
-        return 1
-    if "--compliance" in flags:
-        from dpllm import compliance
-
-        items = compliance.check(paths[0])
-        if "--json" in flags:
-            print(json.dumps(compliance.to_json(items), indent=2))
-        else:
-            print(f"Compliance checklist for {paths[0]} ({report.summary()})\n")
-            print(compliance.format_table(items))
-        return 1 if any(it.status == compliance.NOT_MET for it in items) else 0
-    print(report.summary())
-    if report.enabled and report.noise_secret is False:
-        print(f"WARNING: {NOT_RELEASABLE}", file=sys.stderr)
-    print(json.dumps(report.to_dict(), indent=2))
-    return 0

@@ -17,7 +17,7 @@ COMMANDS = {
     "plan": ("dpllm.privacy.planning", "privacy planning: noise multiplier, ε and NSR tables"),
     "scaling": ("dpllm.scaling.cli", "fit scaling laws to a runs table and plan N, D for a target"),
     "ledger": ("dpllm.ledger", "verify a run's privacy ledger (hash chain)"),
-    "report": ("dpllm.checkpoint", "print a run's privacy report"),
+    "report": ("dpllm.compliance", "print a run's privacy report"),
     "export": ("dpllm.export", "write a run's release bundle: model, tokenizer, privacy report, model card"),
     "synthesize": ("dpllm.synthetic.cli", "sample a synthetic data set from a run: JSONL, data card, private report"),
 }

@@ -44,6 +44,7 @@ Example:
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -284,3 +285,63 @@ def public_table(items: list[Item]) -> str:
 def to_json(items: list[Item]) -> list[dict]:
     """The items as JSON-ready dicts."""
     return [{k: v for k, v in asdict(it).items() if k != "public"} for it in items]
+
+
+# ---- dpllm report ------------------------------------------------------------------------------------------
+
+def _report_parser():
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="dpllm report", description="Print a run's privacy report: ε with δ, the accountant, σ, q and steps "
+        "behind it, then the whole report as JSON.",
+        epilog="exit status: 0 printed (with --compliance: every item met or not applicable), 1 an item not met or "
+               "an unreadable report, 2 bad options. Example: dpllm report runs/x --compliance")
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="a run directory (or its checkpoint/ or an exported bundle)")
+    parser.add_argument("--compliance", action="store_true",
+                        help="print the deployment checklist instead (dpllm.compliance): each item met, not met or "
+                             "not applicable, with the evidence")
+    parser.add_argument("--json", action="store_true", help="with --compliance: the checklist items as JSON")
+    return parser
+
+
+def cli_main(argv: list[str]) -> int:
+    """``dpllm report RUN_DIR``: print a run's privacy report; ``--compliance``: the deployment checklist
+    (this module), exit 1 when an item is not met; ``--json`` with it prints the items as JSON."""
+    from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError
+
+    parser = _report_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # --help (0) or a bad option (2): argparse printed why
+        return int(exit_.code or 0)
+    if args.json and not args.compliance:
+        parser.print_usage(sys.stderr)
+        print("dpllm report: error: --json goes with --compliance", file=sys.stderr)
+        return 2
+    from dpllm.io import missing_path_error
+
+    missing = missing_path_error(args.run_dir, option="RUN_DIR", local=True)
+    if missing:
+        print(f"dpllm report: {missing}", file=sys.stderr)
+        return 1
+    flags = {f for f, on in (("--compliance", args.compliance), ("--json", args.json)) if on}
+    paths = [args.run_dir]
+    try:
+        report = PrivacyReport.read(paths[0])
+    except ReportError as err:
+        print(f"dpllm report: {err}", file=sys.stderr)
+        return 1
+    if "--compliance" in flags:
+        items = check(paths[0])
+        if "--json" in flags:
+            print(json.dumps(to_json(items), indent=2))
+        else:
+            print(f"Compliance checklist for {paths[0]} ({report.summary()})\n")
+            print(format_table(items))
+        return 1 if any(it.status == NOT_MET for it in items) else 0
+    print(report.summary())
+    if report.enabled and report.noise_secret is False:
+        print(f"WARNING: {NOT_RELEASABLE}", file=sys.stderr)
+    print(json.dumps(report.to_dict(), indent=2))
+    return 0

@@ -352,18 +352,24 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
         raise ConfigError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
 
 
-def noise_schedule(p: "PrivacyConfig"):
-    """The :class:`dpllm.privacy.schedule.NoiseSchedule` the privacy section asks for.
+NOISE_SCHEDULES = ("constant", "linear", "exponential")
 
-    Raises:
-        ConfigError: An unknown kind, a non-positive end or fewer than 2 pieces.
+
+def schedule_problem(kind: str, end: float, pieces: int) -> Optional[str]:
+    """What is wrong with a noise schedule's shape (the ``noise_schedule*`` keys), or None when nothing is.
+
+    One rule for both places a schedule is built: :func:`validate` (a :class:`ConfigError` before anything
+    runs) and :class:`dpllm.privacy.schedule.NoiseSchedule` (a ``ScheduleError`` for one built in code).
     """
-    from dpllm.privacy.schedule import NoiseSchedule, ScheduleError
-
-    try:
-        return NoiseSchedule(kind=p.noise_schedule, end=p.noise_schedule_end, pieces=p.noise_schedule_pieces)
-    except ScheduleError as err:
-        raise ConfigError(str(err)) from None
+    if kind not in NOISE_SCHEDULES:
+        return f"privacy.noise_schedule={kind!r}; choose one of {', '.join(NOISE_SCHEDULES)}"
+    if kind != "constant":
+        if not (end > 0 and end == end and end != float("inf")):
+            return (f"privacy.noise_schedule_end={end} must be a positive finite multiplier "
+                    "(σ of the last piece / σ of the first; < 1 decays)")
+        if int(pieces) != pieces or pieces < 2:
+            return f"privacy.noise_schedule_pieces={pieces} must be an integer ≥ 2 for a {kind} schedule"
+    return None
 
 
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
@@ -464,7 +470,9 @@ def validate(cfg: RunConfig) -> None:
             raise ConfigError(f"target_delta={p.target_delta} must be in (0, 1), and below 1/N for N records")
         if p.noise_multiplier is not None and p.noise_multiplier <= 0:
             raise ConfigError(f"noise_multiplier={p.noise_multiplier} must be positive under DP")
-        noise_schedule(p)  # refuses a bad kind, end or piece count
+        problem = schedule_problem(p.noise_schedule, p.noise_schedule_end, p.noise_schedule_pieces)
+        if problem:  # a bad kind, end or piece count
+            raise ConfigError(problem)
         if p.noise_schedule != "constant" and d.privacy_unit == "user" and p.user_sampling == "els":
             raise ConfigError("noise_schedule with user_sampling=els is not supported yet (its user-level mixture "
                               "accounting calibrates one σ); use user_sampling=uls or noise_schedule=constant")

@@ -25,12 +25,9 @@ import torch
 from torch.utils.data import Dataset
 
 from dpllm.config import DataConfig
+from dpllm.errors import DataError  # defined below dpllm.sft, which raises it too; imported from here as before
 
 log = logging.getLogger(__name__)
-
-
-class DataError(ValueError):
-    """Unusable data: missing file, missing column, empty after filtering..."""
 
 
 def pydoc_paragraphs(*keys: str) -> list[str]:

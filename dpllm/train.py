@@ -1,21 +1,25 @@
 """The training loop: one :class:`Trainer` for private and non-private runs, on one process or many.
 
-:meth:`Trainer.run` reads top to bottom as the stages of a run:
+:meth:`Trainer.run` reads top to bottom as the stages of a run; ``self.privacy`` (:class:`RunPrivacy`,
+:mod:`dpllm.privacy.run`) owns the run's privacy state, the Trainer the stages and the loop:
 
+    stage           the Trainer                                   RunPrivacy
     setup_process   accelerator, processes, resume target
-    setup_data      records, splits, canaries                      ┐ every check, nothing loaded
-    setup_plan      earlier stages by content, q, steps, σ         ┘ or written yet
-    setup_model     load, LoRA/full, DP layer checks, wrapping, optimizer
+    setup_data      records, splits, canaries                     bound_contributions: k records per user
+    setup_plan      the base model's source                       make_plan: earlier stages, q, steps, σ
+    setup_model     load, LoRA/full, engine choice, DP layer checks, wrapping, optimizer
     setup_run_dir   lock, safe overwrite, config.yaml, splits.json
-    setup_privacy   secret generators, Opacus wrapping (or the non-private sampler)
-    start           step-0 eval, or restore a resumable checkpoint
-    train_steps     one loop: a logical batch → micro-batches → one optimizer step
-    finish          final eval, checks, checkpoint/, privacy report, ledger, summary
+    setup_privacy   secret generators (or the non-private sampler) attach: the engine wraps model, optimizer
+    start           step-0 eval, or restore a resumable checkpoint now: the ledger's first line
+    train_steps     one loop: a logical batch → micro-batches → one optimizer step; epsilon for the log
+    finish          final eval, checkpoint/, ledger, summary      check_history, report
 
-Where the rest lives: the privacy plan in :mod:`dpllm.privacy.plan`, composition of earlier stages in
-:mod:`dpllm.privacy.composition`, the report type in :mod:`dpllm.privacy.report`, process handling in
-:mod:`dpllm.distributed`, resumable checkpoints in :mod:`dpllm.resume`, run-directory safety in
-:mod:`dpllm.rundir`, the ε hash chain in :mod:`dpllm.ledger`.
+Every check (data, composition, plan, model) comes before setup_run_dir writes anything.
+
+Where the rest lives: the held-out loss in :mod:`dpllm.evaluation`, the privacy plan in :mod:`dpllm.privacy.plan`,
+composition of earlier stages in :mod:`dpllm.privacy.composition`, the report type in
+:mod:`dpllm.privacy.report`, process handling in :mod:`dpllm.distributed`, resumable checkpoints in
+:mod:`dpllm.resume`, run-directory safety in :mod:`dpllm.rundir`, the ε hash chain in :mod:`dpllm.ledger`.
 """
 
 from __future__ import annotations
@@ -32,33 +36,29 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader
 
 from dpllm import data, ledger, resume, rundir, sft, sharded_checkpoint
 from dpllm.canaries import add_tokens as add_canary_tokens, added_tokens as canary_tokens
-from dpllm.checkpoint import library_versions, save_checkpoint, unwrap
-from dpllm.config import ConfigError, RunConfig, noise_schedule
-from dpllm.distributed import (World, all_max, all_sum, barrier, check_parallelism, gather_objects, is_sharded,
-                               make_accelerator, params_digest, reshard, world_of, wrap_model)
+from dpllm.checkpoint import save_checkpoint, unwrap
+from dpllm.config import ConfigError, RunConfig
+from dpllm.distributed import (all_max, all_sum, barrier, check_parallelism, gather_objects, is_sharded,
+                               make_accelerator, params_digest, world_of, wrap_model)
+from dpllm.errors import TrainingError  # raised by the loop and dpllm.privacy.run; imported from here too
+from dpllm.evaluation import evaluate
 from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
 from dpllm.logs import known_warnings_silenced
 from dpllm.models import (check_checkpointing, check_dp_layers, context_length, count_parameters, load_base,
                           position_ids_for, prepare_model, source_of, unquantized_base, untie_output_embeddings)
-from dpllm.privacy import clipping, user_level
-from dpllm.privacy.composition import Lineage, lineage, set_digest
-from dpllm.privacy.engine import make_private, sequence_loss
-from dpllm.privacy.accounting import PrivacyPlanError, check_delta
-from dpllm.privacy.plan import PrivacyPlan, plan_privacy, sample_rate_for, steps_for
+from dpllm.privacy import user_level
+from dpllm.privacy.engine import sequence_loss
+from dpllm.privacy.plan import PrivacyPlan
 from dpllm.privacy.randomness import privacy_generators
 from dpllm.privacy.report import PrivacyReport
+from dpllm.privacy.run import RunPrivacy
 from dpllm.sampling import ShuffledBatchSampler
 from dpllm.stopping import StopRequests
 
 log = logging.getLogger(__name__)
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. a NaN loss); nothing half-written is left behind."""
 
 
 def seed_everything(seed: int) -> None:
@@ -85,37 +85,6 @@ def forward_loss(model, batch: dict, criterion=None, autocast=None):
     return sequence_loss(out.logits, batch["labels"], criterion)
 
 
-@torch.no_grad()
-def evaluate(model, dataset, collate, *, batch_size: int, device, world: World = World()) -> dict:
-    """Token-weighted held-out loss (nats per token) and perplexity.
-
-    Called on every process: each evaluates every W-th record and the sums are all-reduced (under
-    FSDP, where a forward pass needs all processes, each evaluates everything).
-    """
-    model = unwrap(model)
-    was_training = model.training
-    model.eval()
-    total, tokens = 0.0, 0
-    share = world if not is_sharded(model) else World()
-    ids = list(range(share.rank, len(dataset), share.size))
-    for batch in DataLoader(torch.utils.data.Subset(dataset, ids), batch_size=batch_size, collate_fn=collate):
-        batch = {k: v.to(device) for k, v in batch.items()}
-        ids = batch["input_ids"]
-        logits = model(input_ids=ids, attention_mask=batch["attention_mask"], position_ids=position_ids_for(ids)).logits
-        labels = batch["labels"][:, 1:]
-        nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
-        )
-        total += nll.item()
-        tokens += int((labels != -100).sum())
-    model.train(was_training)
-    if is_sharded(model):
-        reshard(model)  # FSDP: no backward follows these forwards to reshard the root's parameters
-    total, tokens = all_sum([total, tokens], share)
-    loss = total / max(tokens, 1)
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": int(tokens)}
-
-
 def _make_optimizer(params, cfg: RunConfig):
     t = cfg.train
     if t.optimizer == "sgd":
@@ -137,9 +106,7 @@ class Trainer:
         self.out = Path(cfg.train.output_dir)
         self.metrics_path = self.out / "metrics.jsonl"
         self.lock: Optional[rundir.RunLock] = None
-        self.plan: Optional[PrivacyPlan] = None
-        self.private = None  # dpllm.privacy.engine.PrivateTraining under DP
-        self.user_unit = False  # privacy_unit=user (set by setup_data; subclasses with their own data keep records)
+        self.privacy = RunPrivacy(cfg)  # unit, users, plan, the engine's history, the report (dpllm.privacy.run)
         self.data_notes: list[str] = []  # what loading removed, for the plan's warnings (set by setup_data)
         self.sft_format: Optional[str] = None  # the record shape of instruction / chat data (dpllm.sft), None for text
         self.criterion = None
@@ -217,11 +184,13 @@ class Trainer:
             raise data.DataError("train_on=public but public_fraction=0 leaves no public records; raise public_fraction")
         train_ids = self.splits.public if d.train_on == "public" else self.splits.train
         self.canaries = data.make_canaries(d) if d.train_on == "private" else []
-        self.user_unit = self.users is not None and d.train_on == "private"
-        if self.user_unit:
-            train_ids = self.bound_contributions(train_ids)
+        if self.users is not None and d.train_on == "private":  # privacy_unit=user: at most k records per user
+            train_ids = self.privacy.bound_contributions(
+                train_ids, users=self.users, splits=self.splits, canaries=self.canaries,
+                resumed=self.resume_from is not None, stage=resume.config_key(self.cfg), world=self.world,
+                user_column=None if d.dataset in data.BUILTIN else d.user_column)
         # a canary user (privacy_unit=user) writes its canary in canary_records_per_user records
-        m = d.canary_records_per_user if self.user_unit else 1
+        m = d.canary_records_per_user if self.privacy.user_unit else 1
         self.train_texts = data.select(self.records, train_ids) + [
             sft.canary_record(c, self.sft_format) if self.sft_format else c["text"]  # SFT: the secret is the answer
             for c in self.canaries if c["included"] for _ in range(m)]
@@ -230,108 +199,21 @@ class Trainer:
         self.eval_texts = heldout if self.t.eval_max_records is None else heldout[: self.t.eval_max_records]
         self.trained_hashes = {data.sha256(x) for x in self.train_texts}
 
-    def bound_contributions(self, train_ids: list[int]) -> list[int]:
-        """privacy_unit=user: keep at most k records per user (secret random choice); return the kept ids.
-
-        A resumed run trains on the records its splits.json lists: the choice was secret and is not redrawn.
-        """
-        d, p = self.cfg.data, self.p
-        if self.resume_from is not None and (self.out / "splits.json").is_file():
-            import json
-
-            kept = json.loads((self.out / "splits.json").read_text())["train"]
-            if not set(kept) <= set(train_ids):
-                raise data.DataError(f"{self.out}/splits.json lists records outside this run's training users")
-            cap = user_level.cap_users(kept, self.users, None, None)
-            dropped = sorted(set(train_ids) - set(kept))
-            cap.update(users_trimmed=len({self.users[i] for i in dropped}), records_dropped=len(dropped),
-                       largest_user=max(len(r) for r in user_level.group_by_user(train_ids, self.users).values()))
-        else:
-            gen = user_level.cap_generator(reproducible=p.reproducible_noise, seed=self.t.seed,
-                                           stage=resume.config_key(self.cfg), world=self.world)
-            cap = user_level.cap_users(train_ids, self.users, d.max_records_per_user, gen)
-        # splits.json lists the kept records as the trained ones; dropped records are neither member nor held out
-        self.splits.users["dropped_records"] = sorted(set(train_ids) - set(cap["kept"]))
-        self.splits.train = cap["kept"]
-        self.user_cap = cap
-        names = sorted(cap["by_user"]) + [f"canary#{i}" for i, c in enumerate(self.canaries) if c["included"]]
-        index = {u: j for j, u in enumerate(names)}
-        self.record_user = [index[self.users[i]] for i in cap["kept"]]
-        self.record_user += [index[f"canary#{i}"] for i, c in enumerate(self.canaries) if c["included"]
-                             for _ in range(d.canary_records_per_user)]
-        self.user_records = [[] for _ in names]  # dataset positions of each user's records
-        for pos, u in enumerate(self.record_user):
-            self.user_records[u].append(pos)
-        uls = self.dp and p.user_sampling == "uls"
-        largest = max(len(r) for r in self.user_records)
-        if uls and largest > self.t.physical_batch_size:
-            raise ConfigError(
-                f"user_sampling=uls keeps a user's records in one physical batch, but a user keeps {largest} records > "
-                f"physical_batch_size={self.t.physical_batch_size}; set max_records_per_user ≤ "
-                f"{self.t.physical_batch_size} or raise physical_batch_size")
-        log.info("users: %d training users, %d records kept (k=%s, %s users trimmed, %s records dropped)",
-                 len(names), len(self.record_user), d.max_records_per_user, cap["users_trimmed"],
-                 cap["records_dropped"])
-        return cap["kept"]
-
-    @property
-    def uls(self) -> bool:
-        return self.dp and self.user_unit and self.p.user_sampling == "uls"
-
-    @property
-    def els(self) -> bool:
-        return self.dp and self.user_unit and self.p.user_sampling == "els"
-
-    @property
-    def group_size(self) -> Optional[int]:
-        """k of the group-privacy accounting (ELS, record): the declared cap ``max_records_per_user``, never a
-        statistic of the data (a neighbour may add a user of k records, whatever the largest user here keeps).
-        None for ``record`` without a cap (unbounded; ELS without one is refused by the config); 1 otherwise."""
-        if self.dp and self.user_unit and self.p.user_sampling in ("els", "record"):
-            return self.cfg.data.max_records_per_user
-        return 1
-
     def setup_plan(self) -> None:
         """Earlier stages, steps and σ: all decided from the data alone, before any model is loaded."""
-        t, p = self.t, self.p
         self.source = source_of(self.cfg.model)
-        self.lineage: Lineage = lineage(self.source, private=self.trained_hashes, heldout=self.heldout_hashes,
-                                        dp=self.dp, declared_disjoint=self.cfg.data.earlier_stages_disjoint)
-        if self.dp and self.user_unit and self.lineage.history:
-            raise PrivacyPlanError("privacy_unit=user cannot yet compose with earlier private stages on the same "
-                                   "records (their ε is record-level); start from a model that never saw them")
-        n, batch = len(self.train_texts), t.logical_batch_size
-        target, delta = p.target_epsilon, p.target_delta
-        if self.dp and self.user_unit:
-            check_delta(delta, len(self.user_records))  # δ < 1/U: the unit is the user
-        if self.uls:
-            # ULS samples users: B_u users per step so that a step holds B records in expectation.
-            n, batch = len(self.user_records), max(1, round(batch * len(self.user_records) / n))
-            self.users_per_batch = batch
-        self.steps = steps_for(num_records=n, batch=batch, epochs=t.epochs,
-                               steps=None if t.epochs is not None else t.max_steps)
-        sigma = p.noise_multiplier
-        if self.els and self.group_size > 1 and (sigma is not None or target is not None):
-            # σ from the user-level target by the tight mixture accounting; the record-level plan below then
-            # carries δ/k (< 1/N, as δ < 1/U) only to state a record-level ε beside the user-level one.
-            k, q = self.group_size, sample_rate_for(n, batch)
-            if sigma is None:  # calibrated: meets the target by construction
-                sigma = user_level.calibrate_mixture(target_epsilon=target, delta=delta, sample_rate=q,
-                                                     steps=self.steps, group_size=k)
-            elif target is not None:  # a given σ must still meet a given target
-                eps_u = user_level.mixture_epsilon(history=[(sigma, q, self.steps)], delta=delta, group_size=k)
-                if eps_u > target:
-                    raise PrivacyPlanError(f"noise_multiplier={sigma:g} gives user-level ε={eps_u:.4g} > "
-                                           f"target_epsilon={target:g} for users of {k} records; raise the noise or "
-                                           "unset it")
-            target, delta = None, delta / k
-        if self.dp:
-            self.plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=self.steps,
-                                     target_epsilon=target, delta=delta, accountant=p.accountant,
-                                     noise_multiplier=sigma, prior_history=self.lineage.history,
-                                     data_notes=self.data_notes, schedule=noise_schedule(p))
-        for note in self.lineage.notes:
-            log.info("stages: %s", note)
+        self.steps = self.privacy.make_plan(source=self.source, num_records=len(self.train_texts),
+                                            trained=self.trained_hashes, heldout=self.heldout_hashes,
+                                            data_notes=self.data_notes)
+
+    @property
+    def plan(self) -> Optional[PrivacyPlan]:
+        return self.privacy.plan
+
+    @property
+    def private(self):
+        """The engine (:class:`dpllm.privacy.engine.PrivateTraining`) under DP, after setup_privacy."""
+        return self.privacy.private
 
     def setup_model(self) -> None:
         cfg, dlen = self.cfg, self.cfg.data.max_length
@@ -351,11 +233,29 @@ class Trainer:
         # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
         keep_tie = self.dp and self.p.grad_sample_mode in ("auto", "bk")
         model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)
-        from dpllm.privacy.bk import resolve_mode
+        mode = self.choose_engine(model, keep_tie=keep_tie)
+        model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
+        if self.dp:
+            check_dp_layers(model)
+        self.n_params = count_parameters(model)
+        # DDP / FSDP wrapping comes before the optimizer (FSDP replaces parameters) and before make_private.
+        self.model = wrap_model(model, dp=self.dp, world=self.world, accelerator=self.accelerator,
+                                mixed_precision=self.mp, grad_sample_mode=mode)
+        self.train_ds, self.eval_ds, self.collate = self.make_datasets()
+        self.optimizer = _make_optimizer([q for q in self.model.parameters() if q.requires_grad], cfg)
+        from transformers import get_scheduler
 
-        # the engine, decided before anything is written (under FSDP auto is bk or a refusal: dpllm.privacy.modes)
+        self.scheduler = get_scheduler(self.t.lr_scheduler, self.optimizer, num_warmup_steps=self.t.warmup_steps,
+                                       num_training_steps=self.steps)
+
+    def choose_engine(self, model, *, keep_tie: bool) -> Optional[str]:
+        """The per-sample engine (None without DP), decided before anything is written; unties the head where
+        the engine needs it and turns on (non-reentrant) gradient checkpointing where asked and allowed."""
+        from dpllm.privacy.modes import resolve_mode
+
+        # under FSDP auto is bk or a refusal (dpllm.privacy.modes)
         mode = resolve_mode(self.p.grad_sample_mode, model, sharded=self.world.kind == "fsdp") if self.dp else None
-        if keep_tie and cfg.model.finetuning == "full" and mode != "bk":
+        if keep_tie and self.cfg.model.finetuning == "full" and mode != "bk":
             self.adjustments += untie_output_embeddings(model)
         if self.t.gradient_checkpointing:
             if self.dp and mode != "bk":
@@ -367,25 +267,16 @@ class Trainer:
             unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if self.dp:  # however checkpointing got turned on (a model's own code may): only bk clips under it
             check_checkpointing(model, mode)
-        model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
-        if self.dp:
-            check_dp_layers(model)
-        self.n_params = count_parameters(model)
-        # DDP / FSDP wrapping comes before the optimizer (FSDP replaces parameters) and before make_private.
-        self.model = wrap_model(model, dp=self.dp, world=self.world, accelerator=self.accelerator,
-                                mixed_precision=self.mp, grad_sample_mode=mode)
-        if self.sft_format:  # labels -100 on prompt tokens; the template is set on the tokenizer saved with the model
-            self.train_ds, self.eval_ds, self.collate = sft.make_datasets(self.train_texts, self.eval_texts,
-                                                                          self.tokenizer, cfg.data)
-        else:
-            self.train_ds = data.TokenizedRecords(self.train_texts, self.tokenizer, dlen)
-            self.eval_ds = data.TokenizedRecords(self.eval_texts, self.tokenizer, dlen)
-            self.collate = data.make_collate(self.tokenizer.pad_token_id)
-        self.optimizer = _make_optimizer([q for q in self.model.parameters() if q.requires_grad], cfg)
-        from transformers import get_scheduler
+        return mode
 
-        self.scheduler = get_scheduler(self.t.lr_scheduler, self.optimizer, num_warmup_steps=self.t.warmup_steps,
-                                       num_training_steps=self.steps)
+    def make_datasets(self):
+        """``(train_ds, eval_ds, collate)``: token ids and labels (-100 on padding, and on prompts of SFT records)."""
+        if self.sft_format:  # the template is set on the tokenizer saved with the model
+            return sft.make_datasets(self.train_texts, self.eval_texts, self.tokenizer, self.cfg.data)
+        dlen = self.cfg.data.max_length
+        return (data.TokenizedRecords(self.train_texts, self.tokenizer, dlen),
+                data.TokenizedRecords(self.eval_texts, self.tokenizer, dlen),
+                data.make_collate(self.tokenizer.pad_token_id))
 
     def setup_run_dir(self) -> None:
         """Lock, then (fresh runs) clear and describe the run directory. Only rank 0 writes."""
@@ -408,7 +299,7 @@ class Trainer:
                     write_json_atomic(self.out / "canaries.json",
                                       {"seed": self.cfg.data.canary_seed, "canaries": self.canaries,
                                        **({"unit": "user", "records_per_user": self.cfg.data.canary_records_per_user}
-                                          if self.user_unit else {})})
+                                          if self.privacy.user_unit else {})})
             else:
                 resume.clean_partial_writes(self.out)
         barrier(self.world)
@@ -418,18 +309,9 @@ class Trainer:
                                              stage=resume.config_key(self.cfg), world=self.world,
                                              device=self.device, secure_mode=self.p.secure_mode)
         if self.dp:
-            self.private = make_private(
+            self.model, self.optimizer, self.criterion, self.batches = self.privacy.attach(
                 model=self.model, optimizer=self.optimizer, dataset=self.train_ds, collate_fn=self.collate,
-                cfg=self.p, plan=self.plan, logical_batch_size=self.t.logical_batch_size,
-                noise_generator=self.generators["noise"], sampling_generator=self.generators["sampling"],
-                rank=self.world.rank, world_size=self.world.size, physical_batch_size=self.t.physical_batch_size,
-                **({"user_records": self.user_records} if self.uls else {}))
-            self.model, self.optimizer = self.private.model, self.private.optimizer
-            self.criterion = self.private.criterion
-            self.batches = self.private.sampler
-            log.info("privacy: σ=%.4g q=%.4g steps=%d target ε=%s δ=%g (%s), %d process(es)",
-                     self.plan.noise_multiplier, self.plan.sample_rate, self.steps, self.p.target_epsilon,
-                     self.p.target_delta, self.p.accountant, self.world.size)
+                generators=self.generators, world=self.world)
         else:
             self.batches = ShuffledBatchSampler(num_samples=len(self.train_ds), batch_size=self.t.logical_batch_size,
                                                 seed=self.t.seed, rank=self.world.rank, world_size=self.world.size)
@@ -445,12 +327,12 @@ class Trainer:
             self.tokens_seen = state["tokens_seen"] if self.world.is_main else 0  # the sum over processes counts
             if self.world.is_main:
                 resume.truncate_metrics(self.metrics_path, state["metrics_bytes"])
-                resume.sync_ledger(self.out, self.resume_from, step=self.step, privacy=self.privacy_now())
+                resume.sync_ledger(self.out, self.resume_from, step=self.step, privacy=self.privacy.now())
                 self.initial_eval = resume.initial_eval(self.metrics_path)
             log.warning("resumed %s from step %d of %d (%s)", self.out, self.step, self.steps, self.resume_from.name)
         else:
             if self.world.is_main:
-                ledger.append(self.out, kind="stage", step=0, privacy=self.privacy_now(), name=self.out.name,
+                ledger.append(self.out, kind="stage", step=0, privacy=self.privacy.now(), name=self.out.name,
                               previous_stage=ledger.previous_stage(self.source))
             if self.t.eval_every:
                 self.initial_eval = self.evaluate()
@@ -506,7 +388,7 @@ class Trainer:
         if len(set(digests)) > 1:
             raise TrainingError(f"model replicas differ across the {self.world.size} processes after training; this "
                                 "is a dpllm bug (no checkpoint was written)")
-        self.check_history_is_plan()
+        self.privacy.check_history(self.step)
         weights_dir = None
         if is_sharded(unwrap(self.model)):  # every process writes its own shards of the final weights
             weights_dir = sharded_checkpoint.shared_tempdir(self.out / "checkpoint", self.world)
@@ -514,7 +396,8 @@ class Trainer:
             barrier(self.world)
         summary: dict = {}
         if self.world.is_main:
-            report = self.report()
+            report = self.privacy.report(num_records=len(self.train_ds), steps=self.step, trained=self.trained_hashes,
+                                         adjustments=self.adjustments, base_model=self.source)
             save_checkpoint(self.out / "checkpoint", model=self.model, tokenizer=self.tokenizer,
                             privacy_report=report.to_dict(), config_yaml=self.cfg.to_yaml(),
                             base_model=self.lora_base, weights_dir=weights_dir)
@@ -545,7 +428,7 @@ class Trainer:
     def micro_batches(self, ids: list[int]) -> list[list[int]]:
         """Physical batches of this process's share; under FSDP as many as the busiest process has."""
         size = self.t.physical_batch_size
-        if self.uls:  # a user's records stay together: its mean gradient is clipped once
+        if self.privacy.uls:  # a user's records stay together: its mean gradient is clipped once
             parts = user_level.whole_user_batches(ids, self.batches.user_of, size) or [[]]
         else:
             parts = [ids[i: i + size] for i in range(0, len(ids), size)] or [[]]
@@ -570,8 +453,8 @@ class Trainer:
             batch = {k: v.to(self.device) for k, v in (self.collate(items) if items else _EMPTY).items()}
             if self.dp:
                 self.optimizer.signal_skip_step(do_skip=not last)
-            if self.uls:  # the masked stand-in row of an empty share is a user of its own, with zero gradient
-                self.private.set_users([self.record_user[j] for j in part] or [-1])
+            if self.privacy.uls:  # an empty share's masked stand-in row is a user of its own, with zero gradient
+                self.private.set_users([self.privacy.record_user[j] for j in part] or [-1])
             sync = nullcontext() if last or self.dp else self.accelerator.no_sync(self.model)
             with sync:
                 loss = forward_loss(self.model, batch, self.criterion, self.autocast)
@@ -621,7 +504,7 @@ class Trainer:
                "elapsed_s": round(time.time() - self.started, 2)}
         if self.world.is_main:
             if self.dp:
-                row["epsilon"] = self.unit_privacy()[0]
+                row["epsilon"] = self.privacy.epsilon()[0]
             append_jsonl(self.metrics_path, row)
             if self.bar is not None:
                 shown = {"loss": f"{row['loss']:.3f}", **({"eps": f"{row['epsilon']:.2f}"} if self.dp else {})}
@@ -640,53 +523,10 @@ class Trainer:
 
     # ---- privacy state, checkpoints, report -------------------------------------------------------------
 
-    def unit_privacy(self) -> tuple[float, float]:
-        """(ε, δ) so far for the privacy unit: a record, or a user (ULS directly; ELS by the mixture accounting)."""
-        if self.els and self.group_size > 1:
-            return user_level.mixture_epsilon(history=self.private.history(), delta=self.p.target_delta,
-                                              group_size=self.group_size), self.p.target_delta
-        return self.private.epsilon(), self.plan.delta
-
-    def user_level_info(self) -> Optional[dict]:
-        """The user-level part of the report and the ledger lines (None for record-level runs)."""
-        if not (self.dp and self.user_unit):
-            return None
-        cap, k = self.user_cap, self.group_size
-        info = {"unit": "user", "sampling": self.p.user_sampling, "num_users": len(self.user_records),
-                "users_per_batch": self.users_per_batch if self.uls else None,
-                "max_records_per_user": self.cfg.data.max_records_per_user, "group_size": k,
-                "largest_user_records": cap["largest_user"], "users_trimmed": cap["users_trimmed"],
-                "users_dropped": cap["users_dropped"], "records_dropped": cap["records_dropped"],
-                "user_column": None if self.cfg.data.dataset in data.BUILTIN else self.cfg.data.user_column,
-                "group_privacy": user_level.ULS_UNIT if self.uls else
-                "k = 1: the user-level guarantee is the record-level one" if k == 1 else user_level.GROUP_PRIVACY}
-        if self.p.user_sampling == "record":  # the guarantee is per record; the user level only by group privacy
-            eps_u = (math.inf if k is None else
-                     user_level.mixture_epsilon(history=self.private.history(), delta=self.p.target_delta, group_size=k))
-            info.update(user_epsilon=eps_u if math.isfinite(eps_u) else None, user_delta=self.p.target_delta,
-                        group_privacy=user_level.UNCAPPED if k is None else user_level.GROUP_PRIVACY + (
-                            "" if math.isfinite(eps_u) else "; unbounded at this δ (user_epsilon = null)"))
-        elif k > 1:  # ELS: the record-level ε at δ/k, for comparison only (the guarantee is the user-level one)
-            info.update(record_epsilon=self.private.epsilon(), record_delta=self.plan.delta)
-        return info
-
-    def privacy_now(self) -> dict:
-        """ε so far (earlier stages on the same records included) and the parameters behind it."""
-        if not self.dp:
-            return {}
-        eps, delta = self.unit_privacy()
-        out = {"epsilon": eps, "delta": delta, "noise_multiplier": self.plan.noise_multiplier,
-               "sample_rate": self.plan.sample_rate, "accountant": self.plan.accountant,
-               "history": [list(h) for h in self.private.history()]}
-        info = self.user_level_info()
-        if info is not None:
-            out["user_level"] = info
-        return out
-
     def save_resumable(self) -> None:
         self.last_saved, self.last_saved_at = self.step, time.time()
         tokens = int(all_sum([self.tokens_seen], self.world)[0])
-        privacy = self.privacy_now() if self.world.is_main else {}
+        privacy = self.privacy.now() if self.world.is_main else {}
         state = {"step": self.step, "tokens_seen": tokens, "plan": self.plan.to_json() if self.plan else None,
                  "epsilon": privacy.get("epsilon"),
                  "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
@@ -694,54 +534,6 @@ class Trainer:
         resume.save(self.out, step=self.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                     world=self.world, config_yaml=self.cfg.to_yaml(), generators=self.generators,
                     trainer_state=state, privacy=privacy)
-
-    def check_history_is_plan(self) -> None:
-        """The accountant must hold exactly the planned (σ, q) for exactly the steps taken."""
-        if not self.dp:
-            return
-        got = [(float(s), float(q), int(n)) for s, q, n in self.private.history()]
-        want = list(self.lineage.history) + self.plan.stage_history(self.step)
-        merged: list = []
-        for h in got:  # Opacus records one entry per (σ, q) run of steps
-            if merged and merged[-1][:2] == h[:2] and len(merged) > len(self.lineage.history):
-                merged[-1] = (h[0], h[1], merged[-1][2] + h[2])
-            else:
-                merged.append(h)
-        if merged != [(float(s), float(q), int(n)) for s, q, n in want] or self.step != self.steps:
-            raise TrainingError(f"the accountant recorded {merged}, the plan says {want} over {self.steps} steps; "
-                                "this is a dpllm bug (no checkpoint was written)")
-
-    def report(self) -> PrivacyReport:
-        """The privacy report: ε with everything needed to recompute it."""
-        p, t = self.p, self.t
-        stage = {"name": self.out.name, "run_dir": str(self.out.resolve()), "enabled": self.dp,
-                 "dataset": self.cfg.data.dataset, "train_on": self.cfg.data.train_on,
-                 "num_records": len(self.train_ds), "steps": self.step,
-                 "records_sha256": set_digest(self.trained_hashes),
-                 "history": [list(h) for h in self.private.history()[len(self.lineage.history):]] if self.dp else []}
-        common = dict(enabled=self.dp, num_records=len(self.train_ds), steps=self.step,
-                      logical_batch_size=t.logical_batch_size, physical_batch_size=t.physical_batch_size,
-                      model_adjustments=self.adjustments, base_model=self.source, versions=library_versions(),
-                      stages=self.lineage.stages + [stage])
-        if not self.dp:
-            return PrivacyReport(**common)
-        history = self.private.history()
-        eps, delta = self.unit_privacy()
-        return PrivacyReport(
-            **common, epsilon=eps, delta=delta, accountant=self.plan.accountant,
-            privacy_unit="user" if self.user_unit and self.p.user_sampling != "record" else "record",
-            user_level=self.user_level_info(),
-            target_epsilon=p.target_epsilon, noise_multiplier=self.plan.noise_multiplier,
-            sample_rate=self.plan.sample_rate, expected_batch_size=self.plan.expected_batch_size,
-            max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),
-            grad_sample_mode=self.private.grad_sample_mode,
-            grad_sample_mode_reason=self.private.grad_sample_mode_reason or None,
-            poisson_sampling=True, secure_mode=p.secure_mode,
-            noise_secret=not p.reproducible_noise, history=[list(h) for h in history],
-            noise_schedule=({**self.plan.schedule, "pieces_sigma_steps": [[s, n] for s, _, n in self.plan.stage_history()]}
-                            if self.plan.schedule else None),
-            composition=("; ".join(self.lineage.notes) if self.lineage.notes else "single stage"),
-            warnings=list(self.plan.warnings))
 
     def summary(self, report: PrivacyReport, final: dict, tokens: int, digest: Optional[str]) -> dict:
         t = self.t

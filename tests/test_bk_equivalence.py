@@ -121,7 +121,8 @@ def test_auto_policy_picks_the_cheaper_norm():
 
 
 def test_bk_refuses_what_it_cannot_do():
-    from dpllm.privacy.bk import BookKeepingModule, resolve_mode
+    from dpllm.privacy.bk import BookKeepingModule
+    from dpllm.privacy.modes import resolve_mode
 
     model, _ = tiny_model("tiny-gpt2", "full", dp=False)  # a head tied to wte is supported (test_bk_vocab) ...
     model.transformer.h[0].mlp.c_proj.weight = model.transformer.h[1].mlp.c_proj.weight  # ... other sharing is not

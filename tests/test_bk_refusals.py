@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dpllm.privacy.bk import BookKeepingModule, resolve_mode
+from dpllm.privacy.bk import BookKeepingModule
+from dpllm.privacy.modes import resolve_mode
 
 V, D, B, T = 13, 8, 3, 5
 

@@ -299,7 +299,7 @@ def test_bundles_of_neighbouring_datasets_are_equal_apart_from_the_weights(tmp_p
     candidate), num_records and the local dataset path.
     """
     from dpllm import ledger
-    from dpllm.checkpoint import cli_main as report_main
+    from dpllm.compliance import cli_main as report_main
     from dpllm.export import export
 
     texts = [json.loads(x)["text"] for x in records.read_text().splitlines()][:51]

@@ -8,12 +8,15 @@ A row needs ``input_ids``; ``labels`` (with -100 on tokens kept out of the loss)
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 
 import torch
 from torch.utils.data import Dataset
 
 from dpllm.config import ConfigError
+from dpllm.sft import PadRecords, SFTArguments, canonical, encode, needs_template, parse, prepare_tokenizer
+
+log = logging.getLogger(__name__)
 
 # Rows that all have exactly this many tokens or more, none padded and with no text of their own, are almost
 # certainly blocks cut from concatenated records (run_clm's group_texts), where one row mixes records.
@@ -74,20 +77,31 @@ def rows_of(dataset, tokenizer, *, text_column: str, name: str) -> Rows:
     return Rows(items, texts)
 
 
-@dataclass
-class PadRecords:
-    """Right-pad records into a batch; labels are -100 on padding, as :func:`dpllm.data.make_collate`."""
+def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: str):
+    """The rows of an untokenized SFT dataset as :class:`Rows` (texts: canonical records).
 
-    pad_token_id: int
+    Records whose answer ``max_length`` cuts off entirely are reported and dropped here, before the plan.
+    """
+    if args.loss_on not in ("answer", "all"):
+        raise ConfigError(f"SFTArguments.loss_on={args.loss_on!r}; choose answer or all")
+    cols = list(dataset[0])
+    fmt = "messages" if "messages" in cols else "prompt_completion"
+    texts = [canonical(dataset[i], fmt, where=f"DPTrainer: {name} row {i}") for i in range(len(dataset))]
+    prepare_tokenizer(tokenizer, args.chat_template, needed=needs_template(texts, fmt))
+    items, kept, dropped = [], [], 0
+    for t in texts:
+        enc = encode(parse(t), tokenizer, max_length=args.max_length, loss_on=loss_on)
+        if enc["answer_tokens"] == 0:
+            dropped += 1
+            continue
+        items.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
+        kept.append(t)
+    if dropped:
+        log.warning("sft: %d row(s) of %s lose their whole answer to max_length=%d and are dropped before training",
+                    dropped, name, args.max_length)
+    if not items and name == "train_dataset":
+        raise ConfigError(f"DPTrainer: every row of {name} loses its answer to max_length={args.max_length}; raise it")
+    return Rows(items, kept)
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        if not rows:
-            return {}
-        T = max(1, max(len(r["input_ids"]) for r in rows))
-        ids = torch.full((len(rows), T), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), T), dtype=torch.long)
-        labels = torch.full((len(rows), T), -100, dtype=torch.long)
-        for i, r in enumerate(rows):
-            n = len(r["input_ids"])
-            ids[i, :n], mask[i, :n], labels[i, :n] = r["input_ids"], 1, r["labels"]
-        return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+__all__ = ["PadRecords", "Rows", "rows_of", "trainer_rows"]

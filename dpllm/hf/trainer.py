@@ -35,9 +35,9 @@ from dpllm import data, resume, rundir
 from dpllm.config import TRAINER_OPTIONS, ConfigError, RunConfig
 from dpllm.distributed import barrier, check_parallelism, warn_if_fewer_processes, world_of, wrap_model
 from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
-from dpllm.hf.records import PadRecords, Rows, rows_of
+from dpllm.hf.records import PadRecords, Rows, rows_of, trainer_rows
 from dpllm.io import looks_local, write_json_atomic, write_text_atomic
-from dpllm.sft import SFTArguments, format_of, is_untokenized_sft, trainer_rows
+from dpllm.sft import SFTArguments, format_of, is_untokenized_sft
 from dpllm.models import (check_checkpointing, check_dp_layers, count_parameters, one_cpu_path, quantization_of,
                           untie_output_embeddings)
 from dpllm.train import Trainer as RunTrainer
@@ -255,20 +255,20 @@ class HFRun(RunTrainer):
         peft = hasattr(model, "peft_config")
         self.lora_base = _base_copy(model) if peft and not _base_has_name(model) else None
         if not peft:  # bk clips a head tied to the input embedding as it is; the other engines need it untied
-            from dpllm.privacy.bk import resolve_mode
+            from dpllm.privacy.modes import resolve_mode
 
             keep = self.world.kind != "fsdp" and resolve_mode(self.p.grad_sample_mode, model) == "bk"
             self.adjustments += untie_output_embeddings(model, weight=not keep)
         self.adjustments.append("position_ids passed per row and contiguous (Opacus embedding norm sampler)")
         if self.t.gradient_checkpointing:
-            from dpllm.privacy.bk import resolve_mode
+            from dpllm.privacy.modes import resolve_mode
 
             if resolve_mode(self.p.grad_sample_mode, model) != "bk":
                 raise ConfigError("gradient_checkpointing=True under DP needs PrivacyArguments grad_sample_mode=bk "
                                   f"(not {self.p.grad_sample_mode}): recomputed activations corrupt Opacus's "
                                   "per-sample norms; switch the mode or turn checkpointing off")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        from dpllm.privacy.bk import resolve_mode
+        from dpllm.privacy.modes import resolve_mode
 
         # read from the model: the user (or peft's prepare_model_for_kbit_training) may have turned it on
         check_checkpointing(model, resolve_mode(self.p.grad_sample_mode, model))

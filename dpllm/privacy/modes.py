@@ -107,3 +107,13 @@ def choose_mode(requested: str, model: nn.Module, *, physical_batch_size: Option
                                    "ghost clipping")
     return ModeChoice("hooks", f"{without}; Opacus hooks (faster than ghost; per-sample gradients take "
                                f"{need / 2**30:.2g} GiB)")
+
+
+def resolve_mode(requested: str, model: nn.Module, *, sharded: Optional[bool] = None) -> str:
+    """``auto`` → the engine :func:`choose_mode` picks (bk where every layer has a rule).
+
+    A weight used outside its layer or a layer fed sequence-first rows shows only when the model runs; bk
+    then refuses at the first backward pass (Opacus's ghost would not help: its norms miss such a use too,
+    while its second backward pass includes it unclipped; ``hooks`` handles it).
+    """
+    return choose_mode(requested, model, sharded=sharded).mode

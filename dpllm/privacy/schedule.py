@@ -39,9 +39,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
+from dpllm.config import NOISE_SCHEDULES, ConfigError, schedule_problem
 from dpllm.privacy.accounting import PrivacyPlanError
 
-KINDS = ("constant", "linear", "exponential")
+KINDS = NOISE_SCHEDULES
 
 
 class ScheduleError(PrivacyPlanError):
@@ -63,15 +64,9 @@ class NoiseSchedule:
     pieces: int = 10
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ScheduleError(f"privacy.noise_schedule={self.kind!r}; choose one of {', '.join(KINDS)}")
-        if self.kind != "constant":
-            if not (self.end > 0 and self.end == self.end and self.end != float("inf")):
-                raise ScheduleError(f"privacy.noise_schedule_end={self.end} must be a positive finite multiplier "
-                                    "(σ of the last piece / σ of the first; < 1 decays)")
-            if int(self.pieces) != self.pieces or self.pieces < 2:
-                raise ScheduleError(f"privacy.noise_schedule_pieces={self.pieces} must be an integer ≥ 2 for a "
-                                    f"{self.kind} schedule")
+        problem = schedule_problem(self.kind, self.end, self.pieces)  # the rule dpllm.config.validate applies
+        if problem:
+            raise ScheduleError(problem)
 
     @property
     def is_constant(self) -> bool:
@@ -164,3 +159,15 @@ def calibrate(schedule: NoiseSchedule, *, target_epsilon: float, delta: float, s
         unreachable=lambda: accounting.PrivacyPlanError(
             f"target_epsilon={target_epsilon} cannot be met by the {schedule.kind} schedule over {steps:,} steps "
             f"at sampling rate {sample_rate:.4g}; raise the target or use a constant schedule"))
+
+
+def noise_schedule(p) -> NoiseSchedule:
+    """The :class:`NoiseSchedule` a config's privacy section (``dpllm.config.PrivacyConfig``) asks for.
+
+    Raises:
+        ConfigError: An unknown kind, a non-positive end or fewer than 2 pieces.
+    """
+    try:
+        return NoiseSchedule(kind=p.noise_schedule, end=p.noise_schedule_end, pieces=p.noise_schedule_pieces)
+    except ScheduleError as err:
+        raise ConfigError(str(err)) from None

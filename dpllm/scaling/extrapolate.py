@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 import warnings
 from statistics import NormalDist
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
@@ -152,12 +152,14 @@ def _origins(sizes: np.ndarray, max_folds: int) -> list[float]:
     return cands
 
 
-def validate(form: str, x: Mapping[str, np.ndarray], y: np.ndarray, *, axis: str = "N", level: float = 0.95,
-             n_boot: int = 100, seed: int = 0, max_folds: int = MAX_FOLDS) -> dict:
+def validate(form: str, x: Mapping[str, np.ndarray], y: np.ndarray, *, fit_form: Callable[..., Any], axis: str = "N",
+             level: float = 0.95, n_boot: int = 100, seed: int = 0, max_folds: int = MAX_FOLDS) -> dict:
     """Rolling-origin validation of extrapolation along ``axis``, and the kappa it calibrates.
 
     Args:
         form: registered form name; x: ``{input: per-run values}``; y: per-run loss.
+        fit_form: the fitter each fold calls (:func:`dpllm.scaling.fit.fit_form`; passed in, so this module sits
+            below the fit in the layers and the fit can validate itself).
         axis: the input the folds cut along (model size N by default: "fit small, predict large").
         level: nominal coverage; n_boot: bootstrap resamples of each fold's fit; seed: their seed.
         max_folds: most cut points.
@@ -169,7 +171,6 @@ def validate(form: str, x: Mapping[str, np.ndarray], y: np.ndarray, *, axis: str
         pooled over all held-out runs, and ``runs`` (per held-out run: its fold's cut, size, log error, in-range
         and widened interval on log-loss relative to the prediction, effective distance) for the plot.
     """
-    from dpllm.scaling.fit import fit_form
     from dpllm.scaling.forms import ScalingError
 
     z = z_of(level)

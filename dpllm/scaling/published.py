@@ -29,8 +29,8 @@ Example:
 
 from __future__ import annotations
 
-from dpllm.scaling.fit import FitResult
 from dpllm.scaling.forms import ScalingError, get_form
+from dpllm.scaling.result import FitResult
 
 PREFIX = "published:"
 

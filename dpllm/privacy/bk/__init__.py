@@ -78,7 +78,7 @@ _autograd_node = torch._C._current_autograd_node
 NESTED_FIX = ("use non-reentrant checkpointing: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
               "{'use_reentrant': False}), or torch.utils.checkpoint.checkpoint(..., use_reentrant=False)")
 
-__all__ = ["BookKeepingModule", "make_private_bk", "resolve_mode", "unsupported_layers"]
+__all__ = ["BookKeepingModule", "make_private_bk", "unsupported_layers"]
 
 
 def _trainable_modules(model: nn.Module):
@@ -327,18 +327,6 @@ def _rows_of(args, kwargs) -> Optional[int]:
         if isinstance(v, torch.Tensor) and v.dim() > 0:
             return v.shape[0]
     return None
-
-
-def resolve_mode(requested: str, model: nn.Module, *, sharded: Optional[bool] = None) -> str:
-    """``auto`` → the engine :func:`dpllm.privacy.modes.choose_mode` picks (bk where every layer has a rule).
-
-    A weight used outside its layer or a layer fed sequence-first rows shows only when the model runs; bk
-    then refuses at the first backward pass (Opacus's ghost would not help: its norms miss such a use too,
-    while its second backward pass includes it unclipped; ``hooks`` handles it).
-    """
-    from dpllm.privacy.modes import choose_mode
-
-    return choose_mode(requested, model, sharded=sharded).mode
 
 
 def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, clip_weights: Callable,
