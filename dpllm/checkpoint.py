@@ -172,10 +172,11 @@ def load_model(path: str | Path, *, merge: bool = False, device: str = "cpu", dt
                 raise CheckpointError(f"{path} is a LoRA adapter that names no base model and has no base_model/ "
                                       "beside it; load it from the run directory that wrote it")
         quantization, torch_dtype = run_quantization(path)
-        if quantization != "none":  # QLoRA: the base quantized as in training (dpllm.models.load_quantized)
+        if quantization != "none":  # QLoRA: the base quantized as in training (dpllm.quantization.load_quantized)
             import torch
 
-            from dpllm.models import ModelError, dequantize, load_quantized
+            from dpllm.errors import ModelError
+            from dpllm.quantization import dequantize, load_quantized
 
             try:
                 base = load_quantized(base_name, quantization, torch_dtype=torch_dtype, config=base_quantization(path))

@@ -373,7 +373,7 @@ def schedule_problem(kind: str, end: float, pieces: int) -> Optional[str]:
 
 
 QUANTIZATIONS = ("none", "nf4", "fp4", "int8")
-QLORA_EXTRA = "pip install 'dpllm[qlora]'"
+from dpllm.errors import QLORA_EXTRA  # noqa: E402 (one line names the extra; errors imports no torch)
 
 
 def check_quantization(m: "ModelConfig") -> None:

@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader, Dataset
 
 from dpllm.config import PrivacyConfig
 from dpllm.privacy import accounting
-from dpllm.privacy.accounting import PrivacyPlanError
 from dpllm.privacy.plan import PrivacyPlan
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,122 @@
+"""Loading a frozen base quantized by bitsandbytes (QLoRA): the ``BitsAndBytesConfig`` for each
+``model.quantization``, loading and re-quantizing in memory, and dequantizing to merge adapters.
+
+Used by :mod:`dpllm.models` (training) and :mod:`dpllm.checkpoint` (reloading a run as it was trained); below
+both in the layers, so neither has to import the other for it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dpllm.errors import QLORA_EXTRA, ModelError
+
+
+def _dtype(name: str):
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}[name]
+
+
+def bnb_config(quantization: str, torch_dtype: str = "float32"):
+    """transformers' ``BitsAndBytesConfig`` for ``quantization`` (None for ``none``).
+
+    4-bit: NF4 or FP4 with double quantization (the quantization constants quantized too, ~0.4 bits per weight
+    saved, as in QLoRA) and computation in the adapters' dtype (float32 unless torch_dtype is bfloat16/float16).
+    int8: bitsandbytes' int8 weights, with LLM.int8's outlier decomposition off (``llm_int8_threshold=0``): on a
+    GPU it picks the activation columns to keep in float16 from the whole batch, so one record would change how
+    the others are computed, and per-record clipping would no longer bound what a record changes."""
+    if quantization in (None, "none"):
+        return None
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
+    compute = _dtype(torch_dtype) if torch_dtype in ("bfloat16", "float16") else torch.float32
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=quantization, bnb_4bit_compute_dtype=compute,
+                              bnb_4bit_use_double_quant=True)
+
+
+def quantization_of(model: nn.Module) -> str:
+    """The ``quantization`` option a loaded model corresponds to: nf4, fp4, int8 or none (read from its config)."""
+    q = getattr(getattr(model, "config", None), "quantization_config", None)
+    if q is None:
+        return "none"
+    q = q.to_dict() if hasattr(q, "to_dict") else dict(q)
+    if q.get("load_in_4bit"):
+        return str(q.get("bnb_4bit_quant_type", "fp4"))
+    return "int8" if q.get("load_in_8bit") else "none"
+
+
+def _load_device_map():
+    """Where bitsandbytes quantizes while loading: this process's GPU (never the whole model in full precision
+    on the CPU first), else the CPU."""
+    return {"": torch.cuda.current_device()} if torch.cuda.is_available() else "cpu"
+
+
+def load_quantized(where, quantization: str, *, torch_dtype: str = "float32", trust_remote_code: bool = False,
+                   config=None):
+    """``AutoModelForCausalLM.from_pretrained(where)`` with the base quantized (:func:`bnb_config`, or ``config``:
+    the ``BitsAndBytesConfig`` a checkpoint recorded).
+
+    Raises:
+        ModelError: bitsandbytes is not installed (names the extra).
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as err:
+        raise ModelError(f"quantization={quantization} needs bitsandbytes: {QLORA_EXTRA}") from err
+    dtype = _dtype(torch_dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        where, quantization_config=config if config is not None else bnb_config(quantization, torch_dtype),
+        device_map=_load_device_map(),
+        dtype=torch.float32 if dtype == "auto" else dtype, trust_remote_code=trust_remote_code)
+    return one_cpu_path(model)
+
+
+def one_cpu_path(model: nn.Module) -> nn.Module:
+    """Keep bitsandbytes' 4-bit layers on one computation on the CPU.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight *in place* the first time the layer runs
+    in eval mode without gradients (an evaluation) and from then on multiplies in bfloat16: the same model would
+    give other numbers after an evaluation than before (a 1% difference measured on a tiny Llama). Turned off,
+    every call dequantizes to the compute dtype, as in training. No effect on a GPU."""
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            m.support_avx512bf16_for_cpu = False
+    return model
+
+
+def quantize_in_memory(model: nn.Module, quantization: str, *, torch_dtype: str = "float32") -> nn.Module:
+    """A quantized copy of a model built or merged in memory (a tiny model; an earlier run's merged LoRA): saved
+    to a temporary directory and loaded back through :func:`load_quantized` (bitsandbytes quantizes while
+    loading). Quantization is deterministic: the same weights give the same quantized model every time."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="dpllm-quantize-") as tmp:
+        model.save_pretrained(tmp)
+        quantized = load_quantized(tmp, quantization, torch_dtype=torch_dtype)
+    name = getattr(model, "name_or_path", "") or ""  # not the temporary directory, gone now
+    quantized.name_or_path = quantized.config._name_or_path = name
+    return quantized
+
+
+_UNQUANTIZED = "_dpllm_unquantized_base"
+
+
+def unquantized_base(model: nn.Module) -> Optional[nn.Module]:
+    """The full-precision weights a model built in memory was quantized from (:func:`load_base`), handed over
+    once (None for any other model)."""
+    return model.__dict__.pop(_UNQUANTIZED, None)
+
+
+def dequantize(model: nn.Module, dtype=torch.float32) -> nn.Module:
+    """The model with every bitsandbytes layer replaced by an ``nn.Linear`` holding its dequantized weight (what the
+    layer multiplies by in training; transformers' ``dequantize``): a LoRA adapter merged into it gives the trained
+    function in full precision, where merging into the 4-bit weights would round the adapters' small update away.
+    Call it on a freshly loaded model (:func:`load_quantized`)."""
+    out = model.dequantize(dtype=dtype)
+    return out if out is not None else model
