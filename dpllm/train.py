@@ -203,7 +203,7 @@ class Trainer:
         loaded = data.load_records_counted(d)
         self.records, self.users, self.data_notes = loaded.records, loaded.users, loaded.notes(d)
         try:
-            self.splits = data.make_splits(len(self.records), d, self.users)
+            self.splits = data.make_splits(self.records, d, self.users, loaded.public)
         except data.DataError as err:  # say why so few are left: duplicates are easy to miss in a file
             raise data.DataError(f"{err}" + (f" ({loaded.duplicates:,} of {loaded.read:,} records read were exact "
                                              "duplicates and were removed)" if loaded.duplicates else "")) from None
@@ -212,7 +212,8 @@ class Trainer:
             self.sft_dropped = sft.drop_cut_answers(self.records, self.splits, sft.load_tokenizer(self.cfg.model),
                                                     max_length=d.max_length, chat_template=d.chat_template)
         if d.train_on == "public" and not self.splits.public:
-            raise data.DataError("train_on=public but public_fraction=0 leaves no public records; raise public_fraction")
+            raise data.DataError("train_on=public but no record is public; declare public records with "
+                                 "public_dataset: FILE")
         train_ids = self.splits.public if d.train_on == "public" else self.splits.train
         self.canaries = data.make_canaries(d) if d.train_on == "private" else []
         self.user_unit = self.users is not None and d.train_on == "private"
@@ -227,6 +228,9 @@ class Trainer:
         self.heldout_hashes = {data.sha256(x) for x in heldout}
         self.eval_texts = heldout if self.t.eval_max_records is None else heldout[: self.t.eval_max_records]
         self.trained_hashes = {data.sha256(x) for x in self.train_texts}
+        if self.world.is_main:  # where every record went, on the operator's console only (issue 35)
+            log.info("%s", data.split_summary(loaded, self.splits, d, canaries=self.canaries,
+                                              sft_dropped=len(getattr(self, "sft_dropped", None) or ())))
 
     def bound_contributions(self, train_ids: list[int]) -> list[int]:
         """privacy_unit=user: keep at most k records per user (secret random choice); return the kept ids.
@@ -247,7 +251,7 @@ class Trainer:
         else:
             gen = user_level.cap_generator(reproducible=p.reproducible_noise, seed=self.t.seed,
                                            stage=resume.config_key(self.cfg), world=self.world)
-            cap = user_level.cap_users(train_ids, self.users, d.max_records_per_user, gen)
+            cap = user_level.cap_users(train_ids, self.users, d.max_records_per_user, gen, texts=self.records)
         # splits.json lists the kept records as the trained ones; dropped records are neither member nor held out
         self.splits.users["dropped_records"] = sorted(set(train_ids) - set(cap["kept"]))
         self.splits.train = cap["kept"]

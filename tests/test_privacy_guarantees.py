@@ -337,7 +337,8 @@ def test_composition_after_a_non_private_warm_up(tmp_path, records):
     from dpllm import ledger
     from dpllm.export import export
 
-    data = ["--dataset", str(records), "--public_fraction", "0.3", "--target_delta", "1e-3"]
+    data = ["--dataset", str(records), "--public_fraction", "0.3", "--simulate_public_from_private", "true",
+            "--target_delta", "1e-3"]
     run(tmp_path, "warm", *data, "--privacy.enabled", "false", "--train_on", "public")
     run(tmp_path, "dp1", *data, "--model_name_or_path", str(tmp_path / "warm"), "--target_epsilon", "2")
     run(tmp_path, "dp2", *data, "--model_name_or_path", str(tmp_path / "dp1"), "--target_epsilon", "4")

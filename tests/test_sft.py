@@ -147,7 +147,7 @@ def test_cut_off_answers_are_reported_and_dropped(caplog):
     long_prompt = sft.canonical({"prompt": "x" * 80, "completion": "yes"}, "prompt_completion", where="t")
     short = sft.canonical({"prompt": "q", "completion": "yes"}, "prompt_completion", where="t")
     records = [long_prompt, short, short.replace("yes", "no"), long_prompt.replace("yes", "no"), short + " "]
-    splits = make_splits(len(records), DataConfig(heldout_fraction=0.2))
+    splits = make_splits(records, DataConfig(heldout_fraction=0.2))
     with caplog.at_level(logging.WARNING, logger="dpllm.sft"):
         dropped = sft.drop_cut_answers(records, splits, tok, max_length=60)
     assert dropped == [0, 3] and "lose their whole answer to max_length=60" in caplog.text

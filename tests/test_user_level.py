@@ -303,7 +303,7 @@ def test_pydoc_users_split_by_user(tmp_path):
     records, users = load_records_and_users(cfg)
     assert records == load_records(DataConfig())  # same records whatever the unit
     assert 100 < len(set(users)) < len(records)
-    s = make_splits(len(records), cfg, users)
+    s = make_splits(records, cfg, users)
     train_users = {users[i] for i in s.train}
     assert not train_users & {users[i] for i in s.heldout}
     assert sorted(train_users) == s.users["train"]
