@@ -168,7 +168,8 @@ class PrivacyConfig:
     target_delta: float = _f(1e-5, "δ; must be < 1/N for N private records.")
     noise_multiplier: Optional[float] = _f(None, "Use this noise multiplier instead of calibrating.")
     max_grad_norm: float = _f(1.0, "Per-sample clipping norm C.")
-    accountant: str = _f("prv", "'prv' (default), 'rdp' or 'gdp' (Opacus accountants).")
+    accountant: str = _f("prv", "'prv' (default), 'rdp' or 'gdp' (Opacus accountants), or 'pld' (dp-accounting's; "
+                                 "PRV falls back to it where PRV cannot run, e.g. δ = 1e-10).")
     grad_sample_mode: str = _f("auto", "'auto' (default: bk where every trainable layer has a rule, also under "
                                        "FSDP, else Opacus hooks, or ghost where hooks' per-sample gradients would "
                                        "not fit; dpllm.privacy.modes), 'bk' (book-keeping: one backward pass), "
@@ -392,7 +393,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"canary_design={d.canary_design} trains new vocabulary rows, which finetuning={m.finetuning} "
                           "keeps frozen (every canary would score alike); use finetuning: full for the audit run, "
                           "or another canary design")
-    _choice("accountant", p.accountant, ("prv", "rdp", "gdp"))
+    _choice("accountant", p.accountant, ("prv", "rdp", "gdp", "pld"))
     _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
     _choice("privacy_unit", d.privacy_unit, ("record", "user"))
     _choice("data_format", d.data_format, ("auto", "messages", "prompt_completion", "text"))
