@@ -537,6 +537,23 @@ def make_canaries(cfg: DataConfig) -> list[dict]:
     return canaries.make(cfg.num_canaries, design=cfg.canary_design, seed=cfg.canary_seed)
 
 
+def check_resumed_split(path: Path, trained_hashes: set) -> None:
+    """Refuse to resume a run whose ``splits.json`` lists other training records than the data and config give now.
+
+    Raises:
+        DataError: the dataset changed since the run started, or the run predates the per-record split rule.
+    """
+    if not Path(path).is_file():
+        return
+    recorded = json.loads(Path(path).read_text()).get("trained_sha256")
+    if recorded is not None and set(recorded) != set(trained_hashes):
+        rule = "" if "split_rule" in json.loads(Path(path).read_text()) else (
+            " (the run predates dpllm's per-record split rule, which draws another split)")
+        raise DataError(f"{path} lists other training records than the dataset and config give now{rule}: "
+                        f"{len(set(recorded) ^ set(trained_hashes)):,} differ; resume with the original data, or start "
+                        "a new run")
+
+
 def load_split_texts(run_dir: str | Path, split: str) -> list[str]:
     """Texts of one split (``train``, ``heldout`` or ``public``) of a finished run, hash-checked.
 

@@ -228,6 +228,8 @@ class Trainer:
         self.heldout_hashes = {data.sha256(x) for x in heldout}
         self.eval_texts = heldout if self.t.eval_max_records is None else heldout[: self.t.eval_max_records]
         self.trained_hashes = {data.sha256(x) for x in self.train_texts}
+        if self.resume_from is not None:  # the same file and config must still give the same members
+            data.check_resumed_split(self.out / "splits.json", self.trained_hashes)
         if self.world.is_main:  # where every record went, on the operator's console only (issue 35)
             log.info("%s", data.split_summary(loaded, self.splits, d, canaries=self.canaries,
                                               sft_dropped=len(getattr(self, "sft_dropped", None) or ())))
@@ -717,6 +719,7 @@ class Trainer:
         p, t = self.p, self.t
         stage = {"name": self.out.name, "run_dir": str(self.out.resolve()), "enabled": self.dp,
                  "dataset": self.cfg.data.dataset, "train_on": self.cfg.data.train_on,
+                 "public_data": data.split_rule(self.cfg.data)["public"],  # which records were declared public, how
                  "num_records": len(self.train_ds), "steps": self.step,
                  "records_sha256": set_digest(self.trained_hashes),
                  "history": [list(h) for h in self.private.history()[len(self.lineage.history):]] if self.dp else []}
