@@ -484,8 +484,9 @@ def make_splits(records: Sequence[str], cfg: DataConfig, users: Optional[Sequenc
             f"{n} private {unit} leave no private training record after public_fraction={pf} and heldout_fraction="
             f"{hf}; use more data")
     if not ids["heldout"]:
-        raise DataError(f"none of {n} private {unit} was held out at heldout_fraction={hf} (each is held out with "
-                        "that probability, by a keyed hash); raise heldout_fraction or use more data")
+        raise DataError(f"{n} private {unit} leave no held-out record at heldout_fraction={hf} (each is held out "
+                        f"with that probability, by a keyed hash of its {'user' if users is not None else 'text'}); "
+                        "raise heldout_fraction or use more data")
     return Splits(public=ids["public"], train=ids["train"], heldout=ids["heldout"], rule=split_rule(cfg),
                   users={k: sorted(v) for k, v in names.items()} if users is not None else None)
 

@@ -223,7 +223,15 @@ def test_sft_run_has_the_epsilon_and_report_of_a_text_run(tmp_path):
              for i in range(40)]
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": f"{i} times 3 is {3 * i}."} for i in range(40)])
-    s_chat, s_text = _run(tmp_path, "chat", chat), _run(tmp_path, "text", text)
+    # each record's split is a keyed hash of its text, so the two files hold out different numbers of records
+    # under one key: take the first key that gives both the same number of training records (same N, same q)
+    def n_train(path, seed):
+        cfg = DataConfig(dataset=str(path), min_chars=1, split_seed=seed)
+        return len(make_splits(load_records_and_users(cfg)[0], cfg).train)
+
+    seed = next(k for k in range(200) if n_train(chat, k) == n_train(text, k))
+    s_chat, s_text = (_run(tmp_path, "chat", chat, "--split_seed", str(seed)),
+                      _run(tmp_path, "text", text, "--split_seed", str(seed)))
     r_chat, r_text = PrivacyReport.read(s_chat["run_dir"]).to_dict(), PrivacyReport.read(s_text["run_dir"]).to_dict()
     assert r_chat["epsilon"] == r_text["epsilon"] and 0 < r_chat["epsilon"] < 100
     differ = {"stages", "base_model", "versions"}  # which data and where: everything else is the same
