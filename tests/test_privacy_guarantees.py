@@ -344,6 +344,7 @@ def test_composition_after_a_non_private_warm_up(tmp_path, records):
     run(tmp_path, "dp2", *data, "--model_name_or_path", str(tmp_path / "dp1"), "--target_epsilon", "4")
     dp1, dp2 = report_of(tmp_path / "dp1"), report_of(tmp_path / "dp2")
     assert [s["enabled"] for s in dp1["stages"]] == [False, True] and len(dp1["history"]) == 1
+    assert dp1["stages"][0]["public_data"].startswith("SIMULATED (simulate_public_from_private)")  # and by what rule
     assert dp1["composition"] == "single stage"  # checked disjoint from the private records, nothing composed
     assert dp1["epsilon"] <= 2.0 and dp1["epsilon"] == pytest.approx(accounting.compute_epsilon_history(
         history=dp1["history"], delta=1e-3, accountant="rdp"))  # the warm-up adds nothing
@@ -355,7 +356,7 @@ def test_composition_after_a_non_private_warm_up(tmp_path, records):
     released = json.loads((export(tmp_path / "dp2", tmp_path / "bundle") / "privacy_report.json").read_text())
     assert [s["enabled"] for s in released["stages"]] == [False, True, True]
     assert released["history"] == dp2["history"] and released["composition"].startswith("1 (σ, q, steps) entries of earlier private stages")
-    assert not any("records_sha256" in s or "num_records" in s for s in released["stages"])
+    assert not any("records_sha256" in s or "num_records" in s or "public_data" in s for s in released["stages"])
 
 
 def test_a_local_base_path_does_not_leave_in_the_adapter_config(tmp_path):

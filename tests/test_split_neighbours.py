@@ -220,3 +220,11 @@ def test_the_console_says_where_every_record_went(tmp_path, caplog):
                     f"1 duplicate; {len(s.train)} train, {len(s.heldout)} held out (not trained on: eval and audits), "
                     f"0 public (none declared); 4 canaries ({trained} trained on)")
     assert len(s.train) + len(s.heldout) == N and 30 < len(s.heldout) < 90
+
+
+def test_a_resumed_run_refuses_a_split_that_changed(tmp_path):
+    path = tmp_path / "splits.json"
+    path.write_text(json.dumps({"trained_sha256": sorted([data.sha256("a"), data.sha256("b")])}))
+    with pytest.raises(data.DataError, match="predates dpllm's per-record split rule.*1 differ"):
+        data.check_resumed_split(path, {data.sha256("a")})
+    data.check_resumed_split(path, {data.sha256("a"), data.sha256("b")})  # the same members: resumes
