@@ -212,7 +212,14 @@ def test_reported_epsilon_never_exceeds_the_target_over_many_plans():
 
 def test_a_run_with_93_batches_per_epoch_reports_its_plan(tmp_path):
     """k = 93 is one of the counts where Opacus would have recorded q = 1/92 and reported ε > target."""
-    summary = run(tmp_path, "k93", "--max_records", "240", "--heldout_fraction", "0.225", "--logical_batch_size",
+    from dpllm.config import DataConfig
+    from dpllm.data import keyed_draw, load_records
+
+    # a record is held out when its keyed hash u < heldout_fraction: a fraction between the 54th and 55th smallest
+    # u of the 240 records holds out 54 and trains on 186 (93 batches of 2)
+    u = sorted(keyed_draw(t, key=0, purpose="split") for t in load_records(DataConfig(max_records=240)))
+    summary = run(tmp_path, "k93", "--max_records", "240", "--heldout_fraction", repr((u[53] + u[54]) / 2),
+                  "--logical_batch_size",
                   "2", "--physical_batch_size", "2", "--epochs", "1", "--target_epsilon", "2",
                   "--target_delta", "1e-3", "--max_length", "16", "--tiny_hidden_size", "16")
     report = report_of(tmp_path / "k93")
