@@ -525,7 +525,8 @@ def split_summary(loaded: Loaded, splits: Splits, cfg: DataConfig, *, canaries: 
     trained = sum(bool(c.get("included")) for c in canaries)
     return (f"data (private, console only): {read}; " + (f"dropped {', '.join(dropped)}; " if dropped else "")
             + f"{len(splits.train):,} train, {len(splits.heldout):,} held out (not trained on: eval and audits), "
-            f"{public}{users}; {len(canaries):,} canaries" + (f" ({trained:,} trained on)" if canaries else ""))
+            f"{public}{users}; {len(canaries):,} canaries" + (f" ({trained:,} trained on)" if canaries else "")
+            + ("; this stage trains on the public split, without DP" if cfg.train_on == "public" else ""))
 
 
 def make_canaries(cfg: DataConfig) -> list[dict]:
