@@ -8,6 +8,13 @@ tokens and padding is masked out of the loss. ``splits.json`` records which reco
 With ``privacy_unit: user`` every record also has a user (:func:`load_records_and_users`): a column of the
 file (``user_column``), or the built-in corpus's grouping (:data:`PYDOC_USER_PARAGRAPHS`); splits are then
 drawn over users, so a held-out user has no trained record (docs/user_level.md).
+
+Every decision about a record is made by that record alone (:func:`keyed_draw`: a keyed hash of its text, or of
+its user's id, under the public key ``split_seed``): which split it joins, which copy of a duplicate stands for
+it, whether ``max_records`` keeps it. The same file and config give the same split every time, and a file with
+one record more or less, wherever it sits, changes every split by that record only: the add/remove-one relation
+DP-SGD's ε is for holds on the file the user hands over, not only on the training split (issue 32). Public
+records are declared (``public_dataset``), never drawn from the private file outside a study that says so.
 """
 
 from __future__ import annotations
@@ -243,8 +250,8 @@ def load_records(cfg: DataConfig) -> list[str]:
 def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
     """:func:`load_records` and, with ``privacy_unit: user``, the user of each record (else None).
 
-    The record list is the same as :func:`load_records`'s whatever the unit; a duplicate text keeps the
-    user of its first occurrence.
+    The record list is the same as :func:`load_records`'s whatever the unit; a text several users wrote is kept
+    once, for the user whose name sorts first (wherever the copies are in the file).
 
     Raises:
         DataError: as :func:`load_records`, or a missing user column.
