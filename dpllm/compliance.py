@@ -23,15 +23,18 @@ sensitivity_tiers           every earlier non-private stage trained on records p
                             stage is composed or proven disjoint; not applicable for a single stage
 data_sovereignty            manual: where the data lives is outside the run directory
 mia_audit                   ``RUN/audit`` holds a membership audit (``python -m mia audit``, loss or embedding
-                            interface) of this run's final checkpoint, newer than it, in which no attack's AUC
-                            exceeds what the run's (ε, δ) allows, ``e^ε/(1+e^ε)`` (and a canary audit, if any,
-                            found no privacy bug)
+                            interface) of this run's final checkpoint, newer than it, in which no attack's AUC,
+                            TPR at FPR 1% or TPR at FPR 0.1% exceeds, beyond sampling error, the most any attack
+                            can reach against the mechanism as run (:mod:`dpllm.privacy.tradeoff`, from the
+                            run's own history; an audit above it means an implementation bug), and a canary
+                            audit, if any, found no privacy bug
 ==========================  ==================================================================================
 
-The release bundle's model card (:func:`public_table`) keeps every status but replaces the evidence of the items
-decided on private files (the ledger's contents, earlier stages' names and composition, audit AUCs computed on
-the members) by a pointer to the private run directory: those values are statistics of the training data that
-the DP guarantee does not cover. Each such status is one bit about private data, which ``dpllm export`` states.
+The release bundle's model card (:func:`public_table`) replaces the evidence of the items decided on private files
+(the ledger's contents, earlier stages' names and composition) by a pointer to the private run directory, and for
+the membership audit, whose verdict is a function of the members' scores, shows only that the final model was
+audited and where the private report is, never its result: statistics of the training data are not covered by the
+DP guarantee.
 
 Example:
     >>> items = check("runs/x")  # doctest: +SKIP
@@ -41,13 +44,13 @@ Example:
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import yaml
 
 MET, NOT_MET, NA, MANUAL = "met", "not met", "not applicable", "manual"
+AUDITED = "audited (result private)"  # the model card's status of an audit whose result is withheld
 
 
 @dataclass
@@ -58,6 +61,9 @@ class Item:
     requirement: str
     status: str
     evidence: str
+    # (status, evidence) the model card shows instead, for an item whose status itself is a function of private
+    # records (the audit's pass/fail); not part of the JSON output
+    public: tuple | None = field(default=None, repr=False, compare=False)
 
 
 # Items whose evidence is computed from private files; the model card shows their status only.
@@ -170,6 +176,8 @@ def _tiers(report) -> Item:
 
 
 def _audit(run_dir: Path, report) -> Item:
+    from dpllm.privacy import tradeoff
+
     req = "membership-inference audit before deployment"
     audit = run_dir / "audit"
     found = [p for p in (audit / "mia_report.json", audit / "embedding_report.json") if p.is_file()]
@@ -181,23 +189,46 @@ def _audit(run_dir: Path, report) -> Item:
     stale = [p.name for p in found if p.stat().st_mtime < newest]
     if stale:
         return Item("mia_audit", req, NOT_MET, f"audit/{stale[0]} is older than checkpoint/ (audit the final model)")
-    ceiling = None
-    if report.enabled and report.epsilon is not None:
-        ceiling = math.exp(report.epsilon) / (1 + math.exp(report.epsilon))
-    aucs = []
+    attacks = {}
     for p in found:
         data = json.loads(p.read_text())
-        aucs += [(f"{p.name}:{name}", float(a["auc"])) for name, a in data.get("attacks", {}).items()]
-    worst = max(aucs, key=lambda x: x[1]) if aucs else (None, float("nan"))
+        attacks.update({f"{p.name}:{name}": a for name, a in data.get("attacks", {}).items()})
+    worst = max(((k, float(a["auc"])) for k, a in attacks.items()), key=lambda x: x[1], default=(None, float("nan")))
+    ev = f"{', '.join('audit/' + p.name for p in found)}: highest AUC {worst[1]:.3f} ({worst[0]})"
+    curve = None
+    if report.enabled:
+        try:  # a run with users splits whole users, so its record-level audit is a test of users
+            curve = tradeoff.for_report(report, unit="user" if report.user_level else "record")
+        except tradeoff.TradeoffError as err:
+            ev += f"; no bound to compare with ({err})"
+    bad = []
+    if curve is not None:
+        checked = tradeoff.check_audit(attacks, curve)
+        b = checked["bounds"]
+        top = {k: max((float(a[k]) for a in attacks.values() if a.get(k) is not None), default=float("nan"))
+               for k in (tradeoff.tpr_key(f) for f in tradeoff.FPRS)}
+        ev += (", " + ", ".join(f"TPR@{100 * f:g}%FPR {top[tradeoff.tpr_key(f)]:.3f}" for f in tradeoff.FPRS)
+               + f"; the most any attack can reach against this run's mechanism ({b['unit']} level, its history's "
+               f"trade-off curve): AUC {b['auc']:.4f}, "
+               + ", ".join(f"TPR@{100 * f:g}%FPR {b[tradeoff.tpr_key(f)]:.4f}" for f in tradeoff.FPRS))
+        bad = checked["exceeded"]
+        if bad:
+            name, metric, measured, allowed = bad[0]
+            ev += (f"; {name} {metric} = {measured:.4f} exceeds what the mechanism allows ({allowed:.4f}) beyond "
+                   f"sampling error ({checked['confidence']:.0%} confidence over all {len(attacks)} attack(s)): the "
+                   "implementation does not deliver the accounted guarantee (a bug)")
+        else:
+            ev += f" (no measured value above its bound beyond sampling error, {checked['confidence']:.0%} confidence)"
     canary = audit / "canary_report.json"
     bug = canary.is_file() and json.loads(canary.read_text()).get("privacy_bug")
-    ev = f"{', '.join('audit/' + p.name for p in found)}: highest AUC {worst[1]:.3f} ({worst[0]})"
-    if ceiling is not None:
-        ev += f" vs the ε-DP ceiling e^ε/(1+e^ε) = {ceiling:.3f}"
     if canary.is_file():
         ev += f"; audit/canary_report.json: privacy_bug = {bool(bug)}"
-    bad = bug or (ceiling is not None and worst[1] > ceiling)
-    return Item("mia_audit", req, NOT_MET if bad else MET, ev)
+    # The verdict compares statistics of the members with the bound: a bit about the private records. The card says
+    # that the final model was audited and where the private report lives, never what it found.
+    where = ", ".join("audit/" + p.name for p in found + ([canary] if canary.is_file() else []))
+    return Item("mia_audit", req, NOT_MET if (bug or bad) else MET, ev,
+                public=(AUDITED, (f"the final model was audited; the report ({where} in the private run directory) "
+                                  "is computed on the training records and stays there, its result included")))
 
 
 def check(run_dir: str | Path, *, verified=None) -> list[Item]:
@@ -242,12 +273,14 @@ def format_table(items: list[Item]) -> str:
 
 
 def public_table(items: list[Item]) -> str:
-    """:func:`format_table` with the evidence of :data:`PRIVATE_EVIDENCE` items replaced (for a release)."""
-    shown = [Item(it.name, it.requirement, it.status, "checked on the private run directory (dpllm report "
+    """:func:`format_table` with the evidence of :data:`PRIVATE_EVIDENCE` items replaced (for a release), and an
+    item's :attr:`Item.public` view (status and evidence) where its status itself is private (the audit's result)."""
+    shown = [Item(it.name, it.requirement, *it.public) if it.public else
+             Item(it.name, it.requirement, it.status, "checked on the private run directory (dpllm report "
                   "--compliance)") if it.name in PRIVATE_EVIDENCE else it for it in items]
     return format_table(shown)
 
 
 def to_json(items: list[Item]) -> list[dict]:
     """The items as JSON-ready dicts."""
-    return [asdict(it) for it in items]
+    return [{k: v for k, v in asdict(it).items() if k != "public"} for it in items]

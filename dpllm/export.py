@@ -144,6 +144,19 @@ def _strip_local_base(path: Path) -> None:
         write_text_atomic(path, json.dumps(cfg, indent=2) + "\n")
 
 
+def declared_record_kind(run_dir: Path) -> str | None:
+    """The record shape the run's config declares (``data.data_format``), None for ``auto`` (detected from the data)."""
+    import yaml
+
+    path = Path(run_dir) / "config.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return None
+    kind = (cfg.get("data") or {}).get("data_format")
+    return kind if kind in ("messages", "prompt_completion", "text") else None
+
+
 def compliance_section(run_dir: Path, *, verified=None) -> str:
     """The model card's compliance checklist (:mod:`dpllm.compliance`): every item's status; the evidence only where
     it is a public parameter (items decided on private files say so instead)."""
@@ -151,14 +164,63 @@ def compliance_section(run_dir: Path, *, verified=None) -> str:
 
     items = compliance.check(run_dir, verified=verified)
     return ("\n## Compliance checklist\n\nChecked by `dpllm report --compliance` on the private run directory when "
-            "this bundle was exported. The status of the items decided on private files (the ledger, earlier stages, "
-            "the membership audit) is one bit each about the private run, released by the publisher's choice.\n\n"
+            "this bundle was exported. The status of the items decided on private files (the ledger, earlier stages) "
+            "is one bit each about the private run, released by the publisher's choice; the membership audit's result "
+            "is computed on the training records and is not released, only that the final model was audited.\n\n"
             + compliance.public_table(items) + "\n")
 
 
-def model_card(report: PrivacyReport, *, lora: bool, has_base: bool) -> str:
+def record_unit(report: PrivacyReport, record_kind: str | None = None) -> str:
+    """What one protected unit of the released guarantee is, in words a non-specialist reads.
+
+    Args:
+        report: the released report.
+        record_kind: the record shape the publisher *declared* (``data.data_format``: ``messages``,
+            ``prompt_completion`` or ``text``); None when it was detected from the data (``auto``), which is a
+            fact about the private file and stays on the operator's console.
+    """
+    user = report.user_level or {}
+    if report.privacy_unit == "user":
+        cap = user.get("max_records_per_user")
+        return ("One protected unit is one **person** (a user of the training data): everything they contributed "
+                "together, " + (f"at most {cap} records (records beyond the cap were left out before training)."
+                                if cap else "however many records that is."))
+    if record_kind in ("messages", "prompt_completion"):
+        return ("One protected unit is one **conversation** (one record of chat or instruction data): all of its turns "
+                "together, prompts and answers; a conversation is never split across records or packed with another. "
+                "Someone who wrote many conversations is protected per conversation, not as a person.")
+    if record_kind == "text":
+        return "One protected unit is one **text** (one record of the training data)."
+    return ("One protected unit is one **record** of the training data: one whole conversation for chat or instruction "
+            "data (all of its turns together), one text for plain-text data. Someone who contributed many records is "
+            "protected per record, not as a person.")
+
+
+def _plain_reading(report: PrivacyReport, record_kind: str | None) -> str:
+    """The guarantee as limits on membership attacks (:mod:`dpllm.privacy.tradeoff`), from the released history."""
+    from dpllm.privacy import tradeoff
+
+    try:
+        bounds = tradeoff.for_report(report).bounds()
+    except tradeoff.TradeoffError:
+        return ""
+    plural = ("people" if report.privacy_unit == "user" else
+              "conversations" if record_kind in ("messages", "prompt_completion") else
+              "texts" if record_kind == "text" else "records")
+    return ("\n\n**What ε means here, in plain words.** Take anyone who tries to tell, from this model, which "
+            f"{plural} were in its training data. {tradeoff.plain_reading(bounds, plural=plural)} These limits hold "
+            "for every attack, however clever, and for everything computed from the model; they follow from the "
+            "noise, sampling rate and number of steps below (the trade-off curve of the whole training history, "
+            "computed with dp-accounting as an upper bound). Real attacks usually reach much less. What many "
+            f"{plural} have in common (the patterns the model is meant to learn) is not protected, only what sets one "
+            "apart.")
+
+
+def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind: str | None = None) -> str:
     """README.md for the bundle, written from the *released* report (:func:`release_report`) only: the
-    guarantee, its neighbouring relation, how it was computed, the training stages, how to load the model."""
+    guarantee, what one protected unit is (:func:`record_unit`; ``record_kind`` is the record shape the publisher
+    declared, None when detected), what ε means for attacks, its neighbouring relation, how it was computed, the
+    training stages, how to load the model."""
     release = report.release or {}
     if report.enabled:
         user = report.user_level or {}
@@ -175,19 +237,28 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool) -> str:
                      "the operating system's entropy and were never written to disk outside the private run "
                      "directory."
                      + (f" User level ({'at most ' + str(cap) + ' records per user' if cap else 'no cap on records per user'}"
-                        f"): {user['group_privacy']}." if user else ""))
+                        f"): {user['group_privacy']}." if user else "")
+                     + "\n\n" + record_unit(report, record_kind))
         size = ("" if report.num_records is None else f" N = {report.num_records:,} records was declared public by the "
                 "publisher; an adversary learns it exactly, which is only harmless if it was public already.")
-        rate = (f"q = 1/⌈N/B⌉ (logical batch B = {report.logical_batch_size})" if user.get("sampling") != "uls" else
-                f"q = 1/⌈U/B_u⌉ over U users with B_u = round(B·U/N) = {user.get('users_per_batch')} users per step "
+        unit, units = ("user", "users") if user.get("sampling") == "uls" else ("record", "records")
+        rate = (f"q = 1/⌈N/B⌉ with a logical batch of B = {report.logical_batch_size} records" if unit == "record" else
+                f"q = 1/⌈U/B_u⌉ over U users, with B_u = round(B·U/N) = {user.get('users_per_batch')} users per step "
                 f"(B = {report.logical_batch_size} records)")
-        params = ("\n\nWhat follows for the dataset's size: under add/remove neighbours the exact number of training "
-                  "records (and users) is private (it would tell whether one was in), so it is not released unless "
-                  f"the publisher declares it public.{size} {rate} and the step count were derived from the data's "
-                  "size and are released because ε cannot be checked without them: they reveal the number of "
-                  "batches per epoch, i.e. the size to within one batch. Like every DP-SGD guarantee, this one treats "
-                  "σ, q, steps and C as fixed public parameters of the mechanism, so it holds for neighbours that "
-                  "give the same q and steps.")
+        params = (f"\n\n**What is published about the data's size.** The guarantee also hides whether a {unit} was in "
+                  f"the data at all, so the exact number of {units} is not published (someone who knew every other "
+                  f"{unit} could read the missing one off the count), unless the publisher declares it public.{size} "
+                  f"Two numbers that depend on it are published, because nobody could check ε without them: the "
+                  f"sampling rate q = {report.sample_rate:.4g}, the chance that any one {unit} is used in a given "
+                  f"training step ({rate}), and the number of steps, {report.steps}. Together they give the data's "
+                  f"size only roughly, to within one batch ({report.logical_batch_size} records). Like every DP-SGD guarantee, this one treats the noise σ, "
+                  "q, the number of steps and the clipping norm C as fixed settings of the training: it compares "
+                  "datasets that lead to the same settings, which adding or removing one "
+                  f"{unit} does except when it changes the number of batches per pass (a count of {units} within one "
+                  "of a multiple of the batch size).")
+        reading = _plain_reading(report, record_kind)
+        if reading:
+            params = reading + params
     else:
         guarantee, params = "**No differential-privacy guarantee**: this model was trained without DP.", ""
     stages = "\n".join(f"- `{s.get('name')}`: {'DP' if s.get('enabled') else 'no DP'}, `{s.get('dataset')}` "
@@ -304,7 +375,8 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
             for f in _released_files(ckpt / "base_model"):
                 shutil.copy2(f, tmp / "base_model" / f.name)
         released.write(tmp / "privacy_report.json")
-        write_text_atomic(tmp / "README.md", model_card(released, lora=lora, has_base=has_base)
+        write_text_atomic(tmp / "README.md", model_card(released, lora=lora, has_base=has_base,
+                                                        record_kind=declared_record_kind(run_dir))
                           + compliance_section(run_dir, verified=verified))
     return out
 

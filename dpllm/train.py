@@ -208,6 +208,8 @@ class Trainer:
             raise data.DataError(f"{err}" + (f" ({loaded.duplicates:,} of {loaded.read:,} records read were exact "
                                              "duplicates and were removed)" if loaded.duplicates else "")) from None
         self.sft_format = sft.format_of(self.records)
+        log.info("[private] data format: %s", f"{self.sft_format} records, loss on {d.loss_on} tokens" if self.sft_format
+                 else "plain text, loss on all tokens")  # detected from the private file: the console only
         if self.sft_format:  # before the plan: N counts only records that keep an answer token
             self.sft_dropped = sft.drop_cut_answers(self.records, self.splits, sft.load_tokenizer(self.cfg.model),
                                                     max_length=d.max_length, chat_template=d.chat_template)
@@ -631,13 +633,13 @@ class Trainer:
                 self.bar.set_postfix(shown, refresh=False)
 
     def evaluate(self, final: bool = False) -> dict:
-        log.info("eval: %d held-out records at step %d", len(self.eval_ds), self.step)
         ev = evaluate(self.model, self.eval_ds, self.collate, batch_size=self.t.physical_batch_size,
                       device=self.device, world=self.world)
         if self.world.is_main:
             append_jsonl(self.metrics_path, {"step": self.step, "split": "eval", **ev})
-            # held-out records are private and their loss is un-noised: it stays in metrics.jsonl, never in a log line
-            msg = f"eval step {self.step}: held-out loss written to {self.metrics_path} (private)"
+            # held-out records are private and their loss un-noised: the operator's console and metrics.jsonl only
+            msg = (f"[private] eval step {self.step}: held-out loss {ev['loss']:.4f} nats/token (perplexity "
+                   f"{ev['ppl']:.4g}) on {len(self.eval_ds)} records, {ev['tokens']} tokens (also in {self.metrics_path})")
             (self.bar.write if self.bar is not None and not final else log.info)(msg)
         return ev
 

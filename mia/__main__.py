@@ -30,7 +30,11 @@ members + non-members (slow: trains SHADOWS models)::
 
     python -m mia lira --run runs/x --shadows 8 [--offline] [--max-records N] [--out DIR]
 
-Exit codes: 0 ok, 1 privacy bug found by ``canaries`` or ``whitebox``, 2 bad input.
+A run directory's audit also reports the most any attack can reach against the run's mechanism (AUC, TPR at
+FPR 1% and 0.1%, from its privacy history: dpllm.privacy.tradeoff) next to the measured values.
+
+Exit codes: 0 ok, 1 privacy bug (``canaries`` or ``whitebox``; ``audit``: a measured value above what the
+mechanism allows, beyond sampling error), 2 bad input.
 """
 
 from __future__ import annotations
@@ -215,12 +219,18 @@ def _write_audit(args, rep: dict, scores: dict, *, out, run_dir: bool, bound, wr
                         "(splits.json): no distribution shift by construction")
     if bound:
         rep["dp_bound"] = {"epsilon": bound[0], "delta": bound[1]}
+    if run_dir:
+        from mia.audit import privacy_bounds
+
+        limits = privacy_bounds(args.checkpoint, rep["attacks"], fprs=rep.get("fprs", ()))
+        if limits is not None:
+            rep["privacy_bounds"] = limits
     paths = write(rep, scores, out)
     print(report.markdown_table(rep))
     if "blind" in rep:
         print(f"\nblind baseline: {rep['blind']['message']}")
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
-    return 0
+    return report.print_bounds(rep)
 
 
 def _embedding_audit(args, model, tok, members, nonmembers, *, max_length, bound, out, run_dir, target) -> int:

@@ -298,6 +298,39 @@ def read_privacy_report(run_dir: str | Path) -> dict:
         raise ValueError(f"{err}; the canary audit compares against the accountant's ε and needs it") from err
 
 
+def privacy_bounds(run_dir: str | Path, attacks: dict, *, fprs=DEFAULT_FPRS, unit: str | None = None) -> dict | None:
+    """The most any attack can reach against the run's mechanism (:mod:`dpllm.privacy.tradeoff`, from its privacy
+    history), and whether this audit's values exceed it beyond sampling error.
+
+    Args:
+        run_dir: the audited run directory.
+        attacks: ``{attack: metrics}`` (:func:`mia.metrics.evaluate`).
+        fprs: the FPRs at which TPR is bounded.
+        unit: ``record`` or ``user``; default ``user`` for a run with users (its split keeps users whole, so a
+            record-level audit is a test of users), else ``record``.
+
+    Returns:
+        None without a privacy report; ``{"unavailable": why}`` for a run without a bound (no DP, users with no
+        cap); else the bounds (``auc``, ``tpr@fpr=b``), ``plain_reading``, ``per_attack`` comparisons, ``exceeded``.
+    """
+    from dpllm.privacy import tradeoff
+    from dpllm.privacy.report import PrivacyReport, ReportError
+
+    try:
+        report = PrivacyReport.read(run_dir)
+    except ReportError:
+        return None
+    try:
+        curve = tradeoff.for_report(report, unit=unit or ("user" if report.user_level else "record"))
+    except tradeoff.TradeoffError as err:
+        return {"unavailable": str(err)}
+    checked = tradeoff.check_audit(attacks, curve, fprs=fprs)
+    plural = "users" if curve.unit == "user" else "records"
+    return {**checked["bounds"], "plain_reading": tradeoff.plain_reading(checked["bounds"], plural=plural),
+            "confidence": checked["confidence"], "per_attack": checked["per_attack"],
+            "exceeded": [list(x) for x in checked["exceeded"]]}
+
+
 def prefix_token_counts(tokenizer, texts: list[str], prefixes: list[str]) -> np.ndarray:
     """Tokens of each text that belong to its public prefix (leading special tokens included)."""
     counts = []

@@ -50,7 +50,41 @@ def markdown_table(report: dict) -> str:
         cells = [name, auc_cell] + [_fmt(r[tpr_key(b)]) for b in fprs]
         cells += [_fmt(r["balanced_accuracy"]), _fmt(r.get("loss_gap"))]
         lines.append("| " + " | ".join(cells) + " |")
+    b = report.get("privacy_bounds") or {}
+    if "auc" in b:  # the most any attack can reach against the run's mechanism (dpllm.privacy.tradeoff)
+        cells = [f"**bound: any attack** ({b['unit']} level)", f"≤ {b['auc']:.4f}"]
+        cells += [f"≤ {b[tpr_key(f)]:.4f}" if tpr_key(f) in b else "–" for f in fprs] + ["–", "–"]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def bounds_summary(report: dict) -> str | None:
+    """What the audit says about the run's bounds, in a few lines (None when the report has none)."""
+    b = report.get("privacy_bounds")
+    if not b:
+        return None
+    if "unavailable" in b:
+        return f"no bound on attacks for this run: {b['unavailable']}"
+    head = (f"Bounds for any attack against this run's mechanism ({b['unit']} level, from its privacy history's "
+            f"trade-off curve): {b['plain_reading']}")
+    if b["exceeded"]:
+        name, metric, measured, allowed = b["exceeded"][0]
+        return (f"{head}\nPRIVACY BUG: attack {name!r} measured {metric} = {measured:.4f}, above what the mechanism "
+                f"allows ({allowed:.4f}) beyond sampling error ({b['confidence']:.0%} confidence): the training does "
+                "not deliver its accounted guarantee. Check the noise, sampling, clipping and accounting.")
+    return head + f"\nNo measured value is above its bound beyond sampling error ({b['confidence']:.0%} confidence)."
+
+
+def print_bounds(report: dict) -> int:
+    """Print :func:`bounds_summary`; the exit code: 1 when a measured value exceeds its bound, else 0."""
+    import sys
+
+    text = bounds_summary(report)
+    if text is None:
+        return 0
+    bug = bool((report.get("privacy_bounds") or {}).get("exceeded"))
+    print("\n" + text, file=sys.stderr if bug else sys.stdout)
+    return 1 if bug else 0
 
 
 def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
@@ -128,6 +162,8 @@ def write_attack_report(report: dict, scores: dict[str, tuple[np.ndarray, np.nda
     data.update(extra_scores or {})
     write_text_atomic(paths["scores"], json.dumps(data) + "\n")
     md = [title, "", summary, "", markdown_table(report), ""]
+    if bounds_summary(report):
+        md += [bounds_summary(report), ""]
     for note in notes or []:
         md += [note, ""]
     md += [f"Conventions: {CONVENTIONS}", ""]

@@ -137,7 +137,10 @@ def cmd_audit_users(args) -> int:
     rep["split"] = (f"users: {rep['n_members']} member users ({rep['records_members']} trained records) vs "
                     f"{rep['n_nonmembers']} held-out users ({rep['records_nonmembers']} records), score = "
                     f"{rep['aggregate']} of per-record scores")
+    limits = audit.privacy_bounds(run, rep["attacks"], fprs=rep["fprs"], unit="user")
+    if limits is not None:
+        rep["privacy_bounds"] = limits
     paths = report.write_audit_report(rep, scores, args.out or run / "audit_users")
     print(report.markdown_table(rep))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
-    return 0
+    return report.print_bounds(rep)

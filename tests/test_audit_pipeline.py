@@ -77,7 +77,12 @@ def test_dp_run_is_bounded(runs):
     # No ε-DP model lets any attack exceed AUC e^ε/(1+e^ε) (0.881 at ε = 2; the memorising run above scores
     # ~0.93). The noise is secret and fresh, so the AUC moves between runs (seen 0.47-0.74 with 12 non-members);
     # a fixed window around 0.5 would be a coin flip, the DP ceiling is the claim that must hold.
-    assert audit(dp)["attacks"]["loss"]["auc"] <= math.exp(2.0) / (1 + math.exp(2.0))
+    rep = audit(dp)  # exits 0: no attack above the run's own bounds beyond sampling error
+    assert rep["attacks"]["loss"]["auc"] <= math.exp(2.0) / (1 + math.exp(2.0))
+    # The run's trade-off curve allows far less than that ceiling (dpllm.privacy.tradeoff), and the audit says so.
+    bounds = rep["privacy_bounds"]
+    assert bounds["exceeded"] == [] and bounds["unit"] == "record"
+    assert 0.5 < bounds["auc"] < math.exp(2.0) / (1 + math.exp(2.0)) and bounds["tpr@fpr=0.01"] < 0.1
     code, canary = canaries(dp)
     assert canary["accountant_epsilon"] <= 2.0 + 1e-6
     assert code == 0 and not canary["privacy_bug"]

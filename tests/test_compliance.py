@@ -60,6 +60,8 @@ def test_more_than_one_pass_is_not_met(runs):
 
 
 def test_audit_then_stale_audit(runs, tmp_path):
+    from dpllm.export import compliance_section
+
     one, _ = runs
     run = tmp_path / "run"
     shutil.copytree(one, run)
@@ -67,15 +69,30 @@ def test_audit_then_stale_audit(runs, tmp_path):
                         "--n-bootstrap", "20", "--no-progress"], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     assert _status(run)["mia_audit"] == compliance.MET
-    # An AUC above the ε-DP ceiling (here edited in) fails the item.
+    # The audit reports the run's bounds next to what it measured (JSON, table and a plain reading).
+    bounds = json.loads((run / "audit" / "mia_report.json").read_text())["privacy_bounds"]
+    assert bounds["unit"] == "record" and 0.5 < bounds["auc"] <= 1 and bounds["exceeded"] == []
+    assert 0.01 < bounds["tpr@fpr=0.01"] <= 1 and "loss" in bounds["per_attack"]
+    assert "| **bound: any attack** (record level) |" in r.stdout and "can find at most" in r.stdout
+    item = next(it for it in compliance.check(run) if it.name == "mia_audit")
+    assert "the most any attack can reach against this run's mechanism (record level" in item.evidence
+    # An audit above what the run's trade-off curve allows (edited in: every member found at FPR ≤ 0.1%, on enough
+    # records that sampling error cannot explain it) fails the item: the implementation is broken.
     path = run / "audit" / "mia_report.json"
     rep = json.loads(path.read_text())
-    rep["attacks"]["loss"]["auc"] = 0.9999
+    loss = rep["attacks"]["loss"]
+    loss.update({"n_members": 20000, "n_nonmembers": 20000, "tpr@fpr=0.001": 1.0})
     path.write_text(json.dumps(rep))
-    assert _status(run)["mia_audit"] == compliance.NOT_MET
-    rep["attacks"]["loss"]["auc"] = 0.5
+    item = next(it for it in compliance.check(run) if it.name == "mia_audit")
+    assert item.status == compliance.NOT_MET and "exceeds what the mechanism allows" in item.evidence
+    failed_card = compliance_section(run)
+    loss.update({"tpr@fpr=0.001": 0.0, "tpr@fpr=0.01": 0.0, "auc": 0.5})
     path.write_text(json.dumps(rep))
     assert _status(run)["mia_audit"] == compliance.MET
+    # The model card's checklist is the same whatever the audit found (its verdict is a function of the members):
+    # it says that the final model was audited and where the private report is.
+    assert compliance_section(run) == failed_card and "audited (result private)" in failed_card
+    assert "audit/mia_report.json in the private run directory" in failed_card
     # A model changed after the audit was not audited.
     weights = next((run / "checkpoint").glob("adapter_model.*"))
     os.utime(weights, (path.stat().st_mtime + 10, path.stat().st_mtime + 10))

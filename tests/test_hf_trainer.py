@@ -365,18 +365,20 @@ class Everything(TrainerCallback):
     """Whatever a report_to integration would upload: every on_log and on_evaluate payload."""
 
     def __init__(self):
-        self.seen = []
+        self.seen, self.evaluations = [], []
 
     def on_log(self, args, state, control, logs=None, **kw):
         self.seen.append(dict(logs or {}))
 
     def on_evaluate(self, args, state, control, metrics=None, **kw):
         self.seen.append(dict(metrics or {}))
+        self.evaluations.append(dict(metrics or {}))
 
 
 def test_held_out_losses_stay_in_the_private_run_directory(tmp_path, caplog, capsys):
-    """Held-out records are private and their losses un-noised (issue #21, item 5): callbacks, log lines,
-    printed output, the returned metrics and the export carry none of them; metrics.jsonl keeps them."""
+    """Held-out records are private and their losses un-noised (issue #21, item 5): callbacks, the returned
+    metrics and the export carry none of them, nor the held-out count (issue #32, item 4); metrics.jsonl keeps them,
+    and the operator's console shows them on lines labelled [private] only."""
     import logging
 
     from dpllm.export import export
@@ -396,14 +398,19 @@ def test_held_out_losses_stay_in_the_private_run_directory(tmp_path, caplog, cap
     assert [r["step"] for r in evals] == [0, 1, 2] and all(r["loss"] > 0 for r in evals)
     bundle = export(tmp_path / "run", tmp_path / "bundle")
     private = {v for r in evals for v in (r["loss"], r["ppl"])}
-    assert any("epsilon" in s for s in cb.seen) and any(s.get("eval_records") == 8 for s in cb.seen)
+    # callbacks learn that each evaluation happened, nothing computed from the 8 held-out records
+    assert any("epsilon" in s for s in cb.seen) and cb.evaluations == [{}, {}, {}]
     for payload in cb.seen + [out.metrics]:  # what callbacks and the caller's metrics logging would upload
-        assert not {k for k in payload if k.startswith("eval_")} - {"eval_records"}, payload
-        assert not private & {v for v in payload.values() if isinstance(v, float)}, payload
-    text = caplog.text + "".join(capsys.readouterr())
+        assert not {k for k in payload if k.startswith("eval_")}, payload
+        assert 8 not in payload.values() and not private & {v for v in payload.values() if isinstance(v, float)}
+    console = (caplog.text + "".join(capsys.readouterr())).splitlines()
+    labelled = "\n".join(line for line in console if "[private]" in line)
+    assert "[private] data format: token rows, loss on all tokens" in labelled
+    text = "\n".join(line for line in console if "[private]" not in line)
     text += "".join(p.read_text(errors="ignore") for p in bundle.iterdir() if not p.name.endswith(".safetensors"))
-    for r in evals:  # full precision, or as the log line used to show it
-        for shown in (repr(r["loss"]), repr(r["ppl"]), f"held-out loss {r['loss']:.4f}"):
+    for r in evals:  # the console's [private] lines show them; nothing else does, at full or printed precision
+        assert f"held-out loss {r['loss']:.4f} nats/token" in labelled and "on 8 records" in labelled
+        for shown in (repr(r["loss"]), repr(r["ppl"]), f"{r['loss']:.4f}"):
             assert shown not in text, shown
     # The training loss (un-noised, on sampled members) reaches callbacks and the result only when asked for.
     assert not any("loss" in s for s in cb.seen) and out.training_loss is None and "train_loss" not in out.metrics

@@ -216,8 +216,10 @@ def _run(tmp_path, name, dataset, *extra):
         "--num_generations", "2", "--accountant", "rdp", "--eval_max_records", "8", *extra]))
 
 
-def test_sft_run_has_the_epsilon_and_report_of_a_text_run(tmp_path):
+def test_sft_run_has_the_epsilon_and_report_of_a_text_run(tmp_path, caplog):
     from dpllm.privacy.report import PrivacyReport
+
+    caplog.set_level(logging.INFO, logger="dpllm.train")
 
     chats = [[{"role": "user", "content": f"What is {i} times 3?"}, {"role": "assistant", "content": f"{3 * i}."}]
              for i in range(40)]
@@ -238,6 +240,10 @@ def test_sft_run_has_the_epsilon_and_report_of_a_text_run(tmp_path):
     assert {k: v for k, v in r_chat.items() if k not in differ} == {k: v for k, v in r_text.items() if k not in differ}
     splits = json.loads((tmp_path / "chat" / "splits.json").read_text())
     assert splits["sft"] == {"format": "messages", "loss_on": "answer", "dropped_no_answer": []}
+    # the detected shape and the held-out loss reach the operator's console, labelled private (issue 32 item 4)
+    assert "[private] data format: messages records, loss on answer tokens" in caplog.text
+    assert "[private] data format: plain text, loss on all tokens" in caplog.text
+    assert "[private] eval step 3: held-out loss" in caplog.text
     gens = [json.loads(x) for x in (tmp_path / "chat" / "generations.jsonl").read_text().splitlines()]
     assert len(gens) == 2 and gens[0]["prompt"].endswith("<|assistant|>\n") and "generated" in gens[0]
     from dpllm.checkpoint import load_model

@@ -381,6 +381,7 @@ def test_plan_matches_the_training_report_and_splits_list_users(tmp_path, sampli
         assert rep["unit"] == "user" and rep["n_members"] == u["num_users"]
         assert rep["n_nonmembers"] == len(splits["users"]["heldout"])
         assert rep["dp_bound"]["privacy_unit"] == "user"
+        assert rep["privacy_bounds"]["unit"] == "user" and rep["privacy_bounds"]["group_size"] == 4  # the cap
 
 
 def test_delta_must_be_below_one_over_users(tmp_path):

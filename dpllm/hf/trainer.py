@@ -8,8 +8,9 @@ dpllm run directory in ``output_dir`` (config.yaml, splits.json, records.jsonl, 
 privacy_report.json, privacy_ledger.jsonl) that ``dpllm report``, ``dpllm export`` and
 ``python -m mia audit`` read. The Trainer's optimizer (``optim``, ``learning_rate``, ``weight_decay``...),
 scheduler and callbacks are used; callbacks see ``epsilon`` in every ``on_log`` (the training loss only with
-``PrivacyArguments.log_train_loss``), and ``on_evaluate`` without the held-out loss (un-noised, on private
-records: both stay in the run directory's ``metrics.jsonl``).
+``PrivacyArguments.log_train_loss``), and ``on_evaluate`` with empty metrics: the held-out loss (un-noised, on
+private records) and the held-out count stay in the run directory's ``metrics.jsonl`` and on the operator's
+console, labelled ``[private]``.
 ``save_steps`` (with the default ``save_strategy="steps"``) writes dpllm's resumable checkpoints
 (:mod:`dpllm.resume`) under ``OUTPUT_DIR/checkpoints/``, and ``trainer.train(resume_from_checkpoint=True)``
 continues from the newest one with the same batches, noise and accountant as an uninterrupted run.
@@ -229,6 +230,10 @@ class HFRun(RunTrainer):
         self.trained_hashes = {data.sha256(t) for t in train}
         self.heldout_hashes = {data.sha256(self.records[i]) for i in self.splits.heldout}
         self.sft_format = format_of(train) if is_untokenized_sft(self.hf.train_dataset) else None
+        masked = any(bool((x["labels"] == -100).any()) for x in self.train_rows.items)
+        log.info("[private] data format: %s", f"{self.sft_format} records, loss on {self.cfg.data.loss_on} tokens"
+                 if self.sft_format else "token rows, loss on " + ("the tokens their labels keep (-100 elsewhere)"
+                                                                   if masked else "all tokens"))
 
     def setup_plan(self) -> None:
         super().setup_plan()
@@ -333,14 +338,12 @@ class HFRun(RunTrainer):
             self.hf.log(shown)
 
     def evaluate(self, final: bool = False) -> dict:
-        if len(self.eval_ds) == 0:
-            return {"loss": None, "ppl": None, "tokens": 0}
-        ev = super().evaluate(final)
+        ev = super().evaluate(final) if len(self.eval_ds) else {"loss": None, "ppl": None, "tokens": 0}
         hf = self.hf
         # Callbacks (report_to integrations, printers) carry what they see out of the run directory: they learn
-        # that an evaluation happened, never the un-noised loss of the private held-out records (metrics.jsonl).
-        metrics = {"eval_records": len(self.eval_ds)}
-        hf.control = hf.callback_handler.on_evaluate(hf.args, hf.state, hf.control, metrics=metrics)
+        # that an evaluation happened at this step (a public setting), nothing computed from the private held-out
+        # records, neither their un-noised loss nor how many there are (both stay in metrics.jsonl and the console).
+        hf.control = hf.callback_handler.on_evaluate(hf.args, hf.state, hf.control, metrics={})
         return ev
 
 
