@@ -507,7 +507,7 @@ def split_summary(loaded: Loaded, splits: Splits, cfg: DataConfig, *, canaries: 
         >>> cfg = DataConfig(heldout_fraction=0.5)
         >>> loaded = Loaded(records=["a", "b", "c"], users=None, read=5, too_short=1, duplicates=1)
         >>> print(split_summary(loaded, Splits(public=[], train=[0, 2], heldout=[1]), cfg))
-        data (private, console only): 5 records read; dropped 1 too short (min_chars=32), 1 duplicate; 2 train, 1 held out (not trained on: eval and audits), 0 public (none declared); 0 canaries
+        [private] data: 5 records read; dropped 1 too short (min_chars=32), 1 duplicate; 2 train, 1 held out (not trained on: eval and audits), 0 public (none declared); 0 canaries
     """
     dropped = [f"{loaded.too_short:,} too short (min_chars={cfg.min_chars})" if loaded.too_short else "",
                f"{loaded.duplicates:,} duplicate{'s' * (loaded.duplicates != 1)}" if loaded.duplicates else "",
@@ -530,7 +530,7 @@ def split_summary(loaded: Loaded, splits: Splits, cfg: DataConfig, *, canaries: 
     if splits.users is not None:
         users = f" [users: {len(splits.users['train']):,} train, {len(splits.users['heldout']):,} held out]"
     trained = sum(bool(c.get("included")) for c in canaries)
-    return (f"data (private, console only): {read}; " + (f"dropped {', '.join(dropped)}; " if dropped else "")
+    return (f"[private] data: {read}; " + (f"dropped {', '.join(dropped)}; " if dropped else "")
             + f"{len(splits.train):,} train, {len(splits.heldout):,} held out (not trained on: eval and audits), "
             f"{public}{users}; {len(canaries):,} canaries" + (f" ({trained:,} trained on)" if canaries else "")
             + ("; this stage trains on the public split, without DP" if cfg.train_on == "public" else ""))

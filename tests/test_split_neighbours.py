@@ -213,10 +213,10 @@ def test_the_console_says_where_every_record_went(tmp_path, caplog):
     trainer.setup_process()
     with caplog.at_level(logging.INFO, logger="dpllm.train"):
         trainer.setup_data()
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("data (private")]
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[private] data:")]
     s = trainer.splits
     trained = sum(c["included"] for c in trainer.canaries)
-    assert line == (f"data (private, console only): {N + 2} records read; dropped 1 too short (min_chars=32), "
+    assert line == (f"[private] data: {N + 2} records read; dropped 1 too short (min_chars=32), "
                     f"1 duplicate; {len(s.train)} train, {len(s.heldout)} held out (not trained on: eval and audits), "
                     f"0 public (none declared); 4 canaries ({trained} trained on)")
     assert len(s.train) + len(s.heldout) == N and 30 < len(s.heldout) < 90
