@@ -71,12 +71,26 @@ class DataConfig:
     text_column: str = _f("text", "Column holding the text of a record.")
     max_length: int = _f(128, "Tokens per record; longer records are truncated (never packed together).")
     min_chars: int = _f(32, "Records shorter than this many characters (after stripping) are dropped.")
-    max_records: Optional[int] = _f(None, "Use at most this many records (after filtering and dedup).")
+    max_records: Optional[int] = _f(None, "Use at most this many records (after filtering and dedup): the ones "
+                                          "whose keyed hash under split_seed ranks first, whatever their place "
+                                          "in the file.")
+    deduplicate: bool = _f(True, "Keep one copy of texts that repeat exactly (record-level: a copy would train as "
+                                 "a second record; user-level: a shared text goes to the user whose name sorts "
+                                 "first). false keeps every copy (privacy_unit=record only).")
+    public_dataset: Optional[str] = _f(None, "A second dataset (same forms as dataset) whose records you declare "
+                                             "public: they form the public split, trained on without DP "
+                                             "(train_on: public); a private record equal to one of them is "
+                                             "treated as public too.")
     public_fraction: float = _f(
-        0.0, "Fraction of records set aside as public (usable without DP, e.g. for a pretraining stage)."
+        0.0, "STUDIES ONLY: a random fraction of the PRIVATE file treated as public and trained on without DP. "
+             "Refused unless simulate_public_from_private is true; real public data goes in public_dataset."
     )
+    simulate_public_from_private: bool = _f(False, "Allow public_fraction: declare that this run only simulates "
+                                                   "public data with records of the private file (a study).")
     heldout_fraction: float = _f(0.2, "Fraction of the private records held out (eval; audit non-members).")
-    split_seed: int = _f(0, "Seed of the public / train / held-out split.")
+    split_seed: int = _f(0, "Public key of the split: a record's split (held out or trained) is a keyed hash of "
+                            "its own text under this key (at user level, of its user's id), so adding or removing "
+                            "one record of the file moves no other record.")
     train_on: str = _f("private", "'private' (the train split; the DP unit) or 'public' (the public split).")
     num_canaries: int = _f(0, "Random canary records, each trained on with probability 1/2 (audit).")
     canary_seed: int = _f(1234, "Seed for canary secrets and their inclusion.")
@@ -158,7 +172,8 @@ class PrivacyConfig:
     target_delta: float = _f(1e-5, "δ; must be < 1/N for N private records.")
     noise_multiplier: Optional[float] = _f(None, "Use this noise multiplier instead of calibrating.")
     max_grad_norm: float = _f(1.0, "Per-sample clipping norm C.")
-    accountant: str = _f("prv", "'prv' (default), 'rdp' or 'gdp' (Opacus accountants).")
+    accountant: str = _f("prv", "'prv' (default), 'rdp' or 'gdp' (Opacus accountants), or 'pld' (dp-accounting's; "
+                                 "PRV falls back to it where PRV cannot run, e.g. δ = 1e-10).")
     grad_sample_mode: str = _f("auto", "'auto' (default: bk where every trainable layer has a rule, also under "
                                        "FSDP, else Opacus hooks, or ghost where hooks' per-sample gradients would "
                                        "not fit; dpllm.privacy.modes), 'bk' (book-keeping: one backward pass), "
@@ -413,7 +428,7 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"canary_design={d.canary_design} trains new vocabulary rows, which finetuning={m.finetuning} "
                           "keeps frozen (every canary would score alike); use finetuning: full for the audit run, "
                           "or another canary design")
-    _choice("accountant", p.accountant, ("prv", "rdp", "gdp"))
+    _choice("accountant", p.accountant, ("prv", "rdp", "gdp", "pld"))
     _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
     _choice("privacy_unit", d.privacy_unit, ("record", "user"))
     _choice("data_format", d.data_format, ("auto", "messages", "prompt_completion", "text"))
@@ -441,6 +456,16 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"max_length={d.max_length}: need at least 2 tokens for next-token loss")
     if not (0 <= d.public_fraction < 1) or not (0 < d.heldout_fraction < 1):
         raise ConfigError("public_fraction must be in [0, 1) and heldout_fraction in (0, 1)")
+    if d.public_fraction > 0 and not d.simulate_public_from_private:
+        raise ConfigError(f"public_fraction={d.public_fraction:g} would train on records of the private file without DP; "
+                          "put public records in public_dataset: FILE, or (a study only) set "
+                          "simulate_public_from_private: true")
+    if d.public_fraction > 0 and d.public_dataset:
+        raise ConfigError("public_fraction and public_dataset both set: declare public data one way (unset "
+                          "public_fraction)")
+    if not d.deduplicate and d.privacy_unit == "user":
+        raise ConfigError("deduplicate=false needs privacy_unit=record: at user level a text shared by two users "
+                          "would be trained and held out at once; set deduplicate: true")
     if t.logical_batch_size < 1 or t.physical_batch_size < 1:
         raise ConfigError("logical_batch_size and physical_batch_size must be positive")
     if t.physical_batch_size > t.logical_batch_size:

@@ -8,6 +8,13 @@ tokens and padding is masked out of the loss. ``splits.json`` records which reco
 With ``privacy_unit: user`` every record also has a user (:func:`load_records_and_users`): a column of the
 file (``user_column``), or the built-in corpus's grouping (:data:`PYDOC_USER_PARAGRAPHS`); splits are then
 drawn over users, so a held-out user has no trained record (docs/user_level.md).
+
+Every decision about a record is made by that record alone (:func:`keyed_draw`: a keyed hash of its text, or of
+its user's id, under the public key ``split_seed``): which split it joins, which copy of a duplicate stands for
+it, whether ``max_records`` keeps it. The same file and config give the same split every time, and a file with
+one record more or less, wherever it sits, changes every split by that record only: the add/remove-one relation
+DP-SGD's ε is for holds on the file the user hands over, not only on the training split (issue 32). Public
+records are declared (``public_dataset``), never drawn from the private file outside a study that says so.
 """
 
 from __future__ import annotations
@@ -15,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -241,8 +247,8 @@ def load_records(cfg: DataConfig) -> list[str]:
 def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
     """:func:`load_records` and, with ``privacy_unit: user``, the user of each record (else None).
 
-    The record list is the same as :func:`load_records`'s whatever the unit; a duplicate text keeps the
-    user of its first occurrence.
+    The record list is the same as :func:`load_records`'s whatever the unit; a text several users wrote is kept
+    once, for the user whose name sorts first (wherever the copies are in the file).
 
     Raises:
         DataError: as :func:`load_records`, or a missing user column.
@@ -253,75 +259,146 @@ def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[st
 
 @dataclass
 class Loaded:
-    """The records of a dataset, their users (or None), and what loading removed on the way."""
+    """The records of a dataset, their users (or None), and what loading removed on the way.
+
+    ``records`` holds the private records (file order) and then, with ``public_dataset``, the declared public
+    ones; ``public`` marks which (None when nothing is declared public).
+    """
 
     records: list[str]
     users: Optional[list[str]]
     read: int
     too_short: int
     duplicates: int
+    public: Optional[list[bool]] = None
+    over_max_records: int = 0  # private records beyond max_records (by keyed-hash rank)
+    public_read: int = 0  # records read from public_dataset
+    same_as_public: int = 0  # private records whose text the public dataset also holds (treated as public)
 
     def notes(self, cfg: DataConfig) -> list[str]:
         """Lines for the privacy plan's warnings: records removed as duplicates of a file's (none for the
-        built-in corpora, whose repeated paragraphs are known and documented)."""
-        if not self.duplicates or cfg.dataset in BUILTIN:
-            return []
-        return [f"dataset={cfg.dataset}: {self.duplicates:,} of {self.read:,} records read were exact duplicates of "
-                "an earlier record and were removed (a text trained on twice would be both member and non-member); N "
-                "counts unique records"]
+        built-in corpora, whose repeated paragraphs are known and documented), and a max_records cut."""
+        out = []
+        if self.duplicates and cfg.dataset not in BUILTIN:
+            out.append(f"dataset={cfg.dataset}: {self.duplicates:,} of {self.read:,} records read were exact duplicates "
+                       "of another record and were removed (a text trained on twice would be both member and "
+                       "non-member); N counts unique records")
+        if self.over_max_records:
+            out.append(f"max_records={cfg.max_records:,} kept the records that rank first by keyed hash and left out "
+                       f"{self.over_max_records:,}: a file one record larger can push one of the kept records out, so "
+                       "ε holds for adding or removing a record of the kept set; unset max_records for the whole file")
+        return out
+
+
+def keyed_draw(content: str, *, key: int, purpose: str) -> float:
+    """A number in [0, 1) that depends on ``content``, the public ``key`` (``split_seed``) and ``purpose`` alone.
+
+    The split decides each record by its own draw (:func:`make_splits`), so adding or removing one record of the
+    file changes no other record's split. The key may be public: a record's split then depends on nothing but
+    that record, which is all the add/remove-one guarantee on the file needs.
+
+    Example:
+        >>> keyed_draw("a record", key=0, purpose="split") == keyed_draw("a record", key=0, purpose="split")
+        True
+    """
+    h = hashlib.blake2b(content.encode("utf-8"), digest_size=8, key=f"dpllm:{purpose}:{int(key)}".encode()[:64])
+    return int.from_bytes(h.digest(), "big") / 2.0 ** 64
+
+
+def _read_raw(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
+    from dpllm import sft
+
+    by_user = cfg.privacy_unit == "user"
+    table = sft.read_table(cfg)  # chat / instruction records, Parquet, save_to_disk folders
+    if table is not None:
+        return table
+    if cfg.dataset in BUILTIN:
+        return BUILTIN_USERS[cfg.dataset]() if by_user else (BUILTIN[cfg.dataset](), None)
+    if Path(cfg.dataset).is_file():
+        return _file_records(Path(cfg.dataset), cfg)
+    if Path(cfg.dataset).is_dir():
+        raise DataError(f"dataset={cfg.dataset} is a directory; give a .jsonl/.json/.csv/.txt file")
+    return _hub_records(cfg)
+
+
+def _public_records(cfg: DataConfig) -> tuple[list[str], int]:
+    """The declared public records (stripped, filtered, unique) and how many were read."""
+    import dataclasses
+
+    pcfg = dataclasses.replace(cfg, dataset=cfg.public_dataset, public_dataset=None, privacy_unit="record",
+                               max_records=None)
+    raw, _ = _read_raw(pcfg)
+    texts = [t.strip() for t in raw]
+    return list(dict.fromkeys(t for t in texts if len(t) >= cfg.min_chars)), len(raw)
 
 
 def load_records_counted(cfg: DataConfig) -> Loaded:
     """:func:`load_records_and_users` with the counts of records read, too short and duplicated.
 
+    Every record is kept or dropped by itself (its text, its user's name, the key ``split_seed``), never by
+    its place in the file: a duplicate is one record whichever copy comes first (at user level, the shared
+    text goes to the user whose name sorts first), and ``max_records`` keeps the records whose keyed hash
+    ranks first. The kept records stay in file order (``splits.json``'s ids index this list).
+
     Raises:
         DataError: as :func:`load_records_and_users`.
     """
-    from dpllm import sft
-
     by_user = cfg.privacy_unit == "user"
     if cfg.label_column and (cfg.dataset in BUILTIN or Path(cfg.dataset).suffix.lower() == ".txt"):
         raise DataError(f"label_column={cfg.label_column!r} needs a .jsonl/.json/.csv file or a Hub dataset with that "
                         f"column; dataset={cfg.dataset} has none (unset label_column)")
-    table = sft.read_table(cfg)  # chat / instruction records, Parquet, save_to_disk folders
-    if table is not None:
-        raw, raw_users = table
-    elif cfg.dataset in BUILTIN:
-        raw, raw_users = BUILTIN_USERS[cfg.dataset]() if by_user else (BUILTIN[cfg.dataset](), None)
-    elif Path(cfg.dataset).is_file():
-        raw, raw_users = _file_records(Path(cfg.dataset), cfg)
-    elif Path(cfg.dataset).is_dir():
-        raise DataError(f"dataset={cfg.dataset} is a directory; give a .jsonl/.json/.csv/.txt file")
-    else:
-        raw, raw_users = _hub_records(cfg)
-    seen: set[str] = set()
+    raw, raw_users = _read_raw(cfg)
+    public, public_read = _public_records(cfg) if cfg.public_dataset else ([], 0)
+    public_set = set(public)
+    owner: dict[str, str] = {}  # text -> user (the smallest name among the users who wrote it)
     records: list[str] = []
     users: list[str] = []
-    too_short = duplicates = 0
+    too_short = duplicates = same_as_public = 0
     for i, text in enumerate(raw):
         text = text.strip()
-        # exact duplicates would be both member and non-member: keep the first only
+        # exact duplicates would be both member and non-member: one record, whichever copy comes first
         if len(text) < cfg.min_chars:
             too_short += 1
-        elif text in seen:
+        elif text in public_set:
+            same_as_public += 1
+        elif cfg.deduplicate and text in owner:
             duplicates += 1
+            if raw_users is not None and raw_users[i] < owner[text]:
+                owner[text] = raw_users[i]
         else:
-            seen.add(text)
+            owner[text] = raw_users[i] if raw_users is not None else ""
             records.append(text)
             if raw_users is not None:
                 users.append(raw_users[i])
+    if cfg.deduplicate and raw_users is not None:
+        users = [owner[t] for t in records]
     if duplicates:  # a file's count also goes into the plan's warnings (Loaded.notes)
         log.info("dataset %s: %d of %d records read were exact duplicates and were removed", cfg.dataset, duplicates,
                  len(raw))
-    if cfg.max_records is not None:
-        records, users = records[: cfg.max_records], users[: cfg.max_records]
+    over = 0
+    if cfg.max_records is not None and len(records) > cfg.max_records:
+        rank = sorted(range(len(records)), key=lambda j: (keyed_draw(records[j], key=cfg.split_seed, purpose="cap"),
+                                                          records[j]))
+        keep = sorted(rank[: cfg.max_records])
+        over = len(records) - len(keep)
+        records = [records[j] for j in keep]
+        users = [users[j] for j in keep] if users else users
     if not records:
         raise DataError(
             f"dataset={cfg.dataset}: no records left ({len(raw)} read, min_chars={cfg.min_chars}); "
             "check the file and text_column, or lower min_chars"
         )
+    flags = None
+    if cfg.public_dataset:
+        if not public:
+            raise DataError(f"public_dataset={cfg.public_dataset}: no records left after min_chars={cfg.min_chars}; "
+                            "check the file and text_column")
+        flags = [False] * len(records) + [True] * len(public)
+        records = records + public
+        users = users + [""] * len(public) if by_user else users
     return Loaded(records=records, users=users if by_user else None, read=len(raw), too_short=too_short,
-                  duplicates=duplicates)
+                  duplicates=duplicates, public=flags, over_max_records=over, public_read=public_read,
+                  same_as_public=same_as_public)
 
 
 def sha256(text: str) -> str:
@@ -334,6 +411,7 @@ class Splits:
     train: list[int]
     heldout: list[int]
     users: Optional[dict] = None  # privacy_unit=user: {"train": [...], "heldout": [...], "public": [...]} user names
+    rule: Optional[dict] = None  # how each record's split was decided (split_rule)
 
     def to_json(self, records: Sequence[str], cfg: DataConfig) -> dict:
         used = self.public + self.train + self.heldout
@@ -344,6 +422,7 @@ class Splits:
             "max_length": cfg.max_length,
             "num_records": len(records),
             "train_on": cfg.train_on,
+            "split_rule": self.rule if self.rule is not None else split_rule(cfg),
             "public": self.public,
             "train": self.train,
             "heldout": self.heldout,
@@ -351,46 +430,107 @@ class Splits:
         }
 
 
-def make_splits(num_records: int, cfg: DataConfig, users: Optional[Sequence[str]] = None) -> Splits:
-    """Deterministic public / train / held-out split of record ids (seeded by ``split_seed``).
+def split_rule(cfg: DataConfig) -> dict:
+    """What ``splits.json`` says about how its splits were drawn (``split_rule``)."""
+    unit = "the user's id" if cfg.privacy_unit == "user" else "the record's text"
+    if cfg.public_dataset:
+        public = f"declared: every record of public_dataset={cfg.public_dataset} (and any private record equal to one)"
+    elif cfg.public_fraction > 0:
+        public = (f"SIMULATED (simulate_public_from_private): records of the private file with u < public_fraction="
+                  f"{cfg.public_fraction:g}, trained on without DP")
+    else:
+        public = "none"
+    return {"rule": "keyed hash, one record (or user) at a time",
+            "draw": f"u = blake2b(key='dpllm:split:<split_seed>', {unit}) / 2^64, in [0, 1)",
+            "split_seed": cfg.split_seed,
+            "heldout": f"u < public_fraction + heldout_fraction·(1 − public_fraction) (and not public); else train",
+            "public": public,
+            "deduplicate": cfg.deduplicate,
+            "max_records": (None if cfg.max_records is None else
+                            f"{cfg.max_records}: the records with the smallest blake2b(key='dpllm:cap:<split_seed>', "
+                            "text)")}
 
-    With ``users`` (the user of each record) the split is drawn over users: every record of a user lands in
-    the same split, so held-out records never belong to a trained user.
+
+def make_splits(records: Sequence[str], cfg: DataConfig, users: Optional[Sequence[str]] = None,
+                public: Optional[Sequence[bool]] = None) -> Splits:
+    """Public / train / held-out split of record ids, each record decided by itself.
+
+    A record's draw u = :func:`keyed_draw` of its text (with ``users``: of its user's name, so every record of a
+    user lands in the same split and a held-out record never belongs to a trained user) under the key
+    ``split_seed``. Records marked in ``public`` (declared public, ``public_dataset``) form the public split;
+    the rest are held out when u < ``public_fraction`` + ``heldout_fraction``·(1 − ``public_fraction``) and
+    trained on otherwise, except that ``public_fraction`` > 0 (studies only, ``simulate_public_from_private``)
+    sends u < ``public_fraction`` to the public split. Adding or removing one record of the file therefore
+    changes every split by exactly that record (tests/test_split_neighbours.py).
+
+    Raises:
+        DataError: no record left to train on or to hold out.
     """
-    if users is not None:
-        return _user_splits(num_records, cfg, users)
-    ids = list(range(num_records))
-    random.Random(cfg.split_seed).shuffle(ids)
-    n_public = int(round(cfg.public_fraction * num_records))
-    public, private = ids[:n_public], ids[n_public:]
-    n_heldout = max(1, int(round(cfg.heldout_fraction * len(private))))
-    if len(private) - n_heldout < 1:
-        raise DataError(
-            f"{num_records} records leave no private training record after public_fraction="
-            f"{cfg.public_fraction} and heldout_fraction={cfg.heldout_fraction}; use more data"
-        )
-    return Splits(public=sorted(public), heldout=sorted(private[:n_heldout]), train=sorted(private[n_heldout:]))
-
-
-def _user_splits(num_records: int, cfg: DataConfig, users: Sequence[str]) -> Splits:
-    names = sorted(set(users))
-    random.Random(cfg.split_seed).shuffle(names)
-    n_public = int(round(cfg.public_fraction * len(names)))
-    public, private = names[:n_public], names[n_public:]
-    n_heldout = max(1, int(round(cfg.heldout_fraction * len(private))))
-    if len(private) - n_heldout < 1:
-        raise DataError(
-            f"{len(names)} users leave no private training user after public_fraction={cfg.public_fraction} and "
-            f"heldout_fraction={cfg.heldout_fraction}; use more data")
-    role = {u: "public" for u in public}
-    role.update({u: "heldout" for u in private[:n_heldout]})
-    role.update({u: "train" for u in private[n_heldout:]})
+    if isinstance(records, int):
+        raise TypeError("make_splits takes the records themselves (a record's split is a hash of its text)")
+    pf, hf = cfg.public_fraction, cfg.heldout_fraction
     ids: dict[str, list[int]] = {"public": [], "train": [], "heldout": []}
-    for i in range(num_records):
-        ids[role[users[i]]].append(i)
-    return Splits(public=ids["public"], train=ids["train"], heldout=ids["heldout"],
-                  users={"train": sorted(private[n_heldout:]), "heldout": sorted(private[:n_heldout]),
-                         "public": sorted(public)})
+    names: dict[str, set] = {"public": set(), "train": set(), "heldout": set()}
+    for i, text in enumerate(records):
+        if public is not None and public[i]:
+            ids["public"].append(i)
+            continue
+        u = keyed_draw(users[i] if users is not None else text, key=cfg.split_seed,
+                       purpose="split-user" if users is not None else "split")
+        role = "public" if u < pf else "heldout" if u < pf + hf * (1 - pf) else "train"
+        ids[role].append(i)
+        if users is not None:
+            names[role].add(users[i])
+    unit = "users" if users is not None else "records"
+    n = len(names["train"] | names["heldout"]) if users is not None else len(ids["train"]) + len(ids["heldout"])
+    if not ids["train"]:
+        raise DataError(
+            f"{n} private {unit} leave no private training record after public_fraction={pf} and heldout_fraction="
+            f"{hf}; use more data")
+    if not ids["heldout"]:
+        raise DataError(f"{n} private {unit} leave no held-out record at heldout_fraction={hf} (each is held out "
+                        f"with that probability, by a keyed hash of its {'user' if users is not None else 'text'}); "
+                        "raise heldout_fraction or use more data")
+    return Splits(public=ids["public"], train=ids["train"], heldout=ids["heldout"], rule=split_rule(cfg),
+                  users={k: sorted(v) for k, v in names.items()} if users is not None else None)
+
+
+def split_summary(loaded: Loaded, splits: Splits, cfg: DataConfig, *, canaries: Sequence[dict] = (),
+                  sft_dropped: int = 0) -> str:
+    """One console line saying where every record went: read, dropped (and why), train, held out, public,
+    canaries. Private (counts of the user's data): printed on the operator's console, never released.
+
+    Example:
+        >>> cfg = DataConfig(heldout_fraction=0.5)
+        >>> loaded = Loaded(records=["a", "b", "c"], users=None, read=5, too_short=1, duplicates=1)
+        >>> print(split_summary(loaded, Splits(public=[], train=[0, 2], heldout=[1]), cfg))
+        [private] data: 5 records read; dropped 1 too short (min_chars=32), 1 duplicate; 2 train, 1 held out (not trained on: eval and audits), 0 public (none declared); 0 canaries
+    """
+    dropped = [f"{loaded.too_short:,} too short (min_chars={cfg.min_chars})" if loaded.too_short else "",
+               f"{loaded.duplicates:,} duplicate{'s' * (loaded.duplicates != 1)}" if loaded.duplicates else "",
+               f"{loaded.same_as_public:,} equal to a public record" if loaded.same_as_public else "",
+               f"{loaded.over_max_records:,} beyond max_records={cfg.max_records}" if loaded.over_max_records else "",
+               f"{sft_dropped:,} whose answer max_length cuts off" if sft_dropped else ""]
+    capped = len((splits.users or {}).get("dropped_records", ()))
+    if capped:
+        dropped.append(f"{capped:,} over max_records_per_user={cfg.max_records_per_user}")
+    dropped = [x for x in dropped if x]
+    read = f"{loaded.read:,} records read" + (f" (+{loaded.public_read:,} from public_dataset)"
+                                              if loaded.public_read else "")
+    if cfg.public_dataset:
+        public = f"{len(splits.public):,} public (declared: public_dataset)"
+    elif splits.public:
+        public = f"{len(splits.public):,} public (SIMULATED from the private file: simulate_public_from_private)"
+    else:
+        public = "0 public (none declared)"
+    users = ""
+    if splits.users is not None:
+        users = f" [users: {len(splits.users['train']):,} train, {len(splits.users['heldout']):,} held out]"
+    trained = sum(bool(c.get("included")) for c in canaries)
+    return (f"[private] data: {read}; " + (f"dropped {', '.join(dropped)}; " if dropped else "")
+            + f"{len(splits.train):,} train, {len(splits.heldout):,} held out (not trained on: eval and audits), "
+            f"{public}{users}; {len(canaries):,} canaries" + (f" ({trained:,} trained on)" if canaries else "")
+            + ("; this stage trains on the public split, without DP" if cfg.train_on == "public" else ""))
 
 
 def make_canaries(cfg: DataConfig) -> list[dict]:
@@ -401,6 +541,23 @@ def make_canaries(cfg: DataConfig) -> list[dict]:
     from dpllm import canaries
 
     return canaries.make(cfg.num_canaries, design=cfg.canary_design, seed=cfg.canary_seed)
+
+
+def check_resumed_split(path: Path, trained_hashes: set) -> None:
+    """Refuse to resume a run whose ``splits.json`` lists other training records than the data and config give now.
+
+    Raises:
+        DataError: the dataset changed since the run started, or the run predates the per-record split rule.
+    """
+    if not Path(path).is_file():
+        return
+    recorded = json.loads(Path(path).read_text()).get("trained_sha256")
+    if recorded is not None and set(recorded) != set(trained_hashes):
+        rule = "" if "split_rule" in json.loads(Path(path).read_text()) else (
+            " (the run predates dpllm's per-record split rule, which draws another split)")
+        raise DataError(f"{path} lists other training records than the dataset and config give now{rule}: "
+                        f"{len(set(recorded) ^ set(trained_hashes)):,} differ; resume with the original data, or start "
+                        "a new run")
 
 
 def load_split_texts(run_dir: str | Path, split: str) -> list[str]:

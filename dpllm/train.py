@@ -170,7 +170,7 @@ class Trainer:
         loaded = data.load_records_counted(d)
         self.records, self.users, self.data_notes = loaded.records, loaded.users, loaded.notes(d)
         try:
-            self.splits = data.make_splits(len(self.records), d, self.users)
+            self.splits = data.make_splits(self.records, d, self.users, loaded.public)
         except data.DataError as err:  # say why so few are left: duplicates are easy to miss in a file
             raise data.DataError(f"{err}" + (f" ({loaded.duplicates:,} of {loaded.read:,} records read were exact "
                                              "duplicates and were removed)" if loaded.duplicates else "")) from None
@@ -181,12 +181,13 @@ class Trainer:
             self.sft_dropped = sft.drop_cut_answers(self.records, self.splits, sft.load_tokenizer(self.cfg.model),
                                                     max_length=d.max_length, chat_template=d.chat_template)
         if d.train_on == "public" and not self.splits.public:
-            raise data.DataError("train_on=public but public_fraction=0 leaves no public records; raise public_fraction")
+            raise data.DataError("train_on=public but no record is public; declare public records with "
+                                 "public_dataset: FILE")
         train_ids = self.splits.public if d.train_on == "public" else self.splits.train
         self.canaries = data.make_canaries(d) if d.train_on == "private" else []
         if self.users is not None and d.train_on == "private":  # privacy_unit=user: at most k records per user
             train_ids = self.privacy.bound_contributions(
-                train_ids, users=self.users, splits=self.splits, canaries=self.canaries,
+                train_ids, users=self.users, texts=self.records, splits=self.splits, canaries=self.canaries,
                 resumed=self.resume_from is not None, stage=resume.config_key(self.cfg), world=self.world,
                 user_column=None if d.dataset in data.BUILTIN else d.user_column)
         # a canary user (privacy_unit=user) writes its canary in canary_records_per_user records
@@ -198,6 +199,11 @@ class Trainer:
         self.heldout_hashes = {data.sha256(x) for x in heldout}
         self.eval_texts = heldout if self.t.eval_max_records is None else heldout[: self.t.eval_max_records]
         self.trained_hashes = {data.sha256(x) for x in self.train_texts}
+        if self.resume_from is not None:  # the same file and config must still give the same members
+            data.check_resumed_split(self.out / "splits.json", self.trained_hashes)
+        if self.world.is_main:  # where every record went, on the operator's console only (issue 35)
+            log.info("%s", data.split_summary(loaded, self.splits, d, canaries=self.canaries,
+                                              sft_dropped=len(getattr(self, "sft_dropped", None) or ())))
 
     def setup_plan(self) -> None:
         """Earlier stages, steps and σ: all decided from the data alone, before any model is loaded."""
@@ -397,7 +403,8 @@ class Trainer:
         summary: dict = {}
         if self.world.is_main:
             report = self.privacy.report(num_records=len(self.train_ds), steps=self.step, trained=self.trained_hashes,
-                                         adjustments=self.adjustments, base_model=self.source)
+                                         adjustments=self.adjustments, base_model=self.source,
+                                         public_data=data.split_rule(self.cfg.data)["public"])
             save_checkpoint(self.out / "checkpoint", model=self.model, tokenizer=self.tokenizer,
                             privacy_report=report.to_dict(), config_yaml=self.cfg.to_yaml(),
                             base_model=self.lora_base, weights_dir=weights_dir)

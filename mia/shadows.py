@@ -123,22 +123,27 @@ def shadow_config(run_cfg: dict, *, dataset: str | Path, output_dir: str | Path,
 
 
 def write_shadow_dataset(path: str | Path, texts: list[str], data_cfg) -> None:
-    """Write ``texts`` plus the filler as JSONL, the filler where the trainer's split holds out.
+    """Write ``texts`` plus the filler as JSONL, and set ``data_cfg``'s split so that it holds out the filler only.
 
-    ``dpllm.data.make_splits`` is deterministic in the number of records and ``split_seed``, so the
-    held-out position is known before training.
+    ``dpllm.data.make_splits`` holds a record out when its keyed hash under ``split_seed`` falls below
+    ``heldout_fraction``; this picks the first ``split_seed`` under which the filler's hash is the smallest of
+    all (expected ~len(texts) tries, each stopping at the first record below the filler) and a
+    ``heldout_fraction`` between the filler's hash and the next one, before training.
     """
-    from dpllm.data import make_splits
+    from dpllm.data import keyed_draw
 
     if FILLER in texts:
         raise ValueError("a pool record equals the LiRA filler text; cannot place the held-out record")
-    n = len(texts) + 1
-    held = make_splits(n, data_cfg).heldout
-    if len(held) != 1:
-        raise ValueError(f"expected the shadow split to hold out 1 record, got {len(held)}")
-    rows = list(texts)
-    rows.insert(held[0], FILLER)
-    Path(path).write_text("".join(json.dumps({"text": t}) + "\n" for t in rows), encoding="utf-8")
+    unique = list(dict.fromkeys(t.strip() for t in texts))
+    for seed in range(100 * (len(unique) + 10)):
+        filler = keyed_draw(FILLER, key=seed, purpose="split")
+        if all(keyed_draw(t, key=seed, purpose="split") > filler for t in unique):
+            nearest = min((keyed_draw(t, key=seed, purpose="split") for t in unique), default=1.0)
+            data_cfg.split_seed, data_cfg.heldout_fraction = seed, (filler + nearest) / 2
+            break
+    else:  # probability (1 - 1/(n+1))^(100(n+10)) < e^-99
+        raise ValueError("no split key holds out the LiRA filler alone")
+    Path(path).write_text("".join(json.dumps({"text": t}) + "\n" for t in [*texts, FILLER]), encoding="utf-8")
 
 
 def trained_on(shadow_dir: str | Path, pool: list[str]) -> np.ndarray:

@@ -89,7 +89,7 @@ def load_raw(args: DataArguments) -> DatasetDict:
 
         cfg = DataConfig(dataset="pydoc", max_records=args.max_records)
         records = load_records(cfg)
-        splits = make_splits(len(records), cfg)
+        splits = make_splits(records, cfg)
         return DatasetDict({"train": Dataset.from_dict({"text": [records[i] for i in splits.train]}),
                             "validation": Dataset.from_dict({"text": [records[i] for i in splits.heldout]})})
     return load_dataset(args.dataset_name)

@@ -89,8 +89,9 @@ def cases(w):
          "learning_rate=-0.001 must be > 0"),
         ("log_every 0", ["--dataset", data, "--output_dir", out, "--log_every", "0"], "log_every=0 must be ≥ 1"),
         ("200 identical records", ["--dataset", str(w / "data" / "same.jsonl"), "--output_dir", out],
-         "leave no private training record after public_fraction=0.0 and heldout_fraction=0.2; use more data (199 of "
-         "200 records read were exact duplicates and were removed)"),
+         "1 private records leave no held-out record at heldout_fraction=0.2 (each is held out with that probability, "
+         "by a keyed hash of its text); raise heldout_fraction or use more data (199 of 200 records read were exact "
+         "duplicates and were removed)"),
     ]
 
 
@@ -298,7 +299,19 @@ def test_two_records_train_on_one_with_loud_warnings(tmp_path, capsys, caplog, r
     data.write_text("".join(json.dumps({"text": f"record {i} says something about the python language"}) + "\n"
                             for i in range(2)))
     out = tmp_path / "run"
-    assert recipe.cli([*FAST, "--dataset", str(data), "--output_dir", str(out)]) == 0
+    from dpllm.config import DataConfig
+    from dpllm.data import DataError, load_records, make_splits
+
+    def holds_out_one(seed):  # each record is held out by its own keyed hash: a key that holds out one of the two
+        cfg = DataConfig(dataset=str(data), split_seed=seed, heldout_fraction=0.5)
+        try:
+            return len(make_splits(load_records(cfg), cfg).train) == 1
+        except DataError:  # both held out, or both trained
+            return False
+
+    seed = next(k for k in range(100) if holds_out_one(k))
+    assert recipe.cli([*FAST, "--dataset", str(data), "--output_dir", str(out), "--heldout_fraction", "0.5",
+                       "--split_seed", str(seed)]) == 0
     report = _report(out)
     assert report["num_records"] == 1 and report["sample_rate"] == 1.0 and report["expected_batch_size"] == 1
     capped, passes, noise = report["warnings"]

@@ -15,8 +15,20 @@ from dpllm import compliance
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _heldout_for(n_train: int, max_records: int = 60) -> str:
+    """The held-out fraction that trains on exactly ``n_train`` of the first ``max_records`` pydoc records: a record
+    is held out when its keyed hash u < heldout_fraction, so a fraction between two neighbouring u's."""
+    from dpllm.config import DataConfig
+    from dpllm.data import keyed_draw, load_records
+
+    u = sorted(keyed_draw(t, key=0, purpose="split") for t in load_records(DataConfig(max_records=max_records)))
+    k = len(u) - n_train
+    return repr((u[k - 1] + u[k]) / 2)
+
+
 def _train(out, *extra):
     r = subprocess.run([sys.executable, "recipes/finetune_llm.py", "--max_records", "60", "--max_length", "32",
+                        "--heldout_fraction", _heldout_for(48),
                         "--tiny_hidden_size", "32", "--logical_batch_size", "16", "--physical_batch_size", "16",
                         "--eval_every", "0", "--progress", "false", "--target_epsilon", "8", "--output_dir", str(out),
                         *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)

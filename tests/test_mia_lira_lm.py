@@ -40,11 +40,15 @@ def lira_run(tmp_path_factory):
 
 
 def test_lira_catches_memorising_run(lira_run):
-    _, out = lira_run
+    from dpllm.data import load_split_texts
+
+    target, out = lira_run
     report = json.loads((out / "lira_report.json").read_text())
     assert (out / "lira_report.md").is_file() and (out / "lira_roc.png").stat().st_size > 1000
     assert report["variant"] == "online" and report["n_shadows"] == 4
-    assert report["n_members"] == 20 and report["n_nonmembers"] == 20
+    # each record held out by its own keyed hash at heldout_fraction 0.5: 40 records, members ≈ 20
+    assert report["n_members"] == len(load_split_texts(target, "train")) and report["n_members"] + report[
+        "n_nonmembers"] == 40 and report["n_nonmembers"] == len(load_split_texts(target, "heldout"))
     assert report["attacks"]["lira"]["auc"] > 0.8  # seen: 0.99 (loss attack on the same run: 0.93)
 
 
@@ -55,7 +59,7 @@ def test_inclusion_mask_is_what_shadows_trained_on(lira_run):
     pool = load_split_texts(target, "train") + load_split_texts(target, "heldout")
     inputs = json.loads((out / "lira_scores.json").read_text())["lira_inputs"]
     mask = np.array(inputs["shadow_in"], dtype=bool)
-    assert mask.shape == (4, 40) and inputs["n_members"] == 20
+    assert mask.shape == (4, 40) and inputs["n_members"] == len(load_split_texts(target, "train"))
     assert (mask.sum(axis=0) == 2).all()  # the filler took the held-out slot: balanced exactly
     for s in range(4):
         sdir = out / "shadows" / f"shadow_{s:02d}"
@@ -88,7 +92,7 @@ def test_filler_lands_in_heldout(tmp_path):
     texts = [f"record number {i}" for i in range(13)]
     write_shadow_dataset(cfg.dataset, texts, cfg)
     records = load_records(cfg)
-    splits = make_splits(len(records), cfg)
+    splits = make_splits(records, cfg)
     assert [records[i] for i in splits.heldout] == [FILLER]
     assert sorted(records[i] for i in splits.train) == sorted(texts)
 

@@ -212,7 +212,14 @@ def test_reported_epsilon_never_exceeds_the_target_over_many_plans():
 
 def test_a_run_with_93_batches_per_epoch_reports_its_plan(tmp_path):
     """k = 93 is one of the counts where Opacus would have recorded q = 1/92 and reported ε > target."""
-    summary = run(tmp_path, "k93", "--max_records", "240", "--heldout_fraction", "0.225", "--logical_batch_size",
+    from dpllm.config import DataConfig
+    from dpllm.data import keyed_draw, load_records
+
+    # a record is held out when its keyed hash u < heldout_fraction: a fraction between the 54th and 55th smallest
+    # u of the 240 records holds out 54 and trains on 186 (93 batches of 2)
+    u = sorted(keyed_draw(t, key=0, purpose="split") for t in load_records(DataConfig(max_records=240)))
+    summary = run(tmp_path, "k93", "--max_records", "240", "--heldout_fraction", repr((u[53] + u[54]) / 2),
+                  "--logical_batch_size",
                   "2", "--physical_batch_size", "2", "--epochs", "1", "--target_epsilon", "2",
                   "--target_delta", "1e-3", "--max_length", "16", "--tiny_hidden_size", "16")
     report = report_of(tmp_path / "k93")
@@ -337,12 +344,14 @@ def test_composition_after_a_non_private_warm_up(tmp_path, records):
     from dpllm import ledger
     from dpllm.export import export
 
-    data = ["--dataset", str(records), "--public_fraction", "0.3", "--target_delta", "1e-3"]
+    data = ["--dataset", str(records), "--public_fraction", "0.3", "--simulate_public_from_private", "true",
+            "--target_delta", "1e-3"]
     run(tmp_path, "warm", *data, "--privacy.enabled", "false", "--train_on", "public")
     run(tmp_path, "dp1", *data, "--model_name_or_path", str(tmp_path / "warm"), "--target_epsilon", "2")
     run(tmp_path, "dp2", *data, "--model_name_or_path", str(tmp_path / "dp1"), "--target_epsilon", "4")
     dp1, dp2 = report_of(tmp_path / "dp1"), report_of(tmp_path / "dp2")
     assert [s["enabled"] for s in dp1["stages"]] == [False, True] and len(dp1["history"]) == 1
+    assert dp1["stages"][0]["public_data"].startswith("SIMULATED (simulate_public_from_private)")  # and by what rule
     assert dp1["composition"] == "single stage"  # checked disjoint from the private records, nothing composed
     assert dp1["epsilon"] <= 2.0 and dp1["epsilon"] == pytest.approx(accounting.compute_epsilon_history(
         history=dp1["history"], delta=1e-3, accountant="rdp"))  # the warm-up adds nothing
@@ -354,7 +363,7 @@ def test_composition_after_a_non_private_warm_up(tmp_path, records):
     released = json.loads((export(tmp_path / "dp2", tmp_path / "bundle") / "privacy_report.json").read_text())
     assert [s["enabled"] for s in released["stages"]] == [False, True, True]
     assert released["history"] == dp2["history"] and released["composition"].startswith("1 (σ, q, steps) entries of earlier private stages")
-    assert not any("records_sha256" in s or "num_records" in s for s in released["stages"])
+    assert not any("records_sha256" in s or "num_records" in s or "public_data" in s for s in released["stages"])
 
 
 def test_a_local_base_path_does_not_leave_in_the_adapter_config(tmp_path):

@@ -138,42 +138,43 @@ def fail_after(monkeypatch, calls: int):
 
 
 @pytest.mark.parametrize("calls", [1, 6])
-def test_a_prv_failure_switches_the_whole_plan_to_rdp(monkeypatch, calls):
+def test_a_prv_failure_switches_the_whole_plan_to_pld(monkeypatch, calls):
+    """PRV failing falls back to dp-accounting's PLD (as tight), RDP only if PLD fails too (test_pld_fallback.py)."""
     n, batch, delta = 20_000, 200, 1e-5
     fail_after(monkeypatch, calls)
     table = plan_table(num_records=n, batch=batch, epochs=1, delta=delta, target_epsilon=8, epsilons=[8])
-    assert table["accountant"] == "rdp" and "simulated" in table["accountant_note"]
+    assert table["accountant"] == "pld" and "simulated" in table["accountant_note"]
     q, steps = table["sample_rate"], table["steps"]
-    for row in [table["target"], *table["table"]]:  # every ε is the RDP ε of its σ, at or under its target
+    for row in [table["target"], *table["table"]]:  # every ε is the PLD ε of its σ, at or under its target
         assert row["epsilon"] == compute_epsilon(noise_multiplier=row["noise_multiplier"], sample_rate=q,
-                                                 steps=steps, delta=delta, accountant="rdp")
-        assert row["target_epsilon"] - 0.01 <= row["epsilon"] <= row["target_epsilon"]
+                                                 steps=steps, delta=delta, accountant="pld", strict=True)
+        assert row["target_epsilon"] - 0.05 <= row["epsilon"] <= row["target_epsilon"]
     trainer = plan_privacy(num_records=n, logical_batch_size=batch, steps=steps, target_epsilon=8, delta=delta,
                            accountant="prv")
-    assert trainer.accountant == "rdp" and any("simulated" in w for w in trainer.warnings)
+    assert trainer.accountant == "pld" and any("simulated" in w for w in trainer.warnings)
     assert trainer.noise_multiplier == table["target"]["noise_multiplier"]
     assert trainer.epsilon() == table["target"]["epsilon"]
 
 
-def test_given_noise_whose_prv_fails_is_reported_with_rdp(monkeypatch):
+def test_given_noise_whose_prv_fails_is_reported_with_pld(monkeypatch):
     fail_after(monkeypatch, 1)
     table = plan_table(num_records=20_000, batch=200, epochs=1, delta=1e-5, noise_multiplier=1.0, epsilons=[])
-    assert table["accountant"] == "rdp"
+    assert table["accountant"] == "pld"
     assert table["given_noise"]["epsilon"] == compute_epsilon(noise_multiplier=1.0, sample_rate=0.01, steps=100,
-                                                              delta=1e-5, accountant="rdp")
+                                                              delta=1e-5, accountant="pld", strict=True)
 
 
-def test_many_steps_switch_to_rdp_for_float_precision_before_any_work(monkeypatch, capsys):
+def test_many_steps_switch_to_pld_for_float_precision_before_any_work(monkeypatch, capsys):
     """N = 10⁸ (97,657 steps, δ = 1e-9): PRV's FFT rounding would reach δ (measured: ε no longer monotone in σ),
-    so the plan is RDP from the start; the cheap variant of the N = 10⁹ plan below."""
+    so the plan is PLD from the start; the cheap variant of the N = 10⁹ plan below."""
     calls = fail_after(monkeypatch, 10**9)  # counts PRV evaluations, never fails
     assert main(["plan", "--num-records", "100000000", "--batch", "1024", "--epochs", "1", "--delta", "1e-9",
                  "--target-epsilon", "8", "--epsilons", ""]) == 0
     captured = capsys.readouterr()
     assert calls[0] == 0  # refused from the domain's size alone: nothing allocated
-    assert "accountant=rdp" in captured.out and "float64 rounding" in captured.out
-    assert captured.err.count("uses the rdp accountant instead") == 1  # said once, on stderr as progress
-    assert "searching σ with the rdp accountant" in captured.err
+    assert "accountant=pld" in captured.out and "float64 rounding" in captured.out
+    assert captured.err.count("uses the pld accountant instead") == 1  # said once, on stderr as progress
+    assert "searching σ with the pld accountant" in captured.err
 
 
 def test_very_large_target_has_no_alpha_note(capsys):
@@ -192,7 +193,7 @@ def test_memory_limit_refuses_before_allocating():
 
 @pytest.mark.slow
 def test_billion_record_plan_finishes_under_a_4gb_address_space_limit():
-    """Issue 29: this plan was killed at 12.8 GB after 122 s. Now: RDP for the whole plan, said once."""
+    """Issue 29: this plan was killed at 12.8 GB after 122 s. Now: PLD for the whole plan, said once."""
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (4_000_000_000, 4_000_000_000))
 
@@ -201,8 +202,8 @@ def test_billion_record_plan_finishes_under_a_4gb_address_space_limit():
                            "1024", "--epochs", "1", "--target-epsilon", "8", "--delta", "1e-10"],
                           capture_output=True, text=True, env=env, preexec_fn=cap, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "accountant=rdp" in proc.stdout and "searching σ" in proc.stderr
+    assert "accountant=pld" in proc.stdout and "searching σ" in proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 5
-    for target, sigma, eps, _ in rows:
-        assert float(target) - 0.01 <= float(eps) <= float(target)
+    for target, sigma, eps, _ in rows:  # PLD's grid jitters ~1% in σ at this δ; every ε still meets its target
+        assert 0.9 * float(target) <= float(eps) <= float(target)

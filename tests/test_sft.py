@@ -147,7 +147,7 @@ def test_cut_off_answers_are_reported_and_dropped(caplog):
     long_prompt = sft.canonical({"prompt": "x" * 80, "completion": "yes"}, "prompt_completion", where="t")
     short = sft.canonical({"prompt": "q", "completion": "yes"}, "prompt_completion", where="t")
     records = [long_prompt, short, short.replace("yes", "no"), long_prompt.replace("yes", "no"), short + " "]
-    splits = make_splits(len(records), DataConfig(heldout_fraction=0.2))
+    splits = make_splits(records, DataConfig(heldout_fraction=0.2))
     with caplog.at_level(logging.WARNING, logger="dpllm.sft"):
         dropped = sft.drop_cut_answers(records, splits, tok, max_length=60)
     assert dropped == [0, 3] and "lose their whole answer to max_length=60" in caplog.text
@@ -225,7 +225,15 @@ def test_sft_run_has_the_epsilon_and_report_of_a_text_run(tmp_path, caplog):
              for i in range(40)]
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in chats])
     text = write_jsonl(tmp_path / "text.jsonl", [{"text": f"{i} times 3 is {3 * i}."} for i in range(40)])
-    s_chat, s_text = _run(tmp_path, "chat", chat), _run(tmp_path, "text", text)
+    # each record's split is a keyed hash of its text, so the two files hold out different numbers of records
+    # under one key: take the first key that gives both the same number of training records (same N, same q)
+    def n_train(path, seed):
+        cfg = DataConfig(dataset=str(path), min_chars=1, split_seed=seed)
+        return len(make_splits(load_records_and_users(cfg)[0], cfg).train)
+
+    seed = next(k for k in range(200) if n_train(chat, k) == n_train(text, k))
+    s_chat, s_text = (_run(tmp_path, "chat", chat, "--split_seed", str(seed)),
+                      _run(tmp_path, "text", text, "--split_seed", str(seed)))
     r_chat, r_text = PrivacyReport.read(s_chat["run_dir"]).to_dict(), PrivacyReport.read(s_text["run_dir"]).to_dict()
     assert r_chat["epsilon"] == r_text["epsilon"] and 0 < r_chat["epsilon"] < 100
     differ = {"stages", "base_model", "versions"}  # which data and where: everything else is the same

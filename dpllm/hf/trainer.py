@@ -228,7 +228,8 @@ class HFRun(RunTrainer):
         index = {t: i for i, t in enumerate(self.records)}
         members = set(train)
         self.splits = data.Splits(public=[], train=sorted({index[t] for t in train}),
-                                  heldout=sorted({index[t] for t in heldout if t not in members}))
+                                  heldout=sorted({index[t] for t in heldout if t not in members}),
+                                  rule={"rule": "given: train_dataset and eval_dataset, as passed to DPTrainer"})
         self.canaries = []
         self.train_texts = list(train)  # one per row: N counts rows, the privacy unit
         self.eval_texts = list(heldout)

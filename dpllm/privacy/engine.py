@@ -124,7 +124,10 @@ def make_private(
     from dpllm.privacy.modes import choose_mode
     from dpllm.sampling import PoissonBatchSampler
 
-    engine = PrivacyEngine(accountant=plan.accountant, secure_mode=cfg.secure_mode)
+    # Opacus's accountant only records the (σ, q, steps) history; dpllm computes ε from it with plan.accountant
+    # (pld, a fallback Opacus does not have, records like rdp)
+    engine = PrivacyEngine(accountant="rdp" if plan.accountant == "pld" else plan.accountant,
+                           secure_mode=cfg.secure_mode)
     # Our own Poisson sampler over the whole dataset, never skipping a process's empty share (Opacus's
     # distributed sampler does, desynchronising step counts), with a generator whose state a resumable
     # checkpoint saves. Opacus never sees the loader (it would derive q from its length): the accountant

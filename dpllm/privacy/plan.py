@@ -220,18 +220,18 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
     scheduled = schedule is not None and not schedule.is_constant
     if scheduled:
         schedule.lengths(steps)  # refuses fewer steps than pieces, before any accounting
-    try:
-        return _plan_with(accountant, num_records=num_records, batch=logical_batch_size, q=q, steps=steps,
-                          target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier, prior=prior,
-                          data_notes=data_notes, schedule=schedule if scheduled else None)
-    except accounting.AccountantUnavailable as err:
-        if accountant not in accounting.FALLBACK:
-            raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
-        note = accounting.switch_note(accountant, err)
-        log.warning("privacy plan: %s", note)
-        return _plan_with(accounting.FALLBACK[accountant], num_records=num_records, batch=logical_batch_size, q=q,
-                          steps=steps, target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                          prior=prior, notes=(note,), data_notes=data_notes, schedule=schedule if scheduled else None)
+    notes: tuple = ()
+    while True:  # PRV, then PLD, then RDP (accounting.FALLBACK): the first that runs does the whole plan
+        try:
+            return _plan_with(accountant, num_records=num_records, batch=logical_batch_size, q=q, steps=steps,
+                              target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier,
+                              prior=prior, notes=notes, data_notes=data_notes, schedule=schedule if scheduled else None)
+        except accounting.AccountantUnavailable as err:
+            if accountant not in accounting.FALLBACK:
+                raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
+            note = accounting.switch_note(accountant, err)
+            log.warning("privacy plan: %s", note)
+            notes, accountant = notes + (note,), accounting.FALLBACK[accountant]
 
 
 def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps: int,

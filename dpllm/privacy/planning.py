@@ -153,14 +153,16 @@ def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: fl
         plan["table"] = [for_target(float(e)) for e in sorted(set(epsilons))]
         return plan
 
-    try:
-        return build(accountant)
-    except AccountantUnavailable as err:
-        if accountant not in FALLBACK:
-            raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
-        note = switch_note(accountant, err)
-        say(note)
-        return {**build(FALLBACK[accountant]), "accountant_note": note}
+    notes: list[str] = []
+    while True:  # PRV, then PLD, then RDP (FALLBACK): the first accountant that runs does the whole plan
+        try:
+            return {**build(accountant), "accountant_note": "; ".join(notes) or None}
+        except AccountantUnavailable as err:
+            if accountant not in FALLBACK:
+                raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
+            notes.append(switch_note(accountant, err))
+            say(notes[-1])
+            accountant = FALLBACK[accountant]
 
 
 def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, batch: int, delta: float,

@@ -76,8 +76,9 @@ class RunPrivacy:
             return self.cfg.data.max_records_per_user
         return 1
 
-    def bound_contributions(self, train_ids: list[int], *, users: list[str], splits, canaries: list[dict],
-                            resumed: bool, stage: str, world, user_column: Optional[str]) -> list[int]:
+    def bound_contributions(self, train_ids: list[int], *, users: list[str], texts: list[str], splits,
+                            canaries: list[dict], resumed: bool, stage: str, world,
+                            user_column: Optional[str]) -> list[int]:
         """privacy_unit=user: keep at most k records per user (secret random choice); return the kept ids.
 
         A resumed run trains on the records its splits.json lists: the choice was secret and is not redrawn.
@@ -85,10 +86,12 @@ class RunPrivacy:
         Args:
             stage: the key of this run's config (:func:`dpllm.resume.config_key`) that the secret choice derives from.
             user_column: the users' column the report names (None for a built-in corpus's own grouping).
+            texts: every record's text (by id): a user keeps the k records whose keyed hash of (user, text) is
+                smallest, so one user's choice never depends on another user's records.
         """
         d = self.cfg.data
         self.user_unit, self.user_column = True, user_column
-        cap = self._cap(train_ids, users, resumed=resumed, stage=stage, world=world)
+        cap = self._cap(train_ids, users, texts, resumed=resumed, stage=stage, world=world)
         # splits.json lists the kept records as the trained ones; dropped records are neither member nor held out
         splits.users["dropped_records"] = sorted(set(train_ids) - set(cap["kept"]))
         splits.train = cap["kept"]
@@ -111,7 +114,8 @@ class RunPrivacy:
                  cap["records_dropped"])
         return cap["kept"]
 
-    def _cap(self, train_ids: list[int], users: list[str], *, resumed: bool, stage: str, world) -> dict:
+    def _cap(self, train_ids: list[int], users: list[str], texts: list[str], *, resumed: bool, stage: str,
+             world) -> dict:
         if resumed and (self.out / "splits.json").is_file():
             kept = json.loads((self.out / "splits.json").read_text())["train"]
             if not set(kept) <= set(train_ids):
@@ -123,7 +127,7 @@ class RunPrivacy:
             return cap
         gen = user_level.cap_generator(reproducible=self.p.reproducible_noise, seed=self.cfg.train.seed, stage=stage,
                                        world=world)
-        return user_level.cap_users(train_ids, users, self.cfg.data.max_records_per_user, gen)
+        return user_level.cap_users(train_ids, users, self.cfg.data.max_records_per_user, gen, texts=texts)
 
     # ---- the plan ------------------------------------------------------------------------------------
 
@@ -263,10 +267,11 @@ class RunPrivacy:
                                 "this is a dpllm bug (no checkpoint was written)")
 
     def report(self, *, num_records: int, steps: int, trained: set[str], adjustments: list[str],
-               base_model: dict) -> PrivacyReport:
-        """The privacy report: ε with everything needed to recompute it."""
+               base_model: dict, public_data: str) -> PrivacyReport:
+        """The privacy report: ε with everything needed to recompute it (``public_data``: which records were
+        declared public and by what rule, :func:`dpllm.data.split_rule`)."""
         common = self._report_common(num_records=num_records, steps=steps, trained=trained, adjustments=adjustments,
-                                     base_model=base_model)
+                                     base_model=base_model, public_data=public_data)
         if not self.dp:
             return PrivacyReport(**common)
         p, plan = self.p, self.plan
@@ -288,11 +293,13 @@ class RunPrivacy:
             warnings=list(plan.warnings))
 
     def _report_common(self, *, num_records: int, steps: int, trained: set[str], adjustments: list[str],
-                       base_model: dict) -> dict:
+                       base_model: dict, public_data: str) -> dict:
         """The fields of the report with or without DP, this stage's entry among the stages included."""
         t, d = self.cfg.train, self.cfg.data
         stage = {"name": self.out.name, "run_dir": str(self.out.resolve()), "enabled": self.dp,
-                 "dataset": d.dataset, "train_on": d.train_on, "num_records": num_records, "steps": steps,
+                 "dataset": d.dataset, "train_on": d.train_on,
+                 "public_data": public_data,  # which records were declared public, and how
+                 "num_records": num_records, "steps": steps,
                  "records_sha256": set_digest(trained),
                  "history": [list(h) for h in self.private.history()[len(self.lineage.history):]] if self.dp else []}
         return dict(enabled=self.dp, num_records=num_records, steps=steps,

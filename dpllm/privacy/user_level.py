@@ -23,8 +23,8 @@ Two ways to train, both behind :func:`dpllm.privacy.engine.make_private`:
   neighbour adds or removes one user, who may hold up to k records whatever this dataset's users hold. ELS
   without a cap is refused; ``record`` without one reports an unbounded user-level ε (:data:`UNCAPPED`).
 
-Contribution bounding (:func:`cap_users`) keeps at most k records of each user, chosen by a generator
-seeded with secret randomness, and counts the users trimmed.
+Contribution bounding (:func:`cap_users`) keeps at most k records of each user, chosen by a keyed hash under
+one secret key (so one user's choice never depends on another's records), and counts the users trimmed.
 
 Example (one record per user: the mixture is the subsampled Gaussian itself):
     >>> round(mixture_epsilon(history=[(1.0, 0.1, 10)], delta=1e-5, group_size=1), 1)
@@ -138,29 +138,45 @@ def group_by_user(ids: Sequence[int], users: Sequence[str]) -> dict[str, list[in
     return dict(out)
 
 
-def cap_users(ids: Sequence[int], users: Sequence[str], k: Optional[int], generator: torch.Generator) -> dict:
-    """Keep at most ``k`` records of each user, chosen uniformly at random by ``generator``.
+def cap_users(ids: Sequence[int], users: Sequence[str], k: Optional[int], generator: torch.Generator,
+              texts: Optional[Sequence[str]] = None) -> dict:
+    """Keep at most ``k`` records of each user, chosen at random, one user at a time.
+
+    One secret key is drawn from ``generator`` (the same single draw whatever the data); each user then keeps
+    its ``k`` records with the smallest keyed hash of (user, text) under that key. A user's choice depends on
+    that user's records alone, so adding or removing a record (or a user) changes no other user's records.
 
     Args:
         ids: record ids of the training users.
         users: user of every record (indexed by record id).
         k: cap; None keeps every record.
         generator: secretly seeded (:mod:`dpllm.privacy.randomness`), the same on every process.
+        texts: text of every record (indexed by record id); without it a record is known by its id (which
+            moves when the file changes).
 
     Returns:
         ``{"kept": sorted record ids, "by_user": {user: kept ids}, "users": U, "users_trimmed": ...,
         "records_dropped": ..., "largest_user": records of the largest user before the cap}``.
     """
+    import hashlib
+
+    key = b""
+    if k is not None:
+        key = int(torch.randint(0, 2 ** 62, (1,), generator=generator).item()).to_bytes(8, "big")
+
+    def draw(i: int) -> bytes:
+        content = f"{users[i]}\0{texts[i] if texts is not None else i}"
+        return hashlib.blake2b(content.encode("utf-8"), digest_size=16, key=b"dpllm:user_cap:" + key).digest()
+
     by_user = group_by_user(sorted(ids), users)
     kept: dict[str, list[int]] = {}
     trimmed = dropped = 0
     for user in sorted(by_user):
         rec = by_user[user]
         if k is not None and len(rec) > k:
-            order = torch.randperm(len(rec), generator=generator).tolist()[:k]
             trimmed += 1
             dropped += len(rec) - k
-            rec = sorted(rec[j] for j in order)
+            rec = sorted(sorted(rec, key=draw)[:k])
         kept[user] = rec
     return {"kept": sorted(i for r in kept.values() for i in r), "by_user": kept, "users": len(kept),
             "users_trimmed": trimmed, "users_dropped": 0, "records_dropped": dropped,

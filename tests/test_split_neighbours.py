@@ -1,0 +1,230 @@
+"""The neighbouring relation holds on the user's file (issue 32, item 1): two files that differ in one record
+(appended at the end, inserted in the middle, removed from the front) give training, held-out, public and canary
+sets that differ in exactly that record, for every split option. No training: splits are built directly."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+
+import pytest
+import torch
+
+from dpllm import data
+from dpllm.config import ConfigError, DataConfig, parse_config
+from dpllm.privacy import user_level
+
+N = 240
+NEW = "a record that was not in the file before, long enough to pass min_chars"
+
+
+def _rows(n: int = N, users: int = 0) -> list[dict]:
+    rows = [{"text": f"record {i}: " + "some words " * (i % 4) + "of the support ticket number " + str(i * 7919)}
+            for i in range(n)]
+    for i, r in enumerate(rows):
+        if users:
+            r["user"] = f"u{(i * 31) % users:03d}"
+    return rows
+
+
+def _neighbours(rows: list[dict], new: dict) -> list[tuple[str, list[dict], dict]]:
+    """(how, the other file, the record the two files differ in)."""
+    return [("appended", rows + [new], new), ("inserted", rows[: len(rows) // 2] + [new] + rows[len(rows) // 2:], new),
+            ("removed from the front", rows[1:], rows[0])]
+
+
+def _write(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _sets(cfg: DataConfig) -> dict[str, Counter]:
+    loaded = data.load_records_counted(cfg)
+    s = data.make_splits(loaded.records, cfg, loaded.users, loaded.public)
+    out = {k: Counter(loaded.records[i] for i in getattr(s, k)) for k in ("train", "heldout", "public")}
+    out["canaries"] = Counter(c["text"] for c in data.make_canaries(cfg) if c["included"])
+    return out
+
+
+def _differ_by(a: dict[str, Counter], b: dict[str, Counter], text: str) -> None:
+    moved = {k: (a[k] - b[k]) + (b[k] - a[k]) for k in a}
+    assert all(set(m) <= {text} for m in moved.values()), {k: list(m)[:3] for k, m in moved.items() if m}
+    assert sum(sum(m.values()) for m in moved.values()) == 1  # exactly one record, in exactly one set
+
+
+OPTIONS = {
+    "held-out fraction": {"heldout_fraction": 0.3},
+    "simulated public fraction": {"public_fraction": 0.2, "simulate_public_from_private": True},
+    "dedup off": {"deduplicate": False},
+    "canaries": {"num_canaries": 8, "canary_seed": 5},
+    "another split key": {"split_seed": 11, "heldout_fraction": 0.5},
+}
+
+
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_one_record_moves_only_itself(tmp_path, option):
+    rows = _rows()
+    cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows), **OPTIONS[option])
+    before = _sets(cfg)
+    assert before["train"] and before["heldout"]
+    for how, other, changed in _neighbours(rows, {"text": NEW}):
+        after = _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), **OPTIONS[option]))
+        _differ_by(before, after, changed["text"])
+
+
+def test_the_issue_figure_moves_nothing_else(tmp_path):
+    """The issue's measurement: 10,000 records plus one, public_fraction 0.1 (simulated) moved 767 records out of
+    training and 768 in on main before this change; now only the new record enters."""
+    rows = [{"text": f"record {i} " + "x" * (i % 9) + " with enough characters"} for i in range(10_000)]
+    opts = {"public_fraction": 0.1, "simulate_public_from_private": True}
+    before = _sets(DataConfig(dataset=_write(tmp_path / "a.jsonl", rows), **opts))
+    after = _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", rows + [{"text": NEW}]), **opts))
+    _differ_by(before, after, NEW)
+
+
+def test_declared_public_dataset(tmp_path):
+    rows = _rows()
+    public = [{"text": f"public paragraph {i} that anyone may read, about the weather"} for i in range(30)]
+    pub = _write(tmp_path / "public.jsonl", public + [rows[5]])  # a private record that is also declared public
+    cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows), public_dataset=pub)
+    before = _sets(cfg)
+    assert set(before["public"]) == {r["text"] for r in public} | {rows[5]["text"]}
+    assert rows[5]["text"] not in before["train"] and rows[5]["text"] not in before["heldout"]
+    loaded = data.load_records_counted(cfg)
+    assert loaded.same_as_public == 1 and loaded.public_read == 31
+    for how, other, changed in _neighbours(rows, {"text": NEW}):
+        _differ_by(before, _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), public_dataset=pub)),
+                   changed["text"])
+    rule = data.make_splits(loaded.records, cfg, None, loaded.public).rule
+    assert rule["public"].startswith("declared: every record of public_dataset=")
+
+
+def test_user_level_splits_and_cap_move_only_that_user(tmp_path):
+    rows = _rows(users=40)
+    opts = {"privacy_unit": "user", "heldout_fraction": 0.25}
+    cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows), **opts)
+    before = _sets(cfg)
+    for user in ("u007", "a new user"):
+        new = {"text": NEW, "user": user}
+        for how, other, changed in _neighbours(rows, new):
+            ocfg = DataConfig(dataset=_write(tmp_path / "b.jsonl", other), **opts)
+            _differ_by(before, _sets(ocfg), changed["text"])
+
+    # the cap (k records per user, one secret key): every user but the changed one keeps the same records
+    def kept(cfg):
+        loaded = data.load_records_counted(cfg)
+        s = data.make_splits(loaded.records, cfg, loaded.users)
+        cap = user_level.cap_users(s.train, loaded.users, 3, torch.Generator().manual_seed(0), texts=loaded.records)
+        return {u: {loaded.records[i] for i in ids} for u, ids in cap["by_user"].items()}
+
+    a = kept(cfg)
+    assert any(len(v) == 3 for v in a.values())
+    for how, other, changed in _neighbours(rows, {"text": NEW, "user": "u007"}):
+        b = kept(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), **opts))
+        assert {u for u in a.keys() | b.keys() if a.get(u) != b.get(u)} <= {changed["user"]}, how
+
+
+def test_sft_records(tmp_path):
+    def chat(i):
+        return {"messages": [{"role": "user", "content": f"what does function number {i} do?"},
+                             {"role": "assistant", "content": f"it returns {i * 3} after checking its input"}]}
+
+    rows = [chat(i) for i in range(N)]
+    new = {"messages": [{"role": "user", "content": "a new question"}, {"role": "assistant", "content": "an answer"}]}
+    cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows))
+    before = _sets(cfg)
+    assert all(t.startswith("{") for t in before["train"])  # canonical JSON records
+    for how, other, changed in _neighbours(rows, new):
+        after = _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other)))
+        (text,) = [t for t in (Counter(after["train"] + after["heldout"]) - Counter(before["train"] + before["heldout"]))
+                   + (Counter(before["train"] + before["heldout"]) - Counter(after["train"] + after["heldout"]))]
+        assert json.loads(text)["messages"] == changed["messages"]
+        _differ_by(before, after, text)
+
+
+def test_duplicates_are_one_record_whichever_copy_comes_first(tmp_path):
+    """With dedup on, a file's records are its distinct texts: adding a copy of a record, or removing the first of
+    two copies, changes no set at all; adding a new text changes them by that text."""
+    rows = _rows()
+    rows.insert(7, dict(rows[100]))  # a second copy of record 100, before the first one
+    cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows))
+    before = _sets(cfg)
+    for other in (rows + [dict(rows[3])], rows[:7] + rows[8:]):
+        assert _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other))) == before
+    # dedup off: every copy is a record of its own, in the split of its text: one more copy moves only itself
+    off = DataConfig(dataset=str(tmp_path / "a.jsonl"), deduplicate=False)
+    before = _sets(off)
+    assert before["train"][rows[7]["text"]] + before["heldout"][rows[7]["text"]] == 2  # both copies
+    for other, changed in ((rows + [dict(rows[3])], rows[3]), (rows[:7] + rows[8:], rows[7])):
+        _differ_by(before, _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), deduplicate=False)),
+                   changed["text"])
+    # at user level a text two users wrote belongs to the user whose name sorts first, wherever the copies are
+    urows = [{"text": NEW, "user": "zed"}] + _rows(users=20) + [{"text": NEW, "user": "amy"}]
+    records, users = data.load_records_and_users(DataConfig(dataset=_write(tmp_path / "u.jsonl", urows),
+                                                            privacy_unit="user"))
+    assert users[records.index(NEW)] == "amy"
+
+
+def test_max_records_keeps_by_keyed_hash_not_file_order(tmp_path):
+    rows = _rows()
+    cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows), max_records=100)
+    loaded = data.load_records_counted(cfg)
+    assert len(loaded.records) == 100 and loaded.over_max_records == N - 100
+    assert loaded.records != [r["text"] for r in rows[:100]]  # not the first 100 of the file
+    assert any("max_records=100" in n for n in loaded.notes(cfg))
+    before = set(loaded.records)
+    for how, other, changed in _neighbours(rows, {"text": NEW}):
+        after = set(data.load_records(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), max_records=100)))
+        moved = before ^ after
+        # the changed record, and at most the one record it pushed past (or let back under) the cut
+        assert len(moved - {changed["text"]}) <= 1 and len(moved) in (0, 2), how
+        assert len(after) == 100
+
+
+def test_public_fraction_of_the_private_file_is_refused_unless_simulated():
+    with pytest.raises(ConfigError, match="put public records in public_dataset: FILE, or .a study only. set "
+                                          "simulate_public_from_private: true"):
+        parse_config(["--public_fraction", "0.1"])
+    parse_config(["--public_fraction", "0.1", "--simulate_public_from_private", "true"])
+    with pytest.raises(ConfigError, match="deduplicate=false needs privacy_unit=record"):
+        parse_config(["--deduplicate", "false", "--privacy_unit", "user", "--max_records_per_user", "4"])
+
+
+def test_same_file_same_split_and_a_rule_in_splits_json(tmp_path):
+    rows = _rows()
+    cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows))
+    loaded = data.load_records_counted(cfg)
+    a = data.make_splits(loaded.records, cfg)
+    assert a == data.make_splits(list(loaded.records), cfg)
+    out = a.to_json(loaded.records, cfg)
+    assert out["split_rule"]["split_seed"] == 0 and out["split_rule"]["public"] == "none"
+    assert "blake2b" in out["split_rule"]["draw"]
+
+
+def test_the_console_says_where_every_record_went(tmp_path, caplog):
+    """Issue 35, item 5: the training start prints how many records went where (private, console only)."""
+    from dpllm.train import Trainer
+
+    rows = _rows() + [dict(_rows()[4]), {"text": "short"}]
+    cfg = parse_config(["--dataset", _write(tmp_path / "a.jsonl", rows), "--output_dir", str(tmp_path / "run"),
+                        "--num_canaries", "4", "--heldout_fraction", "0.25", "--privacy.enabled", "false"])
+    trainer = Trainer(cfg)
+    trainer.setup_process()
+    with caplog.at_level(logging.INFO, logger="dpllm.train"):
+        trainer.setup_data()
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[private] data:")]
+    s = trainer.splits
+    trained = sum(c["included"] for c in trainer.canaries)
+    assert line == (f"[private] data: {N + 2} records read; dropped 1 too short (min_chars=32), "
+                    f"1 duplicate; {len(s.train)} train, {len(s.heldout)} held out (not trained on: eval and audits), "
+                    f"0 public (none declared); 4 canaries ({trained} trained on)")
+    assert len(s.train) + len(s.heldout) == N and 30 < len(s.heldout) < 90
+
+
+def test_a_resumed_run_refuses_a_split_that_changed(tmp_path):
+    path = tmp_path / "splits.json"
+    path.write_text(json.dumps({"trained_sha256": sorted([data.sha256("a"), data.sha256("b")])}))
+    with pytest.raises(data.DataError, match="predates dpllm's per-record split rule.*1 differ"):
+        data.check_resumed_split(path, {data.sha256("a")})
+    data.check_resumed_split(path, {data.sha256("a"), data.sha256("b")})  # the same members: resumes
