@@ -44,12 +44,12 @@ from dpllm.sft.records import (BUILTIN, FORMATS, ROLES, STDLIB_QA_MODULES, SFTAr
                                format_of, is_untokenized_sft, needs_template, parse, read_table, rows_to_records,
                                shape_of, stdlib_qa_rows)
 from dpllm.sft.render import (SIMPLE_TEMPLATE, adds_bos, generate_answers, is_byte_tokenizer, load_tokenizer,
-                              prepare_tokenizer, prompt_and_reference, segments)
+                              prepare_tokenizer, prompt_and_reference, render_chat, segments)
 
 __all__ = [
     "BUILTIN", "FORMATS", "ROLES", "SIMPLE_TEMPLATE", "STDLIB_QA_MODULES", "PadRecords", "SFTArguments", "SFTRecords",
     "adds_bos", "answer_fits", "canary_record", "canonical", "drop_cut_answers", "encode", "format_of",
     "generate_answers", "is_byte_tokenizer", "is_untokenized_sft", "load_tokenizer", "make_datasets",
-    "needs_template", "parse", "prepare_tokenizer", "prompt_and_reference", "read_table", "rows_to_records",
-    "segments", "shape_of", "stdlib_qa_rows",
+    "needs_template", "parse", "prepare_tokenizer", "prompt_and_reference", "read_table", "render_chat",
+    "rows_to_records", "segments", "shape_of", "stdlib_qa_rows",
 ]

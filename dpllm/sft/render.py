@@ -65,7 +65,9 @@ def prepare_tokenizer(tokenizer, chat_template: Optional[str], *, needed: bool) 
                         "built-in one)")
 
 
-def _render(tokenizer, messages: list[dict], *, generation_prompt: bool) -> str:
+def render_chat(tokenizer, messages: list[dict], *, generation_prompt: bool) -> str:
+    """The conversation as the chat template renders it (ending with the assistant's turn header when
+    ``generation_prompt``)."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
@@ -81,13 +83,13 @@ def segments(record: dict, tokenizer) -> list[tuple[str, bool]]:
     if "messages" in record or isinstance(record.get("prompt"), list):
         msgs = record.get("messages") or record["prompt"] + record["completion"]
         first = 0 if "messages" in record else len(record["prompt"])
-        full = _render(tokenizer, msgs, generation_prompt=False)
+        full = render_chat(tokenizer, msgs, generation_prompt=False)
         out, at = [], 0
         for i, m in enumerate(msgs):
             if m["role"] != "assistant" or i < first:
                 continue
-            before = _render(tokenizer, msgs[:i], generation_prompt=True) if i else ""
-            upto = _render(tokenizer, msgs[: i + 1], generation_prompt=False)
+            before = render_chat(tokenizer, msgs[:i], generation_prompt=True) if i else ""
+            upto = render_chat(tokenizer, msgs[: i + 1], generation_prompt=False)
             if not (full.startswith(upto) and upto.startswith(before) and len(before) >= at):
                 raise DataError("the chat template does not render a conversation as the concatenation of its "
                                 "turns (it rewrites earlier turns), so answer tokens cannot be told apart; give "
@@ -128,7 +130,7 @@ def prompt_and_reference(record: dict, tokenizer) -> tuple[str, str]:
     if "messages" in record or isinstance(record.get("prompt"), list):
         msgs = record.get("messages") or record["prompt"] + record["completion"]
         last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        return _render(tokenizer, msgs[:last], generation_prompt=True), msgs[last]["content"]
+        return render_chat(tokenizer, msgs[:last], generation_prompt=True), msgs[last]["content"]
     return record["prompt"], record["completion"]
 
 

@@ -211,7 +211,7 @@ def _sample(run_dir: Path, out: Path, *, start: int, have: int, num: int, settin
     from dpllm.checkpoint import load_model
     from dpllm.data import control_code
     from dpllm.models import context_length
-    from dpllm.sft import _adds_bos, _render
+    from dpllm.sft import adds_bos, render_chat
 
     model, tok = load_model(run_dir, merge=True)
     labels, prompts, shape = settings["labels"], settings["prompts"], settings["shape"]
@@ -235,13 +235,13 @@ def _sample(run_dir: Path, out: Path, *, start: int, have: int, num: int, settin
         if prompts:
             p = prompts[i % len(prompts)]
             ids = tok(p, add_special_tokens=False)["input_ids"]
-            if shape == "prompt_completion" and _adds_bos(tok):  # as dpllm.sft.encode trained it
+            if shape == "prompt_completion" and adds_bos(tok):  # as dpllm.sft.encode trained it
                 ids = [tok.bos_token_id] + ids
             return ids or _start_ids(tok), {"prompt": p}
         return _start_ids(tok), {}
 
     def chat_prompt(user: str) -> list[int]:
-        text = _render(tok, [{"role": "user", "content": user}], generation_prompt=True)
+        text = render_chat(tok, [{"role": "user", "content": user}], generation_prompt=True)
         return tok(text, add_special_tokens=False)["input_ids"]
 
     def cut(row: list[int]) -> list[int]:

@@ -118,12 +118,12 @@ def chat_markers(tok) -> ChatMarkers:
     Raises:
         ValueError: no template, or one that does not render a user turn, then the answer, in that order.
     """
-    from dpllm.sft import _render
+    from dpllm.sft import render_chat
 
     u, a = "\u2063USER\u2063", "\u2063ANSWER\u2063"
-    one = _render(tok, [{"role": "user", "content": u}], generation_prompt=False)
-    prompt = _render(tok, [{"role": "user", "content": u}], generation_prompt=True)
-    full = _render(tok, [{"role": "user", "content": u}, {"role": "assistant", "content": a}],
+    one = render_chat(tok, [{"role": "user", "content": u}], generation_prompt=False)
+    prompt = render_chat(tok, [{"role": "user", "content": u}], generation_prompt=True)
+    full = render_chat(tok, [{"role": "user", "content": u}, {"role": "assistant", "content": a}],
                    generation_prompt=False)
     if u not in one or not prompt.startswith(one[: one.index(u)]) or a not in full or u not in prompt:
         raise ValueError("the chat template does not render a user turn followed by the answer")
