@@ -79,3 +79,17 @@ def test_calibration_meets_the_target_although_pld_jitters():
     sigma = accounting.calibrate_noise(target_epsilon=4, delta=DELTA, sample_rate=Q, steps=T, accountant="pld")
     assert accounting.compute_epsilon(noise_multiplier=sigma, sample_rate=Q, steps=T, delta=DELTA,
                                       accountant="pld", strict=True) <= 4
+
+
+def test_pld_refuses_a_grid_it_cannot_hold_and_the_fallback_goes_on_to_rdp():
+    # σ = 1e-3 (a white-box audit of a no-noise run): the PLD grid would span ~5e8 points per step (tens of GB,
+    # seen filling 22 GB); it is refused before anything is built, and the finished run's ε is the RDP bound.
+    from dpllm.privacy.accounting import AccountantUnavailable, compute_epsilon_history, pld_epsilon
+
+    history = [(1e-3, 0.2, 20)]
+    with pytest.raises(AccountantUnavailable, match="grid points"):
+        pld_epsilon(history=history, delta=1e-5)
+    with pytest.warns(UserWarning, match="PLD accountant cannot run"):
+        eps = compute_epsilon_history(history=history, delta=1e-5, accountant="pld")
+    assert eps == pytest.approx(compute_epsilon_history(history=history, delta=1e-5, accountant="rdp"))
+    assert eps > 100

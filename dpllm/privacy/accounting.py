@@ -143,6 +143,12 @@ def pld_epsilon(*, history: History, delta: float,
     """
     from dp_accounting.pld import privacy_loss_distribution as pld
 
+    for sigma, q, steps in history:
+        points = _pld_points(float(sigma), min(1.0, float(q)), value_discretization_interval)
+        if int(steps) > 0 and q > 0 and points > PLD_MAX_POINTS:
+            raise AccountantUnavailable(
+                f"dp-accounting's PLD would need ~{points:.2g} grid points per step at σ={sigma:g}, q={q:g} "
+                f"(more than {PLD_MAX_POINTS:,}: tens of GB)")
     try:
         total = None
         for sigma, q, steps in history:
@@ -156,6 +162,22 @@ def pld_epsilon(*, history: History, delta: float,
         return 0.0 if total is None else max(0.0, float(total.get_epsilon_for_delta(delta)))
     except (MemoryError, ValueError, ArithmeticError, RuntimeError) as err:
         raise AccountantUnavailable(f"dp-accounting's PLD failed: {type(err).__name__}: {err}") from None
+
+
+# Above this many grid points for one step, dp-accounting's PLD would take tens of GB (σ = 1e-3 asks for ~5e8):
+# refused as unavailable, so the fallback goes on to RDP. Plans PRV cannot run (N = 1e9, δ = 1e-10) need ~1e4.
+PLD_MAX_POINTS = 500_000
+
+
+def _pld_points(sigma: float, q: float, interval: float) -> float:
+    """Rough count of the grid points dp-accounting's PLD spans for one subsampled Gaussian step: the largest
+    privacy loss it keeps (at ~8.5σ beyond the shifted mean, past which its tail truncation drops the mass),
+    over the discretisation interval."""
+    x = 1.0 + 8.5 * sigma
+    loss = (2.0 * x - 1.0) / (2.0 * sigma * sigma)  # the Gaussian's privacy loss at x
+    if q < 1.0:  # Poisson subsampling: log(1 - q + q·e^loss), ≈ loss + log q once e^loss dominates
+        loss = loss + math.log(q) if loss > 50 else math.log1p(q * math.expm1(loss))
+    return abs(loss) / interval
 
 
 _PRV_CACHE: dict = {}
