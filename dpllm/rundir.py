@@ -13,7 +13,8 @@ What a run writes here, and when (which files are private and which releasable: 
 
     when                 writer                             files
     setup_run_dir        :func:`describe` (fresh runs)      .dpllm_run, config.yaml, splits.json, canaries.json
-    the loop             the Trainer, :mod:`dpllm.resume`   metrics.jsonl; checkpoints/ and their ledger lines
+    the loop             :class:`Progress`                  metrics.jsonl (train and eval lines), the console
+                         :mod:`dpllm.run_state`             checkpoints/ and their ledger lines
     finish               :func:`write_generations` (SFT)    generations.jsonl
                          :func:`shard_final_weights`        FSDP: each process's shards of the final weights
                          :func:`write_final`                checkpoint/, privacy_report.json, the ledger's final
@@ -150,6 +151,42 @@ class RunLock:
 
 
 # ---- what a run writes --------------------------------------------------------------------------------
+
+class Progress:
+    """What a run records and shows as it goes (rank 0): metrics.jsonl, the held-out eval line, a progress bar."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / "metrics.jsonl"
+        self.bar = None
+
+    def show_bar(self, *, total: int, initial: int, desc: str) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=1.0)
+
+    def train_line(self, row: dict) -> None:
+        """A train line of metrics.jsonl (with ``epsilon`` under DP), shown on the bar."""
+        append_jsonl(self.path, row)
+        if self.bar is not None:
+            shown = {"loss": f"{row['loss']:.3f}", **({"eps": f"{row['epsilon']:.2f}"} if "epsilon" in row else {})}
+            self.bar.set_postfix(shown, refresh=False)
+
+    def eval_line(self, step: int, ev: dict, *, records: int, final: bool) -> None:
+        """An eval line of metrics.jsonl, and the console's (above the bar while it runs)."""
+        append_jsonl(self.path, {"step": step, "split": "eval", **ev})
+        # held-out records are private and their loss un-noised: the operator's console and metrics.jsonl only
+        msg = (f"[private] eval step {step}: held-out loss {ev['loss']:.4f} nats/token (perplexity "
+               f"{ev['ppl']:.4g}) on {records} records, {ev['tokens']} tokens (also in {self.path})")
+        (self.bar.write if self.bar is not None and not final else log.info)(msg)
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
 
 def describe(out: Path, cfg: RunConfig, *, splits, records: list[str], trained: set[str], sft_format: Optional[str],
              sft_dropped: Optional[list[int]], canaries: list[dict], user_unit: bool) -> None:

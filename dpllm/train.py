@@ -1,29 +1,34 @@
 """The training loop: one :class:`Trainer` for private and non-private runs, on one process or many.
 
-:meth:`Trainer.run` reads top to bottom as the stages of a run; ``self.privacy`` (:class:`RunPrivacy`,
-:mod:`dpllm.privacy.run`) owns the run's privacy state, the Trainer the stages and the loop:
+:meth:`Trainer.run` reads top to bottom as the stages of a run. The Trainer keeps the stages and the loop; three
+collaborators own a kind of state each: ``self.privacy`` (:class:`~dpllm.privacy.run.RunPrivacy`: unit, plan,
+history, report), ``self.resumable`` (:class:`~dpllm.run_state.ResumableState`: checkpoints at step boundaries,
+stops) and :mod:`dpllm.rundir` (the run directory: lock, the files written, ``self.progress`` for metrics.jsonl):
 
-    stage           the Trainer                                   RunPrivacy
-    setup_process   accelerator, processes, resume target
-    setup_data      records, splits, canaries                     bound_contributions: k records per user
-    setup_plan      the base model's source                       make_plan: earlier stages, q, steps, σ
-    setup_model     load, LoRA/full, engine choice, DP layer checks, wrapping, optimizer
-    setup_run_dir   lock, safe overwrite, config.yaml, splits.json
-    setup_privacy   secret generators (or the non-private sampler) attach: the engine wraps model, optimizer
-    start           step-0 eval, or restore a resumable checkpoint now: the ledger's first line
-    train_steps     one loop: a logical batch → micro-batches → one optimizer step; epsilon for the log
-    finish          final eval, checkpoint/, ledger, summary      check_history, report
+    stage           the Trainer                                   asks
+    setup_process   accelerator, processes, resume target         rundir.check_output_dir; run_state.already_finished
+    setup_data      records, splits, canaries                     privacy.bound_contributions: k records per user
+    setup_plan      the base model's source                       privacy.make_plan: earlier stages, q, steps, σ
+    setup_model     load, LoRA/full, DP layer checks, wrapping    privacy.modes.prepare_engine: the engine
+    setup_run_dir   the lock                                      rundir.describe: config.yaml, splits.json...
+    setup_privacy   secret generators (or the non-private sampler) privacy.attach: the engine wraps model, optimizer
+    start           step-0 eval and the ledger's first line       resumable.restore a resumable checkpoint
+    train_steps     one loop: a logical batch → micro-batches →   resumable.save / save_or_stop at step boundaries;
+                    one optimizer step; train and eval lines      progress: metrics.jsonl; privacy.epsilon
+    finish          final eval, replicas agree                    privacy.check_history, report; rundir.write_final
 
 Every check (data, composition, plan, model) comes before setup_run_dir writes anything.
 
 Where the rest lives: the held-out loss in :mod:`dpllm.evaluation`, the privacy plan in :mod:`dpllm.privacy.plan`,
 composition of earlier stages in :mod:`dpllm.privacy.composition`, the report type in
-:mod:`dpllm.privacy.report`, process handling in :mod:`dpllm.distributed`, resumable checkpoints in
-:mod:`dpllm.resume`, run-directory safety in :mod:`dpllm.rundir`, the ε hash chain in :mod:`dpllm.ledger`.
+:mod:`dpllm.privacy.report`, process handling in :mod:`dpllm.distributed`, the resumable checkpoint format in
+:mod:`dpllm.resume` (FSDP shards: :mod:`dpllm.sharded_checkpoint`), SIGINT / SIGTERM in :mod:`dpllm.stopping`,
+the ε hash chain in :mod:`dpllm.ledger`.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import random
@@ -43,12 +48,12 @@ from dpllm.distributed import (all_max, all_sum, barrier, check_parallelism, gat
                                make_accelerator, params_digest, world_of, wrap_model)
 from dpllm.errors import TrainingError  # raised by the loop and dpllm.privacy.run; imported from here too
 from dpllm.evaluation import evaluate
-from dpllm.io import append_jsonl
 from dpllm.logs import known_warnings_silenced
-from dpllm.models import (check_checkpointing, check_dp_layers, context_length, count_parameters, load_base,
-                          position_ids_for, prepare_model, source_of, unquantized_base, untie_output_embeddings)
+from dpllm.models import (check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
+                          prepare_model, source_of, unquantized_base)
 from dpllm.privacy import user_level
 from dpllm.privacy.engine import sequence_loss
+from dpllm.privacy.modes import prepare_engine
 from dpllm.privacy.plan import PrivacyPlan
 from dpllm.privacy.randomness import privacy_generators
 from dpllm.privacy.run import RunPrivacy
@@ -102,7 +107,8 @@ class Trainer:
         self.cfg, self.t, self.p = cfg, cfg.train, cfg.privacy
         self.dp = cfg.privacy.enabled
         self.out = Path(cfg.train.output_dir)
-        self.metrics_path = self.out / "metrics.jsonl"
+        self.progress = rundir.Progress(self.out)  # metrics.jsonl, the console's eval lines, the progress bar
+        self.metrics_path = self.progress.path
         self.lock: Optional[rundir.RunLock] = None
         self.privacy = RunPrivacy(cfg)  # unit, users, plan, the engine's history, the report (dpllm.privacy.run)
         self.data_notes: list[str] = []  # what loading removed, for the plan's warnings (set by setup_data)
@@ -115,7 +121,6 @@ class Trainer:
         self.already_finished = False  # resume_from on a run that had finished: run() returned its summary
         self.window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
         self.initial_eval: Optional[dict] = None
-        self.bar = None
 
     # ---- the stages ---------------------------------------------------------------------------------
 
@@ -140,8 +145,7 @@ class Trainer:
             except KeyboardInterrupt:  # Ctrl-C: the command prints where to resume from, not a traceback
                 raise self.interrupted(self.stops.requested) from None
             finally:
-                if self.bar is not None:
-                    self.bar.close()
+                self.progress.close()
                 if self.lock is not None:
                     self.lock.release()
 
@@ -233,11 +237,13 @@ class Trainer:
         # LoRA over a base that has no path of its own (tiny, or merged from a run) keeps a copy to save.
         keep_base = cfg.model.finetuning == "lora" and self.source["kind"] != "pretrained"
         unquantized = unquantized_base(model)  # QLoRA over such a base saves the weights it was quantized from
-        self.lora_base = (unquantized if unquantized is not None else _copy(model)) if keep_base else None
+        self.lora_base = (unquantized if unquantized is not None else copy.deepcopy(model)) if keep_base else None
         # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
         keep_tie = self.dp and self.p.grad_sample_mode in ("auto", "bk")
         model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)
-        mode = self.choose_engine(model, keep_tie=keep_tie)
+        # the engine, before anything is written; the head untied where it needs it, checkpointing (dpllm.privacy.modes)
+        mode, untied = prepare_engine(model, cfg, sharded=self.world.kind == "fsdp", keep_tie=keep_tie)
+        self.adjustments += untied
         model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
         if self.dp:
             check_dp_layers(model)
@@ -251,27 +257,6 @@ class Trainer:
 
         self.scheduler = get_scheduler(self.t.lr_scheduler, self.optimizer, num_warmup_steps=self.t.warmup_steps,
                                        num_training_steps=self.steps)
-
-    def choose_engine(self, model, *, keep_tie: bool) -> Optional[str]:
-        """The per-sample engine (None without DP), decided before anything is written; unties the head where
-        the engine needs it and turns on (non-reentrant) gradient checkpointing where asked and allowed."""
-        from dpllm.privacy.modes import resolve_mode
-
-        # under FSDP auto is bk or a refusal (dpllm.privacy.modes)
-        mode = resolve_mode(self.p.grad_sample_mode, model, sharded=self.world.kind == "fsdp") if self.dp else None
-        if keep_tie and self.cfg.model.finetuning == "full" and mode != "bk":
-            self.adjustments += untie_output_embeddings(model)
-        if self.t.gradient_checkpointing:
-            if self.dp and mode != "bk":
-                raise ConfigError(
-                    f"gradient_checkpointing=true under DP needs grad_sample_mode: bk (or auto on a model bk fully "
-                    f"supports), not {self.p.grad_sample_mode}: recomputed activations re-run Opacus's forward hooks "
-                    "and corrupt per-sample norms; switch the mode, or turn checkpointing off")
-            # non-reentrant: book-keeping reads activations from autograd's saved tensors, recorded once
-            unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.dp:  # however checkpointing got turned on (a model's own code may): only bk clips under it
-            check_checkpointing(model, mode)
-        return mode
 
     def make_datasets(self):
         """``(train_ds, eval_ds, collate)``: token ids and labels (-100 on padding, and on prompts of SFT records)."""
@@ -327,10 +312,7 @@ class Trainer:
     def train_steps(self) -> None:
         """The loop: this process's share of the next logical batch → one optimizer step, until done."""
         if self.t.progress and self.world.is_main:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=self.steps, initial=self.step, desc="dp-train" if self.dp else "train",
-                            dynamic_ncols=True, mininterval=1.0)
+            self.progress.show_bar(total=self.steps, initial=self.step, desc="dp-train" if self.dp else "train")
         self.started = self.resumable.last_saved_at = time.time()
         batches = iter(self.batches)  # endless; Poisson under DP, fixed-size shuffled batches otherwise
         self.stops.defer_term = True  # SIGTERM: finish the step, checkpoint, stop (dpllm.stopping)
@@ -445,8 +427,7 @@ class Trainer:
             self.evaluate()
         if t.save_every and step % t.save_every == 0 and step < self.steps:
             self.resumable.save(step, self.tokens_seen)
-        if self.bar is not None:
-            self.bar.update(1)
+        self.progress.step()
 
     def log_train(self) -> None:
         loss_sum, n, tokens = all_sum([self.window[0], self.window[1], self.tokens_seen], self.world)
@@ -457,30 +438,17 @@ class Trainer:
         if self.world.is_main:
             if self.dp:
                 row["epsilon"] = self.privacy.epsilon()[0]
-            append_jsonl(self.metrics_path, row)
-            if self.bar is not None:
-                shown = {"loss": f"{row['loss']:.3f}", **({"eps": f"{row['epsilon']:.2f}"} if self.dp else {})}
-                self.bar.set_postfix(shown, refresh=False)
+            self.progress.train_line(row)
 
     def evaluate(self, final: bool = False) -> dict:
         ev = evaluate(self.model, self.eval_ds, self.collate, batch_size=self.t.physical_batch_size,
                       device=self.device, world=self.world)
-        if self.world.is_main:
-            append_jsonl(self.metrics_path, {"step": self.step, "split": "eval", **ev})
-            # held-out records are private and their loss un-noised: the operator's console and metrics.jsonl only
-            msg = (f"[private] eval step {self.step}: held-out loss {ev['loss']:.4f} nats/token (perplexity "
-                   f"{ev['ppl']:.4g}) on {len(self.eval_ds)} records, {ev['tokens']} tokens (also in {self.metrics_path})")
-            (self.bar.write if self.bar is not None and not final else log.info)(msg)
+        if self.world.is_main:  # held-out loss: private, un-noised; the console and metrics.jsonl only
+            self.progress.eval_line(self.step, ev, records=len(self.eval_ds), final=final)
         return ev
 
 
 _EMPTY = {k: torch.zeros((0, 1), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
-
-
-def _copy(model):
-    import copy
-
-    return copy.deepcopy(model)
 
 
 def train(cfg: RunConfig) -> dict:
