@@ -8,20 +8,41 @@
   prepared until the run ends. A second run, an overwrite or a ``--resume_from latest`` on the same
   directory is refused while the first is alive. The kernel drops the lock when its process dies (even
   by SIGKILL), so a lock left by a dead run is never in the way.
+
+What a run writes here, and when (which files are private and which releasable: ``docs/run_directory.md``):
+
+    when                 writer                             files
+    setup_run_dir        :func:`describe` (fresh runs)      .dpllm_run, config.yaml, splits.json, canaries.json
+    the loop             :class:`Progress`                  metrics.jsonl (train and eval lines), the console
+                         :mod:`dpllm.run_state`             checkpoints/ and their ledger lines
+    finish               :func:`write_generations` (SFT)    generations.jsonl
+                         :func:`shard_final_weights`        FSDP: each process's shards of the final weights
+                         :func:`write_final`                checkpoint/, privacy_report.json, the ledger's final
+                                                            line, run_summary.json (:func:`summary`), runs_file
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
+import logging
 import os
 import shutil
 from pathlib import Path
 from typing import Iterable, Optional
 
-from dpllm.config import CLI_OPTIONS, ConfigError, OptionNames
+from dpllm import ledger, sharded_checkpoint
+from dpllm.checkpoint import save_checkpoint
+from dpllm.config import CLI_OPTIONS, ConfigError, OptionNames, RunConfig
+from dpllm.distributed import World, barrier, is_sharded
+from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
+from dpllm.privacy.report import PrivacyReport
+from dpllm.sft import generate_answers
 
 MARKER = ".dpllm_run"
 LOCK = ".lock"
+
+log = logging.getLogger("dpllm.train")  # the Trainer's lines (generations): same logger name as before they moved
 
 
 def is_run_dir(path: str | Path) -> bool:
@@ -127,3 +148,127 @@ class RunLock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+# ---- what a run writes --------------------------------------------------------------------------------
+
+class Progress:
+    """What a run records and shows as it goes (rank 0): metrics.jsonl, the held-out eval line, a progress bar."""
+
+    def __init__(self, out: Path):
+        self.path = Path(out) / "metrics.jsonl"
+        self.bar = None
+
+    def show_bar(self, *, total: int, initial: int, desc: str) -> None:
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, mininterval=1.0)
+
+    def train_line(self, row: dict) -> None:
+        """A train line of metrics.jsonl (with ``epsilon`` under DP), shown on the bar."""
+        append_jsonl(self.path, row)
+        if self.bar is not None:
+            shown = {"loss": f"{row['loss']:.3f}", **({"eps": f"{row['epsilon']:.2f}"} if "epsilon" in row else {})}
+            self.bar.set_postfix(shown, refresh=False)
+
+    def eval_line(self, step: int, ev: dict, *, records: int, final: bool) -> None:
+        """An eval line of metrics.jsonl, and the console's (above the bar while it runs)."""
+        append_jsonl(self.path, {"step": step, "split": "eval", **ev})
+        # held-out records are private and their loss un-noised: the operator's console and metrics.jsonl only
+        msg = (f"[private] eval step {step}: held-out loss {ev['loss']:.4f} nats/token (perplexity "
+               f"{ev['ppl']:.4g}) on {records} records, {ev['tokens']} tokens (also in {self.path})")
+        (self.bar.write if self.bar is not None and not final else log.info)(msg)
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def describe(out: Path, cfg: RunConfig, *, splits, records: list[str], trained: set[str], sft_format: Optional[str],
+             sft_dropped: Optional[list[int]], canaries: list[dict], user_unit: bool) -> None:
+    """A fresh run's directory, under the lock: checked again, cleared, marked and described (rank 0).
+
+    Writes ``config.yaml``, ``splits.json`` (each record's split, the trained records' hashes, and for SFT
+    records how audits render and score them) and, with canaries, ``canaries.json``.
+
+    Raises:
+        ConfigError: another run filled ``out`` since :func:`check_output_dir` first allowed it.
+    """
+    # again under the lock: another run may have filled the directory since the first check
+    check_output_dir(out, overwrite=cfg.train.overwrite_output_dir,
+                     protected=[cfg.data.dataset, cfg.model.model_name_or_path])
+    clear(out)
+    mark(out)
+    write_text_atomic(out / "config.yaml", cfg.to_yaml())
+    split = splits.to_json(records, cfg.data)
+    split["trained_sha256"] = sorted(trained)
+    if sft_format:  # how audits render and score the records (answer tokens given the prompt)
+        split["sft"] = {"format": sft_format, "loss_on": cfg.data.loss_on, "dropped_no_answer": sft_dropped}
+    write_json_atomic(out / "splits.json", split)
+    if canaries:
+        write_json_atomic(out / "canaries.json",
+                          {"seed": cfg.data.canary_seed, "canaries": canaries,
+                           **({"unit": "user", "records_per_user": cfg.data.canary_records_per_user}
+                              if user_unit else {})})
+
+
+def write_generations(out: Path, model, tokenizer, records: list[str]) -> None:
+    """SFT: greedy answers to the prompts of held-out ``records``, printed and saved in ``generations.jsonl``
+    (rank 0; held-out prompts are private data, so the file stays in the run directory). Nothing when there is
+    no record, or under FSDP (no process holds the whole model)."""
+    if not records or is_sharded(model):
+        return
+    rows = generate_answers(model, tokenizer, records)
+    write_text_atomic(out / "generations.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    for r in rows:
+        log.info("held-out prompt %r\n  reference: %r\n  generated: %r", r["prompt"][-120:], r["reference"][:120],
+                 r["generated"][:120])
+
+
+def shard_final_weights(out: Path, model, world: World) -> Optional[Path]:
+    """FSDP: every process writes its own shards of the final weights into a temporary directory beside
+    ``checkpoint/`` (collective: call it on every process), which :func:`write_final` moves into place.
+    None for a model no process shards (rank 0 then saves the whole model)."""
+    if not is_sharded(model):
+        return None
+    weights_dir = sharded_checkpoint.shared_tempdir(out / "checkpoint", world)
+    sharded_checkpoint.write_weights(weights_dir, model=model, world=world)
+    barrier(world)
+    return weights_dir
+
+
+def write_final(out: Path, cfg: RunConfig, report: PrivacyReport, summary: dict, *, model, tokenizer, base_model,
+                weights_dir: Optional[Path]) -> None:
+    """The finished run (rank 0, after every check): ``checkpoint/`` with the report inside, ``privacy_report.json``,
+    the ledger's ``final`` line, ``run_summary.json``, and the summary's line in ``runs_file`` if one is set."""
+    save_checkpoint(out / "checkpoint", model=model, tokenizer=tokenizer, privacy_report=report.to_dict(),
+                    config_yaml=cfg.to_yaml(), base_model=base_model, weights_dir=weights_dir)
+    report.write(out / "privacy_report.json")
+    ledger.append(out, kind="final", step=summary["steps"], privacy=report.as_ledger_privacy(),
+                  checkpoint="checkpoint")
+    write_json_atomic(out / "run_summary.json", summary)
+    if cfg.train.runs_file:
+        append_jsonl(cfg.train.runs_file, summary)
+
+
+def summary(cfg: RunConfig, report: PrivacyReport, *, steps: int, tokens: int, params: tuple[int, int],
+            initial_eval: Optional[dict], final: dict, wall: float, world_size: int, digest: Optional[str],
+            resumed_from: int) -> dict:
+    """The run's summary (``run_summary.json``, one row of a runs table): model, data seen, ε, losses, time."""
+    t = cfg.train
+    return {
+        "run_dir": str(Path(t.output_dir)), "model": cfg.model.model_name_or_path,
+        "finetuning": cfg.model.finetuning, "params_total": params[0],
+        "params_trainable": params[1], "tokens_seen": tokens, "steps": steps,
+        "logical_batch_size": t.logical_batch_size, "epsilon": report.epsilon, "delta": report.delta,
+        "noise_multiplier": report.noise_multiplier, "sample_rate": report.sample_rate,
+        "privacy_enabled": cfg.privacy.enabled, "noise_secret": report.noise_secret,
+        "initial_eval_loss": initial_eval["loss"] if initial_eval else None,
+        "final_eval_loss": final["loss"], "final_eval_ppl": final["ppl"], "seed": t.seed,
+        "wall_time_s": round(wall, 2), "world_size": world_size, "params_sha256": digest,
+        "resumed_from_step": resumed_from or None,
+    }

@@ -1,34 +1,37 @@
 """The training loop: one :class:`Trainer` for private and non-private runs, on one process or many.
 
-:meth:`Trainer.run` reads top to bottom as the stages of a run; ``self.privacy`` (:class:`RunPrivacy`,
-:mod:`dpllm.privacy.run`) owns the run's privacy state, the Trainer the stages and the loop:
+:meth:`Trainer.run` reads top to bottom as the stages of a run. The Trainer keeps the stages and the loop; three
+collaborators own a kind of state each: ``self.privacy`` (:class:`~dpllm.privacy.run.RunPrivacy`: unit, plan,
+history, report), ``self.resumable`` (:class:`~dpllm.run_state.ResumableState`: checkpoints at step boundaries,
+stops) and :mod:`dpllm.rundir` (the run directory: lock, the files written, ``self.progress`` for metrics.jsonl):
 
-    stage           the Trainer                                   RunPrivacy
-    setup_process   accelerator, processes, resume target
-    setup_data      records, splits, canaries                     bound_contributions: k records per user
-    setup_plan      the base model's source                       make_plan: earlier stages, q, steps, σ
-    setup_model     load, LoRA/full, engine choice, DP layer checks, wrapping, optimizer
-    setup_run_dir   lock, safe overwrite, config.yaml, splits.json
-    setup_privacy   secret generators (or the non-private sampler) attach: the engine wraps model, optimizer
-    start           step-0 eval, or restore a resumable checkpoint now: the ledger's first line
-    train_steps     one loop: a logical batch → micro-batches → one optimizer step; epsilon for the log
-    finish          final eval, checkpoint/, ledger, summary      check_history, report
+    stage           the Trainer                                   asks
+    setup_process   accelerator, processes, resume target         rundir.check_output_dir; run_state.already_finished
+    setup_data      records, splits, canaries                     privacy.bound_contributions: k records per user
+    setup_plan      the base model's source                       privacy.make_plan: earlier stages, q, steps, σ
+    setup_model     load, LoRA/full, DP layer checks, wrapping    privacy.modes.prepare_engine: the engine
+    setup_run_dir   the lock                                      rundir.describe: config.yaml, splits.json...
+    setup_privacy   secret generators (or the non-private sampler) privacy.attach: the engine wraps model, optimizer
+    start           step-0 eval and the ledger's first line       resumable.restore a resumable checkpoint
+    train_steps     one loop: a logical batch → micro-batches →   resumable.save / save_or_stop at step boundaries;
+                    one optimizer step; train and eval lines      progress: metrics.jsonl; privacy.epsilon
+    finish          final eval, replicas agree                    privacy.check_history, report; rundir.write_final
 
 Every check (data, composition, plan, model) comes before setup_run_dir writes anything.
 
 Where the rest lives: the held-out loss in :mod:`dpllm.evaluation`, the privacy plan in :mod:`dpllm.privacy.plan`,
 composition of earlier stages in :mod:`dpllm.privacy.composition`, the report type in
-:mod:`dpllm.privacy.report`, process handling in :mod:`dpllm.distributed`, resumable checkpoints in
-:mod:`dpllm.resume`, run-directory safety in :mod:`dpllm.rundir`, the ε hash chain in :mod:`dpllm.ledger`.
+:mod:`dpllm.privacy.report`, process handling in :mod:`dpllm.distributed`, the resumable checkpoint format in
+:mod:`dpllm.resume` (FSDP shards: :mod:`dpllm.sharded_checkpoint`), SIGINT / SIGTERM in :mod:`dpllm.stopping`,
+the ε hash chain in :mod:`dpllm.ledger`.
 """
 
 from __future__ import annotations
 
-import json
+import copy
 import logging
 import math
 import random
-import signal
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -37,24 +40,24 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dpllm import data, ledger, resume, rundir, sft, sharded_checkpoint
+from dpllm import data, ledger, resume, rundir, sft
 from dpllm.canaries import add_tokens as add_canary_tokens, added_tokens as canary_tokens
-from dpllm.checkpoint import save_checkpoint, unwrap
+from dpllm.checkpoint import unwrap
 from dpllm.config import ConfigError, RunConfig
 from dpllm.distributed import (all_max, all_sum, barrier, check_parallelism, gather_objects, is_sharded,
                                make_accelerator, params_digest, world_of, wrap_model)
 from dpllm.errors import TrainingError  # raised by the loop and dpllm.privacy.run; imported from here too
 from dpllm.evaluation import evaluate
-from dpllm.io import append_jsonl, write_json_atomic, write_text_atomic
 from dpllm.logs import known_warnings_silenced
-from dpllm.models import (check_checkpointing, check_dp_layers, context_length, count_parameters, load_base,
-                          position_ids_for, prepare_model, source_of, unquantized_base, untie_output_embeddings)
+from dpllm.models import (check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
+                          prepare_model, source_of, unquantized_base)
 from dpllm.privacy import user_level
 from dpllm.privacy.engine import sequence_loss
+from dpllm.privacy.modes import prepare_engine
 from dpllm.privacy.plan import PrivacyPlan
 from dpllm.privacy.randomness import privacy_generators
-from dpllm.privacy.report import PrivacyReport
 from dpllm.privacy.run import RunPrivacy
+from dpllm.run_state import ResumableState, already_finished
 from dpllm.sampling import ShuffledBatchSampler
 from dpllm.stopping import StopRequests
 
@@ -104,19 +107,20 @@ class Trainer:
         self.cfg, self.t, self.p = cfg, cfg.train, cfg.privacy
         self.dp = cfg.privacy.enabled
         self.out = Path(cfg.train.output_dir)
-        self.metrics_path = self.out / "metrics.jsonl"
+        self.progress = rundir.Progress(self.out)  # metrics.jsonl, the console's eval lines, the progress bar
+        self.metrics_path = self.progress.path
         self.lock: Optional[rundir.RunLock] = None
         self.privacy = RunPrivacy(cfg)  # unit, users, plan, the engine's history, the report (dpllm.privacy.run)
         self.data_notes: list[str] = []  # what loading removed, for the plan's warnings (set by setup_data)
         self.sft_format: Optional[str] = None  # the record shape of instruction / chat data (dpllm.sft), None for text
+        self.sft_dropped: Optional[list[int]] = None  # SFT records whose answer max_length cuts off (setup_data)
         self.criterion = None
         self.step = self.start_step = self.tokens_seen = 0
-        self.last_saved: Optional[int] = None  # the step of the last resumable checkpoint written by this process
+        self.resumable: Optional[ResumableState] = None  # checkpoints at step boundaries (dpllm.run_state), by start
         self.stops = StopRequests()  # SIGINT / SIGTERM while run() is on (dpllm.stopping)
         self.already_finished = False  # resume_from on a run that had finished: run() returned its summary
         self.window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
         self.initial_eval: Optional[dict] = None
-        self.bar = None
 
     # ---- the stages ---------------------------------------------------------------------------------
 
@@ -124,9 +128,8 @@ class Trainer:
         with known_warnings_silenced(), StopRequests() as self.stops:
             try:
                 self.setup_process()
-                finished = resume.finished_summary(self.out) if self.resume_from is not None else None
-                if finished is not None:
-                    log.warning("%s already finished at step %s; nothing to do", self.out, finished.get("steps"))
+                finished = already_finished(self.out, self.resume_from)
+                if finished is not None:  # resume_from on a run that had finished: its summary, nothing run
                     self.already_finished = True
                     return finished if self.world.is_main else {}
                 self.setup_data()
@@ -142,8 +145,7 @@ class Trainer:
             except KeyboardInterrupt:  # Ctrl-C: the command prints where to resume from, not a traceback
                 raise self.interrupted(self.stops.requested) from None
             finally:
-                if self.bar is not None:
-                    self.bar.close()
+                self.progress.close()
                 if self.lock is not None:
                     self.lock.release()
 
@@ -203,7 +205,7 @@ class Trainer:
             data.check_resumed_split(self.out / "splits.json", self.trained_hashes)
         if self.world.is_main:  # where every record went, on the operator's console only (issue 35)
             log.info("%s", data.split_summary(loaded, self.splits, d, canaries=self.canaries,
-                                              sft_dropped=len(getattr(self, "sft_dropped", None) or ())))
+                                              sft_dropped=len(self.sft_dropped or ())))
 
     def setup_plan(self) -> None:
         """Earlier stages, steps and σ: all decided from the data alone, before any model is loaded."""
@@ -235,11 +237,13 @@ class Trainer:
         # LoRA over a base that has no path of its own (tiny, or merged from a run) keeps a copy to save.
         keep_base = cfg.model.finetuning == "lora" and self.source["kind"] != "pretrained"
         unquantized = unquantized_base(model)  # QLoRA over such a base saves the weights it was quantized from
-        self.lora_base = (unquantized if unquantized is not None else _copy(model)) if keep_base else None
+        self.lora_base = (unquantized if unquantized is not None else copy.deepcopy(model)) if keep_base else None
         # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
         keep_tie = self.dp and self.p.grad_sample_mode in ("auto", "bk")
         model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)
-        mode = self.choose_engine(model, keep_tie=keep_tie)
+        # the engine, before anything is written; the head untied where it needs it, checkpointing (dpllm.privacy.modes)
+        mode, untied = prepare_engine(model, cfg, sharded=self.world.kind == "fsdp", keep_tie=keep_tie)
+        self.adjustments += untied
         model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
         if self.dp:
             check_dp_layers(model)
@@ -254,27 +258,6 @@ class Trainer:
         self.scheduler = get_scheduler(self.t.lr_scheduler, self.optimizer, num_warmup_steps=self.t.warmup_steps,
                                        num_training_steps=self.steps)
 
-    def choose_engine(self, model, *, keep_tie: bool) -> Optional[str]:
-        """The per-sample engine (None without DP), decided before anything is written; unties the head where
-        the engine needs it and turns on (non-reentrant) gradient checkpointing where asked and allowed."""
-        from dpllm.privacy.modes import resolve_mode
-
-        # under FSDP auto is bk or a refusal (dpllm.privacy.modes)
-        mode = resolve_mode(self.p.grad_sample_mode, model, sharded=self.world.kind == "fsdp") if self.dp else None
-        if keep_tie and self.cfg.model.finetuning == "full" and mode != "bk":
-            self.adjustments += untie_output_embeddings(model)
-        if self.t.gradient_checkpointing:
-            if self.dp and mode != "bk":
-                raise ConfigError(
-                    f"gradient_checkpointing=true under DP needs grad_sample_mode: bk (or auto on a model bk fully "
-                    f"supports), not {self.p.grad_sample_mode}: recomputed activations re-run Opacus's forward hooks "
-                    "and corrupt per-sample norms; switch the mode, or turn checkpointing off")
-            # non-reentrant: book-keeping reads activations from autograd's saved tensors, recorded once
-            unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        if self.dp:  # however checkpointing got turned on (a model's own code may): only bk clips under it
-            check_checkpointing(model, mode)
-        return mode
-
     def make_datasets(self):
         """``(train_ds, eval_ds, collate)``: token ids and labels (-100 on padding, and on prompts of SFT records)."""
         if self.sft_format:  # the template is set on the tokenizer saved with the model
@@ -288,24 +271,10 @@ class Trainer:
         """Lock, then (fresh runs) clear and describe the run directory. Only rank 0 writes."""
         if self.world.is_main:
             self.lock = rundir.RunLock(self.out).acquire()
-            if self.resume_from is None:
-                # again under the lock: another run may have filled the directory since the first check
-                rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir,
-                                        protected=[self.cfg.data.dataset, self.cfg.model.model_name_or_path])
-                rundir.clear(self.out)
-                rundir.mark(self.out)
-                write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
-                splits = self.splits.to_json(self.records, self.cfg.data)
-                splits["trained_sha256"] = sorted(self.trained_hashes)
-                if self.sft_format:  # how audits render and score the records (answer tokens given the prompt)
-                    splits["sft"] = {"format": self.sft_format, "loss_on": self.cfg.data.loss_on,
-                                     "dropped_no_answer": self.sft_dropped}
-                write_json_atomic(self.out / "splits.json", splits)
-                if self.canaries:
-                    write_json_atomic(self.out / "canaries.json",
-                                      {"seed": self.cfg.data.canary_seed, "canaries": self.canaries,
-                                       **({"unit": "user", "records_per_user": self.cfg.data.canary_records_per_user}
-                                          if self.privacy.user_unit else {})})
+            if self.resume_from is None:  # checked again under the lock, cleared; config.yaml, splits.json...
+                rundir.describe(self.out, self.cfg, splits=self.splits, records=self.records,
+                                trained=self.trained_hashes, sft_format=self.sft_format, sft_dropped=self.sft_dropped,
+                                canaries=self.canaries, user_unit=self.privacy.user_unit)
             else:
                 resume.clean_partial_writes(self.out)
         barrier(self.world)
@@ -324,17 +293,12 @@ class Trainer:
 
     def start(self) -> None:
         """A fresh run's first ledger line and step-0 eval, or everything a resumable checkpoint holds."""
+        self.resumable = ResumableState(self.cfg, world=self.world, privacy=self.privacy, stops=self.stops,
+                                        model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                        generators=self.generators)
         if self.resume_from is not None:
-            state = resume.load(self.resume_from, model=self.model, optimizer=self.optimizer,
-                                scheduler=self.scheduler, world=self.world, generators=self.generators,
-                                plan=self.plan.to_json() if self.plan else None,
-                                accountant=self.private.engine.accountant if self.dp else None)
-            self.step = self.start_step = self.last_saved = state["step"]
-            self.tokens_seen = state["tokens_seen"] if self.world.is_main else 0  # the sum over processes counts
-            if self.world.is_main:
-                resume.truncate_metrics(self.metrics_path, state["metrics_bytes"])
-                resume.sync_ledger(self.out, self.resume_from, step=self.step, privacy=self.privacy.now())
-                self.initial_eval = resume.initial_eval(self.metrics_path)
+            self.step, self.tokens_seen, self.initial_eval = self.resumable.restore(self.resume_from)
+            self.start_step = self.step
             log.warning("resumed %s from step %d of %d (%s)", self.out, self.step, self.steps, self.resume_from.name)
         else:
             if self.world.is_main:
@@ -348,37 +312,19 @@ class Trainer:
     def train_steps(self) -> None:
         """The loop: this process's share of the next logical batch → one optimizer step, until done."""
         if self.t.progress and self.world.is_main:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=self.steps, initial=self.step, desc="dp-train" if self.dp else "train",
-                            dynamic_ncols=True, mininterval=1.0)
-        self.started = self.last_saved_at = time.time()
+            self.progress.show_bar(total=self.steps, initial=self.step, desc="dp-train" if self.dp else "train")
+        self.started = self.resumable.last_saved_at = time.time()
         batches = iter(self.batches)  # endless; Poisson under DP, fixed-size shuffled batches otherwise
         self.stops.defer_term = True  # SIGTERM: finish the step, checkpoint, stop (dpllm.stopping)
         while self.step < self.steps:
             self.optimizer_step(next(batches))
             self.after_step()
-            self.stop_or_save()
+            # all processes alike: a checkpoint when due by time or asked to stop (dpllm.run_state), then stop
+            if sig := self.resumable.save_or_stop(self.step, self.steps, self.tokens_seen):
+                raise self.interrupted(sig)
         self.stops.defer_term = False
-        if self.t.save_every and self.step > self.start_step and self.last_saved != self.step:
-            self.save_resumable()
+        self.resumable.save_last(self.step, self.tokens_seen, start_step=self.start_step)
         self.wall = time.time() - self.started
-
-    def stop_or_save(self) -> None:
-        """At a step boundary: a resumable checkpoint when one is due by time or a stop was requested, then stop.
-
-        All processes take the same decision (one all-reduce): they stop, or save, at the same step.
-        """
-        sig = self.stops.requested or 0
-        minutes = self.t.save_every_minutes
-        due = bool(minutes) and time.time() - self.last_saved_at >= 60 * minutes and self.step < self.steps
-        if self.world.distributed:
-            term, intr, due = all_sum([sig == signal.SIGTERM, sig == signal.SIGINT, due], self.world)
-            sig = signal.SIGTERM if term else signal.SIGINT if intr else 0
-        if (due or sig) and self.last_saved != self.step:
-            self.save_resumable()
-        if sig:
-            raise self.interrupted(sig)
 
     def interrupted(self, sig: Optional[int]) -> resume.Interrupted:
         """What the command reports when a signal stopped the run (see :class:`dpllm.resume.Interrupted`)."""
@@ -388,47 +334,28 @@ class Trainer:
 
     def finish(self) -> dict:
         final = self.evaluate(final=True)
-        self.write_generations()
+        if self.sft_format and self.world.is_main:  # SFT: greedy answers to the first held-out prompts
+            rundir.write_generations(self.out, unwrap(self.model), self.tokenizer,
+                                     self.eval_texts[: self.cfg.data.num_generations])
         tokens = int(all_sum([self.tokens_seen], self.world)[0])
         digests = gather_objects(params_digest(self.model), self.world)
         if len(set(digests)) > 1:
             raise TrainingError(f"model replicas differ across the {self.world.size} processes after training; this "
                                 "is a dpllm bug (no checkpoint was written)")
         self.privacy.check_history(self.step)
-        weights_dir = None
-        if is_sharded(unwrap(self.model)):  # every process writes its own shards of the final weights
-            weights_dir = sharded_checkpoint.shared_tempdir(self.out / "checkpoint", self.world)
-            sharded_checkpoint.write_weights(weights_dir, model=unwrap(self.model), world=self.world)
-            barrier(self.world)
+        weights_dir = rundir.shard_final_weights(self.out, unwrap(self.model), self.world)  # FSDP; None otherwise
         summary: dict = {}
         if self.world.is_main:
             report = self.privacy.report(num_records=len(self.train_ds), steps=self.step, trained=self.trained_hashes,
                                          adjustments=self.adjustments, base_model=self.source,
                                          public_data=data.split_rule(self.cfg.data)["public"])
-            save_checkpoint(self.out / "checkpoint", model=self.model, tokenizer=self.tokenizer,
-                            privacy_report=report.to_dict(), config_yaml=self.cfg.to_yaml(),
-                            base_model=self.lora_base, weights_dir=weights_dir)
-            report.write(self.out / "privacy_report.json")
-            ledger.append(self.out, kind="final", step=self.step, privacy=report.as_ledger_privacy(),
-                          checkpoint="checkpoint")
-            summary = self.summary(report, final, tokens, digests[0])
-            write_json_atomic(self.out / "run_summary.json", summary)
-            if self.t.runs_file:
-                append_jsonl(self.t.runs_file, summary)
+            summary = rundir.summary(self.cfg, report, steps=self.step, tokens=tokens, params=self.n_params,
+                                     initial_eval=self.initial_eval, final=final, wall=self.wall,
+                                     world_size=self.world.size, digest=digests[0], resumed_from=self.start_step)
+            rundir.write_final(self.out, self.cfg, report, summary, model=self.model, tokenizer=self.tokenizer,
+                               base_model=self.lora_base, weights_dir=weights_dir)
         self.accelerator.wait_for_everyone()
         return summary
-
-    def write_generations(self) -> None:
-        """SFT: greedy answers to the first ``num_generations`` held-out prompts, printed and saved (rank 0;
-        held-out prompts are private data, so generations.jsonl stays in the run directory)."""
-        n = self.cfg.data.num_generations if self.sft_format else 0
-        if not n or not self.world.is_main or is_sharded(unwrap(self.model)) or not self.eval_texts:
-            return
-        rows = sft.generate_answers(unwrap(self.model), self.tokenizer, self.eval_texts[:n])
-        write_text_atomic(self.out / "generations.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-        for r in rows:
-            log.info("held-out prompt %r\n  reference: %r\n  generated: %r", r["prompt"][-120:], r["reference"][:120],
-                     r["generated"][:120])
 
     # ---- one step ------------------------------------------------------------------------------------
 
@@ -499,9 +426,8 @@ class Trainer:
         if t.eval_every and step % t.eval_every == 0 and step < self.steps:
             self.evaluate()
         if t.save_every and step % t.save_every == 0 and step < self.steps:
-            self.save_resumable()
-        if self.bar is not None:
-            self.bar.update(1)
+            self.resumable.save(step, self.tokens_seen)
+        self.progress.step()
 
     def log_train(self) -> None:
         loss_sum, n, tokens = all_sum([self.window[0], self.window[1], self.tokens_seen], self.world)
@@ -512,59 +438,17 @@ class Trainer:
         if self.world.is_main:
             if self.dp:
                 row["epsilon"] = self.privacy.epsilon()[0]
-            append_jsonl(self.metrics_path, row)
-            if self.bar is not None:
-                shown = {"loss": f"{row['loss']:.3f}", **({"eps": f"{row['epsilon']:.2f}"} if self.dp else {})}
-                self.bar.set_postfix(shown, refresh=False)
+            self.progress.train_line(row)
 
     def evaluate(self, final: bool = False) -> dict:
         ev = evaluate(self.model, self.eval_ds, self.collate, batch_size=self.t.physical_batch_size,
                       device=self.device, world=self.world)
-        if self.world.is_main:
-            append_jsonl(self.metrics_path, {"step": self.step, "split": "eval", **ev})
-            # held-out records are private and their loss un-noised: the operator's console and metrics.jsonl only
-            msg = (f"[private] eval step {self.step}: held-out loss {ev['loss']:.4f} nats/token (perplexity "
-                   f"{ev['ppl']:.4g}) on {len(self.eval_ds)} records, {ev['tokens']} tokens (also in {self.metrics_path})")
-            (self.bar.write if self.bar is not None and not final else log.info)(msg)
+        if self.world.is_main:  # held-out loss: private, un-noised; the console and metrics.jsonl only
+            self.progress.eval_line(self.step, ev, records=len(self.eval_ds), final=final)
         return ev
-
-    # ---- privacy state, checkpoints, report -------------------------------------------------------------
-
-    def save_resumable(self) -> None:
-        self.last_saved, self.last_saved_at = self.step, time.time()
-        tokens = int(all_sum([self.tokens_seen], self.world)[0])
-        privacy = self.privacy.now() if self.world.is_main else {}
-        state = {"step": self.step, "tokens_seen": tokens, "plan": self.plan.to_json() if self.plan else None,
-                 "epsilon": privacy.get("epsilon"),
-                 "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
-                 "accountant": self.private.engine.accountant.state_dict() if self.dp else None}
-        resume.save(self.out, step=self.step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
-                    world=self.world, config_yaml=self.cfg.to_yaml(), generators=self.generators,
-                    trainer_state=state, privacy=privacy)
-
-    def summary(self, report: PrivacyReport, final: dict, tokens: int, digest: Optional[str]) -> dict:
-        t = self.t
-        return {
-            "run_dir": str(self.out), "model": self.cfg.model.model_name_or_path,
-            "finetuning": self.cfg.model.finetuning, "params_total": self.n_params[0],
-            "params_trainable": self.n_params[1], "tokens_seen": tokens, "steps": self.step,
-            "logical_batch_size": t.logical_batch_size, "epsilon": report.epsilon, "delta": report.delta,
-            "noise_multiplier": report.noise_multiplier, "sample_rate": report.sample_rate,
-            "privacy_enabled": self.dp, "noise_secret": report.noise_secret,
-            "initial_eval_loss": self.initial_eval["loss"] if self.initial_eval else None,
-            "final_eval_loss": final["loss"], "final_eval_ppl": final["ppl"], "seed": t.seed,
-            "wall_time_s": round(self.wall, 2), "world_size": self.world.size, "params_sha256": digest,
-            "resumed_from_step": self.start_step or None,
-        }
 
 
 _EMPTY = {k: torch.zeros((0, 1), dtype=torch.long) for k in ("input_ids", "attention_mask", "labels")}
-
-
-def _copy(model):
-    import copy
-
-    return copy.deepcopy(model)
 
 
 def train(cfg: RunConfig) -> dict:

@@ -14,7 +14,8 @@ rest is weights, optimizer state and activations).
 
 Under FSDP2 ``auto`` is bk or nothing: Opacus's ``hooks`` and ``ghost`` cannot see sharded parameters, and
 its ``ghost_fsdp`` (two backward passes) runs only when asked for by name; a model with a layer bk cannot
-handle is refused with that choice in the message.
+handle is refused with that choice in the message. :func:`prepare_engine` is the training run's call: the
+engine, decided before anything is written, with the model made ready for it (output head, checkpointing).
 
 Example:
     >>> from torch import nn
@@ -32,6 +33,10 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from dpllm.checkpoint import unwrap
+from dpllm.config import ConfigError, RunConfig
+from dpllm.models import check_checkpointing, untie_output_embeddings
 
 #: Share of the device's memory that hooks' per-sample gradients may take before auto picks ghost.
 HOOKS_MEMORY_SHARE = 0.25
@@ -117,3 +122,36 @@ def resolve_mode(requested: str, model: nn.Module, *, sharded: Optional[bool] = 
     while its second backward pass includes it unclipped; ``hooks`` handles it).
     """
     return choose_mode(requested, model, sharded=sharded).mode
+
+
+def prepare_engine(model: nn.Module, cfg: RunConfig, *, sharded: bool,
+                   keep_tie: bool) -> tuple[Optional[str], list[str]]:
+    """The per-sample engine of a training run (None without DP), decided before anything is written, and the
+    model made ready for it: the output head untied where the engine needs it, (non-reentrant) gradient
+    checkpointing turned on where asked and allowed.
+
+    Args:
+        sharded: FSDP (``auto`` is then bk or a refusal).
+        keep_tie: the head was left tied to the input embedding for bk (:func:`dpllm.models.prepare_model`).
+
+    Returns:
+        ``(mode, adjustments)``: the engine, and what was changed in the model (for the privacy report).
+
+    Raises:
+        ConfigError: gradient checkpointing under DP with an engine other than bk.
+    """
+    p, dp, adjustments = cfg.privacy, cfg.privacy.enabled, []
+    mode = resolve_mode(p.grad_sample_mode, model, sharded=sharded) if dp else None
+    if keep_tie and cfg.model.finetuning == "full" and mode != "bk":
+        adjustments += untie_output_embeddings(model)
+    if cfg.train.gradient_checkpointing:
+        if dp and mode != "bk":
+            raise ConfigError(
+                f"gradient_checkpointing=true under DP needs grad_sample_mode: bk (or auto on a model bk fully "
+                f"supports), not {p.grad_sample_mode}: recomputed activations re-run Opacus's forward hooks "
+                "and corrupt per-sample norms; switch the mode, or turn checkpointing off")
+        # non-reentrant: book-keeping reads activations from autograd's saved tensors, recorded once
+        unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if dp:  # however checkpointing got turned on (a model's own code may): only bk clips under it
+        check_checkpointing(model, mode)
+    return mode, adjustments
