@@ -443,7 +443,7 @@ def split_rule(cfg: DataConfig) -> dict:
     return {"rule": "keyed hash, one record (or user) at a time",
             "draw": f"u = blake2b(key='dpllm:split:<split_seed>', {unit}) / 2^64, in [0, 1)",
             "split_seed": cfg.split_seed,
-            "heldout": f"u < public_fraction + heldout_fraction·(1 − public_fraction) (and not public); else train",
+            "heldout": "u < public_fraction + heldout_fraction·(1 − public_fraction) (and not public); else train",
             "public": public,
             "deduplicate": cfg.deduplicate,
             "max_records": (None if cfg.max_records is None else

@@ -15,13 +15,15 @@ from dpllm.checkpoint import unwrap
 from dpllm.distributed import World, all_sum, is_sharded, reshard
 from dpllm.models import position_ids_for
 
+
 @torch.no_grad()
-def evaluate(model, dataset, collate, *, batch_size: int, device, world: World = World()) -> dict:
+def evaluate(model, dataset, collate, *, batch_size: int, device, world: World | None = None) -> dict:
     """Token-weighted held-out loss (nats per token) and perplexity.
 
     Called on every process: each evaluates every W-th record and the sums are all-reduced (under
     FSDP, where a forward pass needs all processes, each evaluates everything).
     """
+    world = world or World()
     model = unwrap(model)
     was_training = model.training
     model.eval()

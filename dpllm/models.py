@@ -31,8 +31,17 @@ from torch import nn
 from dpllm.config import ModelConfig
 from dpllm.errors import ModelError
 from dpllm.io import looks_local
-from dpllm.quantization import (_UNQUANTIZED, _dtype, bnb_config, dequantize, load_quantized,  # noqa: F401 (re-exported)
-                                one_cpu_path, quantization_of, quantize_in_memory, unquantized_base)
+from dpllm.quantization import (  # noqa: F401 (re-exported)
+    _UNQUANTIZED,
+    _dtype,
+    bnb_config,
+    dequantize,
+    load_quantized,
+    one_cpu_path,
+    quantization_of,
+    quantize_in_memory,
+    unquantized_base,
+)
 
 log = logging.getLogger(__name__)
 

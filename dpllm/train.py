@@ -41,16 +41,35 @@ import numpy as np
 import torch
 
 from dpllm import data, ledger, resume, rundir, sft
-from dpllm.canaries import add_tokens as add_canary_tokens, added_tokens as canary_tokens
+from dpllm.canaries import add_tokens as add_canary_tokens
+from dpllm.canaries import added_tokens as canary_tokens
 from dpllm.checkpoint import unwrap
 from dpllm.config import ConfigError, RunConfig
-from dpllm.distributed import (all_max, all_sum, barrier, check_parallelism, gather_objects, is_sharded,
-                               make_accelerator, params_digest, world_of, wrap_model)
+from dpllm.distributed import (
+    all_max,
+    all_sum,
+    barrier,
+    check_parallelism,
+    gather_objects,
+    is_sharded,
+    make_accelerator,
+    params_digest,
+    world_of,
+    wrap_model,
+)
 from dpllm.errors import TrainingError  # raised by the loop and dpllm.privacy.run; imported from here too
 from dpllm.evaluation import evaluate
 from dpllm.logs import known_warnings_silenced
-from dpllm.models import (check_dp_layers, context_length, count_parameters, load_base, position_ids_for,
-                          prepare_model, source_of, unquantized_base)
+from dpllm.models import (
+    check_dp_layers,
+    context_length,
+    count_parameters,
+    load_base,
+    position_ids_for,
+    prepare_model,
+    source_of,
+    unquantized_base,
+)
 from dpllm.privacy import user_level
 from dpllm.privacy.engine import sequence_loss
 from dpllm.privacy.modes import prepare_engine

@@ -23,10 +23,21 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mlp_study import (
+    Timer,
+    command_line,
+    environment,
+    finish,
+    fmt,
+    markdown_table,
+    progress,
+    quiet_warnings,
+    recipe_parser,
+    save_figure,
+    t_interval,
+)
 
 from dpllm.mlp.data import load_dataset
-from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, progress, quiet_warnings,
-                       recipe_parser, save_figure, t_interval)
 
 R, S = 0.1, 0.5  # r of automatic/psac/psasc; s of psasc (s < 1 weights small gradients up, noise C/s)
 # (label, registry name, s, learning-rate factor). "psasc lr×s" is a control: PSASC's clipped gradients

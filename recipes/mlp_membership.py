@@ -24,11 +24,24 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mlp_study import (
+    Timer,
+    command_line,
+    environment,
+    finish,
+    fmt,
+    markdown_table,
+    mean_std,
+    plots_line,
+    progress,
+    quiet_warnings,
+    recipe_parser,
+    save_figure,
+    t_interval,
+)
 
 from dpllm.mlp.data import Split, load_dataset
 from mia.attacks import loss_attack
-from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, mean_std, plots_line,
-                       progress, quiet_warnings, recipe_parser, save_figure, t_interval)
 
 LEVELS = (("non-private", None), ("ε≈50", 50.0), ("ε≈8", 8.0), ("ε≈1", 1.0))
 FPRS = (0.001, 0.01, 0.1)
@@ -254,9 +267,9 @@ def findings(res: dict) -> list[str]:
 
 
 def plot(res: dict, out: Path) -> list[str]:
-    from mia.metrics import tpr_key
-
     import matplotlib
+
+    from mia.metrics import tpr_key
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

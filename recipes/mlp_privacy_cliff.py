@@ -20,10 +20,22 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mlp_study import (
+    Timer,
+    command_line,
+    environment,
+    finish,
+    fmt,
+    markdown_table,
+    mean_std,
+    paper_findings,
+    progress,
+    quiet_warnings,
+    recipe_parser,
+    save_figure,
+)
 
 from dpllm.mlp.data import load_dataset
-from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, mean_std, paper_findings,
-                       progress, quiet_warnings, recipe_parser, save_figure)
 
 SIGMAS = (0.01, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0)
 CLIPS = (0.1, 1.0, 10.0)

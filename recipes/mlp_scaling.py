@@ -21,11 +21,23 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from mlp_study import (
+    Timer,
+    command_line,
+    environment,
+    finish,
+    fmt,
+    markdown_table,
+    mean_std,
+    paper_findings,
+    progress,
+    quiet_warnings,
+    recipe_parser,
+    save_figure,
+)
 
 from dpllm.mlp.data import load_dataset
 from dpllm.scaling import ScalingError, fit_form
-from mlp_study import (Timer, command_line, environment, finish, fmt, markdown_table, mean_std, paper_findings,
-                       progress, quiet_warnings, recipe_parser, save_figure)
 
 WIDTHS = (16, 32, 64, 128, 256)
 LEVELS = (("non-private", None), ("σ=1", 1.0), ("σ=3", 3.0))
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         except ScalingError as err:
             fit_errors[label] = str(err)
     privacy = []
-    for label, sigma in LEVELS[1:]:
+    for label, _sigma in LEVELS[1:]:
         r = next(r for r in runs if r["level"] == label)
         privacy.append({"level": label, **{k: r[k] for k in (
             "noise_multiplier", "max_grad_norm", "sample_rate", "expected_batch_size", "steps", "delta",

@@ -41,7 +41,6 @@ import yaml
 from dpllm.config import ConfigError, config_from_dict
 from dpllm.scaling.runs import load_runs
 
-
 TOP_KEYS = ("base", "sweep", "quick", "fit", "corpora", "pretrain", "lr_grid")
 
 
@@ -172,7 +171,7 @@ def plan_stages(doc: dict, *, quick: bool, out: Path, only_sizes: list[int] | No
                                  "overwrite_output_dir": False})
             if not (out / pre_name / "run_summary.json").is_file():
                 todo.append(("pretrain", pre_name, cfg))
-        def finetune(cfg: dict) -> dict:
+        def finetune(cfg: dict, pre_name=pre_name) -> dict:
             if pre:
                 cfg["model"]["model_name_or_path"] = str(out / pre_name)
             if data_private:

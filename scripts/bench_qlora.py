@@ -56,8 +56,8 @@ def interleaved(args, saved: Path) -> dict:
     import time
 
     import torch
-
     from bench_overhead import setup_mode
+
     from dpllm.config import ModelConfig
     from dpllm.models import load_base
     from dpllm.train import forward_loss

@@ -1,10 +1,14 @@
 """How many records change split when one record is appended to, inserted into or removed from the file (issue 32.1).
 
 Run: PYTHONPATH=$PWD python scripts/split_moves.py  (works on the old shuffled split too: it passes the count there)."""
-import json, sys, tempfile, inspect
+import inspect
+import json
+import tempfile
 from pathlib import Path
-from dpllm.config import DataConfig
+
 from dpllm import data
+from dpllm.config import DataConfig
+
 
 def splits_of(rows, **kw):
     d = Path(tempfile.mkdtemp()) / "d.jsonl"

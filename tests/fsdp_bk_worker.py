@@ -124,7 +124,7 @@ def noise(rank) -> dict:
     step(ref, tok, sum(SHARES, []), C=C)
     step(model, tok, SHARES[rank], C=C, sigma=sigma, world_size=2, noise_seed=1000 + rank)
     local, everywhere = [], []
-    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+    for (_n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         # the noise each process drew, on its own shard only: (grad - ref grad) · B
         shard = p.grad.to_local() - q.grad.detach().chunk(2)[rank][: p.grad.to_local().shape[0]]
         local.append(shard.flatten() * len(RECORDS))

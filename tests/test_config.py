@@ -6,7 +6,7 @@ import sys
 import pytest
 import yaml
 
-from dpllm.config import ConfigError, SECTIONS, config_from_dict, parse_config
+from dpllm.config import SECTIONS, ConfigError, config_from_dict, parse_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

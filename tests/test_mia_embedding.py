@@ -13,8 +13,15 @@ import torch
 
 from dpllm.config import ModelConfig
 from dpllm.models import build_tiny, byte_tokenizer
-from mia.embedding import (EMBEDDING_ATTACKS, Embeddings, adapters_disabled, embed_ids, embed_records, make_lens,
-                           run_embedding_audit)
+from mia.embedding import (
+    EMBEDDING_ATTACKS,
+    Embeddings,
+    adapters_disabled,
+    embed_ids,
+    embed_records,
+    make_lens,
+    run_embedding_audit,
+)
 from mia.metrics import auc
 from mia.signals import compute_signals
 

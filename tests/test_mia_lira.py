@@ -52,7 +52,8 @@ def test_logit_scaling_is_stable():
 def test_logprob_input_matches_logit_input():
     target, shadow, shadow_in, _ = _synthetic(gap=1.0)
     # Inverse of phi: log p = -log(1 + e^-phi).
-    to_logp = lambda phi: -np.logaddexp(0, -phi)
+    def to_logp(phi):
+        return -np.logaddexp(0, -phi)
     a = lira.lira_online(to_logp(target), to_logp(shadow), shadow_in)
     b = lira.lira_online(target, shadow, shadow_in, input_scale="logit")
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)

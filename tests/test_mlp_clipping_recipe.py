@@ -6,8 +6,6 @@ import pytest
 from tests.helpers import assert_reproduces_committed, load_recipe
 
 
-
-
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
     out = tmp_path_factory.mktemp("mlp_clipping")

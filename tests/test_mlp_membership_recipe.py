@@ -7,8 +7,6 @@ import pytest
 from tests.helpers import assert_reproduces_committed, load_recipe
 
 
-
-
 @pytest.fixture(scope="module")
 def recipe():
     return load_recipe("mlp_membership")

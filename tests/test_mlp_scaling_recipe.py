@@ -4,11 +4,9 @@ import json
 
 import pytest
 
-from tests.helpers import assert_reproduces_committed, load_recipe
-
 from dpllm.privacy.accounting import compute_epsilon
 from dpllm.scaling import fit_form
-
+from tests.helpers import assert_reproduces_committed, load_recipe
 
 
 @pytest.fixture(scope="module")

@@ -174,9 +174,10 @@ def test_opacus_own_rate_would_differ_but_ours_is_exactly_one_over_k():
 def test_reported_epsilon_never_exceeds_the_target_over_many_plans():
     """Over 300 (N, B, epochs): the q the accountant records (from make_private's loader) is the plan's, so
     the reported ε is the planned one; calibrated plans (every 30th triple) land at or under their target."""
-    from dpllm.privacy.engine import make_private
-    from dpllm.config import PrivacyConfig
     from torch.utils.data import TensorDataset
+
+    from dpllm.config import PrivacyConfig
+    from dpllm.privacy.engine import make_private
 
     rng = torch.Generator().manual_seed(0)
     for i in range(300):
@@ -266,11 +267,11 @@ def test_the_plan_is_checked_before_the_model_loads(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mode", ["hooks", "ghost", "bk"])
 def test_noise_never_comes_from_the_seeded_global_generator(mode):
     """torch's global generator is seeded by train.seed (written in the config): no noise may come from it."""
-    from tests.helpers import TEXTS, batch_of, tiny_model
     from dpllm.config import PrivacyConfig
     from dpllm.data import TokenizedRecords, make_collate
     from dpllm.privacy.engine import make_private
     from dpllm.train import forward_loss
+    from tests.helpers import TEXTS, batch_of, tiny_model
 
     model, tok = tiny_model("tiny-llama", "full")
     plan = plan_privacy(num_records=len(TEXTS), logical_batch_size=len(TEXTS), steps=1, noise_multiplier=1.0,

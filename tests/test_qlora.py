@@ -13,7 +13,6 @@ trained privately.
 
 import copy
 import json
-import json
 
 import pytest
 import torch

@@ -68,7 +68,7 @@ def test_one_record_moves_only_itself(tmp_path, option):
     cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows), **OPTIONS[option])
     before = _sets(cfg)
     assert before["train"] and before["heldout"]
-    for how, other, changed in _neighbours(rows, {"text": NEW}):
+    for _how, other, changed in _neighbours(rows, {"text": NEW}):
         after = _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), **OPTIONS[option]))
         _differ_by(before, after, changed["text"])
 
@@ -93,7 +93,7 @@ def test_declared_public_dataset(tmp_path):
     assert rows[5]["text"] not in before["train"] and rows[5]["text"] not in before["heldout"]
     loaded = data.load_records_counted(cfg)
     assert loaded.same_as_public == 1 and loaded.public_read == 31
-    for how, other, changed in _neighbours(rows, {"text": NEW}):
+    for _how, other, changed in _neighbours(rows, {"text": NEW}):
         _differ_by(before, _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), public_dataset=pub)),
                    changed["text"])
     rule = data.make_splits(loaded.records, cfg, None, loaded.public).rule
@@ -107,7 +107,7 @@ def test_user_level_splits_and_cap_move_only_that_user(tmp_path):
     before = _sets(cfg)
     for user in ("u007", "a new user"):
         new = {"text": NEW, "user": user}
-        for how, other, changed in _neighbours(rows, new):
+        for _how, other, changed in _neighbours(rows, new):
             ocfg = DataConfig(dataset=_write(tmp_path / "b.jsonl", other), **opts)
             _differ_by(before, _sets(ocfg), changed["text"])
 
@@ -135,7 +135,7 @@ def test_sft_records(tmp_path):
     cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows))
     before = _sets(cfg)
     assert all(t.startswith("{") for t in before["train"])  # canonical JSON records
-    for how, other, changed in _neighbours(rows, new):
+    for _how, other, changed in _neighbours(rows, new):
         after = _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other)))
         (text,) = [t for t in (Counter(after["train"] + after["heldout"]) - Counter(before["train"] + before["heldout"]))
                    + (Counter(before["train"] + before["heldout"]) - Counter(after["train"] + after["heldout"]))]

@@ -10,7 +10,7 @@ from dpllm.cli import main as dpllm_main
 from dpllm.config import parse_config
 from dpllm.data import DataError, load_records, pydoc_paragraphs, split_control_code
 from dpllm.io import read_jsonl
-from dpllm.synthetic import SynthesisError, evaluate, synthesize, write_report
+from dpllm.synthetic import SynthesisError, synthesize
 from dpllm.synthetic.fidelity import downstream, frechet_distance, ngram_js
 from dpllm.synthetic.leakage import canary_extraction, leakage
 from dpllm.train import train

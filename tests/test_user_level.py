@@ -15,7 +15,6 @@ from dpllm.privacy import user_level
 from dpllm.privacy.accounting import PrivacyPlanError, compute_epsilon_history
 from tests.helpers import TEXTS, batch_of, tiny_model
 
-
 # ---- ULS sampling ------------------------------------------------------------------------------------------
 
 def test_uls_inclusion_is_bernoulli_q_per_user_and_takes_all_their_records():
@@ -73,8 +72,8 @@ def test_whole_user_batches_never_split_a_user():
 
 def _explicit_record_grads(model, tok):
     """Each record's gradient of its own mean token loss, one backward pass per record."""
-    from dpllm.privacy.engine import sequence_loss
     from dpllm.models import position_ids_for
+    from dpllm.privacy.engine import sequence_loss
 
     grads = []
     for text in TEXTS:

@@ -13,8 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from dpllm.config import (ConfigError, DataConfig, ModelConfig, PrivacyConfig, RunConfig, TrainConfig,
-                          validate)
+from dpllm.config import ConfigError, DataConfig, ModelConfig, PrivacyConfig, RunConfig, TrainConfig, validate
 from dpllm.privacy.plan import batches_per_epoch
 
 log = logging.getLogger(__name__)

@@ -37,9 +37,15 @@ from dpllm.distributed import barrier, check_parallelism, warn_if_fewer_processe
 from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
 from dpllm.hf.records import PadRecords, Rows, rows_of, trainer_rows
 from dpllm.io import looks_local, write_json_atomic, write_text_atomic
+from dpllm.models import (
+    check_checkpointing,
+    check_dp_layers,
+    count_parameters,
+    one_cpu_path,
+    quantization_of,
+    untie_output_embeddings,
+)
 from dpllm.sft import SFTArguments, format_of, is_untokenized_sft
-from dpllm.models import (check_checkpointing, check_dp_layers, count_parameters, one_cpu_path, quantization_of,
-                          untie_output_embeddings)
 from dpllm.train import Trainer as RunTrainer
 from dpllm.train import seed_everything
 

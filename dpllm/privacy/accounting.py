@@ -117,7 +117,7 @@ def compute_epsilon_history(*, history: History, delta: float, accountant: str =
         try:
             return max(_epsilon_of("gdp", history, delta), rdp)
         except Exception as err:  # Opacus's GDP root-finding fails in some (σ, q) regions
-            warnings.warn(f"GDP accountant failed ({err}); reporting the RDP bound instead")
+            warnings.warn(f"GDP accountant failed ({err}); reporting the RDP bound instead", stacklevel=2)
             return rdp
     while accountant in ("prv", "pld"):
         try:
@@ -128,7 +128,7 @@ def compute_epsilon_history(*, history: History, delta: float, accountant: str =
             if strict:
                 raise
             warnings.warn(f"{accountant.upper()} accountant cannot run ({err}); reporting the "
-                          f"{FALLBACK[accountant].upper()} bound instead")
+                          f"{FALLBACK[accountant].upper()} bound instead", stacklevel=2)
             accountant = FALLBACK[accountant]
     return _quiet_rdp(history, delta)
 

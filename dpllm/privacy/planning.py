@@ -30,11 +30,19 @@ import sys
 import warnings
 from typing import Any, Callable, Sequence
 
-from dpllm.privacy.accounting import (ACCOUNTANTS, FALLBACK, AccountantUnavailable, PrivacyPlanError, calibrate_noise,
-                                      check_delta, compute_epsilon, compute_epsilon_history, switch_note)
+from dpllm.privacy.accounting import (
+    ACCOUNTANTS,
+    FALLBACK,
+    AccountantUnavailable,
+    PrivacyPlanError,
+    calibrate_noise,
+    check_delta,
+    compute_epsilon,
+    compute_epsilon_history,
+    switch_note,
+)
+from dpllm.privacy.plan import check_finite_positive, expected_batch, noise_batch_warning, sample_rate_for, steps_for
 from dpllm.privacy.prv import round_up
-from dpllm.privacy.plan import (check_finite_positive, expected_batch, noise_batch_warning, sample_rate_for,
-                                steps_for)
 
 DEFAULT_EPSILONS = (1.0, 2.0, 4.0, 8.0, 10.0)
 SIGMA_DIGITS = 4

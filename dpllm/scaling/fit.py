@@ -212,7 +212,7 @@ def _bootstrap(f: Form, x, y, xc, inverse, counts, params, n_boot: int, seed: in
     ok = [o for o in out if o is not None]
     if len(ok) < 0.9 * n_boot:
         warnings.warn(f"{f.name}: only {len(ok)}/{n_boot} bootstrap resamples could be fitted; the interval "
-                      f"is from those")
+                      f"is from those", stacklevel=2)
     return np.array([[o[p] for p in f.param_names] for o in ok]).reshape(-1, len(f.param_names)), method
 
 

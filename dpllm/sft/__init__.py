@@ -40,11 +40,34 @@ checks that its gradient contribution is exactly zero, under ghost, bk and hooks
 """
 
 from dpllm.sft.masking import PadRecords, SFTRecords, answer_fits, drop_cut_answers, encode, make_datasets
-from dpllm.sft.records import (BUILTIN, FORMATS, ROLES, STDLIB_QA_MODULES, SFTArguments, canary_record, canonical,
-                               format_of, is_untokenized_sft, needs_template, parse, read_table, rows_to_records,
-                               shape_of, stdlib_qa_rows)
-from dpllm.sft.render import (SIMPLE_TEMPLATE, adds_bos, generate_answers, is_byte_tokenizer, load_tokenizer,
-                              prepare_tokenizer, prompt_and_reference, render_chat, segments)
+from dpllm.sft.records import (
+                               BUILTIN,
+                               FORMATS,
+                               ROLES,
+                               STDLIB_QA_MODULES,
+                               SFTArguments,
+                               canary_record,
+                               canonical,
+                               format_of,
+                               is_untokenized_sft,
+                               needs_template,
+                               parse,
+                               read_table,
+                               rows_to_records,
+                               shape_of,
+                               stdlib_qa_rows,
+)
+from dpllm.sft.render import (
+                               SIMPLE_TEMPLATE,
+                               adds_bos,
+                               generate_answers,
+                               is_byte_tokenizer,
+                               load_tokenizer,
+                               prepare_tokenizer,
+                               prompt_and_reference,
+                               render_chat,
+                               segments,
+)
 
 __all__ = [
     "BUILTIN", "FORMATS", "ROLES", "SIMPLE_TEMPLATE", "STDLIB_QA_MODULES", "PadRecords", "SFTArguments", "SFTRecords",
