@@ -185,12 +185,14 @@ class PrivacyConfig:
                                   "slower noise draws). Without it noise is still secretly seeded from OS entropy.")
     user_sampling: str = _f("uls", "With data.privacy_unit=user: 'uls' (Poisson-sample users; each sampled user adds "
                                    "one clipped gradient, the mean over its records; bk or hooks) or 'els' (sample "
-                                   "records of the k-capped data; σ calibrated so the user-level ε by tight group privacy "
-                                   "meets target_epsilon) or 'record' (record-level DP at target_epsilon, splits by "
-                                   "user; the report adds the user-level ε tight group privacy gives, often huge).")
+                                   "records of the k-capped data; σ calibrated so the user-level ε by tight group "
+                                   "privacy meets target_epsilon) or 'record' (record-level DP at target_epsilon, "
+                                   "splits by user; the report adds the user-level ε tight group privacy gives, often "
+                                   "huge).")
     noise_schedule: str = _f("constant", "σ over training (dpllm.privacy.schedule): 'constant', or 'linear' / "
                                          "'exponential' from σ₀ to σ₀·noise_schedule_end in noise_schedule_pieces "
-                                         "constant pieces; σ₀ is calibrated so the whole schedule meets target_epsilon.")
+                                         "constant pieces; σ₀ is calibrated so the whole schedule meets "
+                                         "target_epsilon.")
     noise_schedule_end: float = _f(0.5, "σ of the schedule's last piece / σ of its first (< 1: decaying noise).")
     noise_schedule_pieces: int = _f(10, "Constant pieces of a linear or exponential schedule (2–4: step decay).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
@@ -402,8 +404,9 @@ def check_quantization(m: "ModelConfig") -> None:
     if m.quantization == "none":
         return
     if m.finetuning != "lora":
-        raise ConfigError(f"quantization={m.quantization} freezes the base in {m.quantization} weights, which cannot be "
-                          f"trained: use finetuning: lora (QLoRA), or quantization: none for finetuning={m.finetuning}")
+        raise ConfigError(f"quantization={m.quantization} freezes the base in {m.quantization} weights, which "
+                          "cannot be trained: use finetuning: lora (QLoRA), or quantization: none for "
+                          f"finetuning={m.finetuning}")
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
@@ -425,9 +428,9 @@ def validate(cfg: RunConfig) -> None:
 
     _choice("canary_design", d.canary_design, tuple(DESIGNS))
     if d.num_canaries and d.canary_design in NEEDS_TOKENS and m.finetuning != "full":
-        raise ConfigError(f"canary_design={d.canary_design} trains new vocabulary rows, which finetuning={m.finetuning} "
-                          "keeps frozen (every canary would score alike); use finetuning: full for the audit run, "
-                          "or another canary design")
+        raise ConfigError(f"canary_design={d.canary_design} trains new vocabulary rows, which "
+                          f"finetuning={m.finetuning} keeps frozen (every canary would score alike); use "
+                          "finetuning: full for the audit run, or another canary design")
     _choice("accountant", p.accountant, ("prv", "rdp", "gdp", "pld"))
     _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
     _choice("privacy_unit", d.privacy_unit, ("record", "user"))
@@ -449,16 +452,16 @@ def validate(cfg: RunConfig) -> None:
     if d.privacy_unit == "user" and p.enabled and p.user_sampling == "uls":
         if p.grad_sample_mode in ("ghost", "ghost_fsdp"):
             raise ConfigError(
-                f"user_sampling=uls needs grad_sample_mode: bk, auto or hooks, not {p.grad_sample_mode}: a user's gradient "
-                "is the mean of its records' gradients before clipping, and Opacus's ghost clipping has no way to add "
-                "the cross terms between them; set grad_sample_mode: bk, or use user_sampling: els")
+                f"user_sampling=uls needs grad_sample_mode: bk, auto or hooks, not {p.grad_sample_mode}: a user's "
+                "gradient is the mean of its records' gradients before clipping, and Opacus's ghost clipping has no "
+                "way to add the cross terms between them; set grad_sample_mode: bk, or use user_sampling: els")
     if d.max_length < 2:
         raise ConfigError(f"max_length={d.max_length}: need at least 2 tokens for next-token loss")
     if not (0 <= d.public_fraction < 1) or not (0 < d.heldout_fraction < 1):
         raise ConfigError("public_fraction must be in [0, 1) and heldout_fraction in (0, 1)")
     if d.public_fraction > 0 and not d.simulate_public_from_private:
-        raise ConfigError(f"public_fraction={d.public_fraction:g} would train on records of the private file without DP; "
-                          "put public records in public_dataset: FILE, or (a study only) set "
+        raise ConfigError(f"public_fraction={d.public_fraction:g} would train on records of the private file "
+                          "without DP; put public records in public_dataset: FILE, or (a study only) set "
                           "simulate_public_from_private: true")
     if d.public_fraction > 0 and d.public_dataset:
         raise ConfigError("public_fraction and public_dataset both set: declare public data one way (unset "

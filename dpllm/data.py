@@ -228,7 +228,8 @@ def _hub_records(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
         ds = datasets.load_dataset(name, cfg.dataset_config_name, split=cfg.dataset_split)
     except Exception as err:
         raise DataError(f"dataset={name} is not a local file and could not be loaded from the Hub "
-                        f"({type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); "
+                        f"({type(err).__name__}: "
+                        f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); "
                         "check the name, or pass a local .jsonl/.json/.csv/.txt file") from None
     return _labelled(ds, cfg, name), _users(ds, cfg, name)
 
@@ -280,9 +281,9 @@ class Loaded:
         built-in corpora, whose repeated paragraphs are known and documented), and a max_records cut."""
         out = []
         if self.duplicates and cfg.dataset not in BUILTIN:
-            out.append(f"dataset={cfg.dataset}: {self.duplicates:,} of {self.read:,} records read were exact duplicates "
-                       "of another record and were removed (a text trained on twice would be both member and "
-                       "non-member); N counts unique records")
+            out.append(f"dataset={cfg.dataset}: {self.duplicates:,} of {self.read:,} records read were exact "
+                       "duplicates of another record and were removed (a text trained on twice would be both member "
+                       "and non-member); N counts unique records")
         if self.over_max_records:
             out.append(f"max_records={cfg.max_records:,} kept the records that rank first by keyed hash and left out "
                        f"{self.over_max_records:,}: a file one record larger can push one of the kept records out, so "
@@ -503,8 +504,10 @@ def split_summary(loaded: Loaded, splits: Splits, cfg: DataConfig, *, canaries: 
     Example:
         >>> cfg = DataConfig(heldout_fraction=0.5)
         >>> loaded = Loaded(records=["a", "b", "c"], users=None, read=5, too_short=1, duplicates=1)
-        >>> print(split_summary(loaded, Splits(public=[], train=[0, 2], heldout=[1]), cfg))
-        [private] data: 5 records read; dropped 1 too short (min_chars=32), 1 duplicate; 2 train, 1 held out (not trained on: eval and audits), 0 public (none declared); 0 canaries
+        >>> splits = Splits(public=[], train=[0, 2], heldout=[1])
+        >>> print(split_summary(loaded, splits, cfg))  # doctest: +NORMALIZE_WHITESPACE
+        [private] data: 5 records read; dropped 1 too short (min_chars=32), 1 duplicate; 2 train, 1 held out
+        (not trained on: eval and audits), 0 public (none declared); 0 canaries
     """
     dropped = [f"{loaded.too_short:,} too short (min_chars={cfg.min_chars})" if loaded.too_short else "",
                f"{loaded.duplicates:,} duplicate{'s' * (loaded.duplicates != 1)}" if loaded.duplicates else "",

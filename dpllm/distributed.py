@@ -1,12 +1,13 @@
 """Processes, wrapping and collectives: the few places where training knows it may run on many processes.
 
-Launch with ``accelerate launch``; what it sets up decides the wrapping (:func:`wrap_model`):
+Launch with ``accelerate launch``; what it sets up (configs in recipes/accelerate/) decides the wrapping
+(:func:`wrap_model`):
 
-| launch (recipes/accelerate/) | private training                                  | non-private    |
-|------------------------------|---------------------------------------------------|----------------|
-| single_gpu.yaml / plain      | the model as is                                   | as is          |
-| multi_gpu.yaml (DDP)         | Opacus ``DifferentiallyPrivateDistributedDataParallel`` | torch DDP |
-| fsdp.yaml (FSDP2)            | :func:`shard_model` (``bk``, ``auto``); Opacus ``FSDP2Wrapper`` (``ghost_fsdp``) | :func:`shard_model` |
+| launch config           | private training                                                     | non-private         |
+|-------------------------|----------------------------------------------------------------------|---------------------|
+| single_gpu.yaml / plain | the model as is                                                      | as is               |
+| multi_gpu.yaml (DDP)    | Opacus ``DifferentiallyPrivateDistributedDataParallel``              | torch DDP           |
+| fsdp.yaml (FSDP2)       | :func:`shard_model` (bk, auto); Opacus ``FSDP2Wrapper`` (ghost_fsdp) | :func:`shard_model` |
 
 Under DP the model is wrapped *before* ``make_private``. Under DDP Opacus sees a distributed module, uses its
 distributed optimizer (noise added once, on rank 0) and divides the expected batch size by the number of

@@ -232,14 +232,15 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind
                   else f"the {report.accountant} accountant (Opacus)")
         cap = user.get("max_records_per_user")
         guarantee = (f"**(ε = {report.epsilon:.3f}, δ = {report.delta:g})-differential privacy** at the level of one "
-                     f"**{report.privacy_unit}**, for neighbouring datasets that **{release.get('neighbouring_relation')}"
-                     f"**, from {source} over the full "
+                     f"**{report.privacy_unit}**, for neighbouring datasets that "
+                     f"**{release.get('neighbouring_relation')}**, from {source} over the full "
                      f"training history: noise multiplier σ = {report.noise_multiplier:.4g}, Poisson sampling rate "
                      f"q = {report.sample_rate:.4g}, {report.steps} steps, per-{clipped} clipping norm "
                      f"C = {report.max_grad_norm:g} ({report.clipping}). Noise and sampling randomness came from "
                      "the operating system's entropy and were never written to disk outside the private run "
                      "directory."
-                     + (f" User level ({'at most ' + str(cap) + ' records per user' if cap else 'no cap on records per user'}"
+                     + (" User level ("
+                        f"{'at most ' + str(cap) + ' records per user' if cap else 'no cap on records per user'}"
                         f"): {user['group_privacy']}." if user else "")
                      + "\n\n" + record_unit(report, record_kind))
         size = ("" if report.num_records is None else f" N = {report.num_records:,} records was declared public by the "
@@ -254,7 +255,8 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind
                   f"Two numbers that depend on it are published, because nobody could check ε without them: the "
                   f"sampling rate q = {report.sample_rate:.4g}, the chance that any one {unit} is used in a given "
                   f"training step ({rate}), and the number of steps, {report.steps}. Together they give the data's "
-                  f"size only roughly, to within one batch ({report.logical_batch_size} records). Like every DP-SGD guarantee, this one treats the noise σ, "
+                  f"size only roughly, to within one batch ({report.logical_batch_size} records). Like every DP-SGD "
+                  "guarantee, this one treats the noise σ, "
                   "q, the number of steps and the clipping norm C as fixed settings of the training: it compares "
                   "datasets that lead to the same settings, which adding or removing one "
                   f"{unit} does except when it changes the number of batches per pass (a count of {units} within one "

@@ -73,7 +73,8 @@ def _parse(run_dir: Path) -> list[dict]:
         try:
             text = line.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise LedgerError(f"line {i}: not UTF-8 text (byte {err.start}): the ledger was damaged or edited") from None
+            raise LedgerError(f"line {i}: not UTF-8 text (byte {err.start}): the ledger was damaged or "
+                              "edited") from None
         try:
             entry = json.loads(text)
         except json.JSONDecodeError as err:
@@ -213,9 +214,9 @@ def _check_epsilons(entries: list[dict]) -> int:
         key = (json.dumps(history), e.get("delta"), e.get("accountant"))
         user = e.get("user_level") or {}
         if user.get("sampling") in ("els", "record") and user.get("group_size") != user.get("max_records_per_user"):
-            raise LedgerError(f"line {i}: user-level ε over groups of k={user.get('group_size')} records, but the declared "
-                              f"cap is max_records_per_user={user.get('max_records_per_user')}; k must be the cap (a "
-                              "neighbour may add a user of that many records): retrain with a current dpllm")
+            raise LedgerError(f"line {i}: user-level ε over groups of k={user.get('group_size')} records, but the "
+                              f"declared cap is max_records_per_user={user.get('max_records_per_user')}; k must be the "
+                              "cap (a neighbour may add a user of that many records): retrain with a current dpllm")
         group = user.get("group_size", 1) if "record_delta" in user else 1
         if group > 1:  # ELS: the user-level ε of the record-level history, users of k records (mixture accounting)
             key += (group,)

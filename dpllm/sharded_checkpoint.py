@@ -2,12 +2,14 @@
 
 Resumable checkpoints (:mod:`dpllm.resume`) of a sharded run hold, under ``checkpoints/step-XXXXXX/``:
 
-| file                          | written by | holds                                                              |
-|-------------------------------|------------|--------------------------------------------------------------------|
-| ``state/__R_0.distcp``        | rank R     | its shards of the trainable parameters and of their optimizer state |
-| ``state/.metadata``           | rank 0     | where each shard lives (``torch.distributed.checkpoint``'s index)   |
-| ``rng/rank-RRRRR.pt`` (0600)  | rank R     | SECRET: its noise generator, the Poisson sampler, python/numpy/torch state |
-| ``scheduler.pt``, ``trainer_state.json``, ``dpllm_config.yaml`` | rank 0 | as for one process              |
+| file                         | written by | holds                                                                  |
+|------------------------------|------------|------------------------------------------------------------------------|
+| ``state/__R_0.distcp``       | rank R     | its shards of the trainable parameters and of their optimizer state    |
+| ``state/.metadata``          | rank 0     | where each shard lives (``torch.distributed.checkpoint``'s index)      |
+| ``rng/rank-RRRRR.pt`` (0600) | rank R     | SECRET: its noise generator, Poisson sampler, python/numpy/torch state |
+| ``scheduler.pt``             | rank 0     | as for one process                                                     |
+| ``trainer_state.json``       | rank 0     | as for one process                                                     |
+| ``dpllm_config.yaml``        | rank 0     | as for one process                                                     |
 
 Every process writes into one temporary directory that rank 0 created (on one machine, or a filesystem all
 processes share); rank 0 renames it into place only after every process has finished, so a crash leaves the

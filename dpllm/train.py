@@ -196,7 +196,8 @@ class Trainer:
             raise data.DataError(f"{err}" + (f" ({loaded.duplicates:,} of {loaded.read:,} records read were exact "
                                              "duplicates and were removed)" if loaded.duplicates else "")) from None
         self.sft_format = sft.format_of(self.records)
-        log.info("[private] data format: %s", f"{self.sft_format} records, loss on {d.loss_on} tokens" if self.sft_format
+        log.info("[private] data format: %s",
+                 f"{self.sft_format} records, loss on {d.loss_on} tokens" if self.sft_format
                  else "plain text, loss on all tokens")  # detected from the private file: the console only
         if self.sft_format:  # before the plan: N counts only records that keep an answer token
             self.sft_dropped = sft.drop_cut_answers(self.records, self.splits, sft.load_tokenizer(self.cfg.model),
@@ -432,7 +433,8 @@ class Trainer:
         value = float(loss.detach() if hasattr(loss, "detach") else loss)
         if not math.isfinite(value):
             raise TrainingError(f"loss is {value} at step {self.step + 1}; no checkpoint was written. Lower "
-                                f"learning_rate (now {self.t.learning_rate}), check the data, or use mixed_precision=no")
+                                f"learning_rate (now {self.t.learning_rate}), check the data, or use "
+                                "mixed_precision=no")
         self.window[0] += value * n
         self.window[1] += n
 

@@ -130,7 +130,8 @@ def summary(res: dict) -> str:
         "# MLP scaling laws under DP (the scaling-law paper's study on dpllm's engine)", "",
         f"Command: `{res['command']}`", "",
         f"Wall time: **{res['timing']['wall_s']} s** (training {res['timing']['train_s']} s), CPU time "
-        f"{res['timing'].get('cpu_s')} s, on {res['environment']['torch_threads']} torch thread(s); {len(runs)} runs.", "",
+        f"{res['timing'].get('cpu_s')} s, on {res['environment']['torch_threads']} torch thread(s); "
+        f"{len(runs)} runs.", "",
         f"Data: {res['dataset'].get('n_train')} train / {res['dataset'].get('n_test')} test records of "
         f"`{r0['dataset']}`. Model: Linear–ReLU–Linear, widths {', '.join(map(str, g['widths']))}. "
         f"SGD lr {g['lr']}, expected batch {g['batch_size']} (Poisson, q = 1/⌈N/B⌉ = {r0['sample_rate']:.4f}), "

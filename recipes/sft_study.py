@@ -137,7 +137,8 @@ q = {r['dp']['sample_rate']:.4f}, {r['dp']['steps']} steps, {r['dp']['accountant
 {r['dp']['grad_sample_mode']}) and without.
 
 {table}
-Reading: DP SFT at ε = {r['dp']['epsilon']:.0f} closes {_gain(r):.0%} of the perplexity gap between the base model and SFT
+Reading: DP SFT at ε = {r['dp']['epsilon']:.0f} closes {_gain(r):.0%} of the perplexity gap between the base \
+model and SFT
 without DP; the loss attack on answers is near chance under DP and clearly above it without. The greedy
 answers of a 2-layer, 96-wide byte-level model are repetitive either way: they show the answer format
 learnt (the non-private model starts like stdlib docstrings, "Return a ..."), not quality.

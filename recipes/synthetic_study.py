@@ -114,7 +114,8 @@ def main(argv: list[str] | None = None) -> dict:
                "--physical_batch_size", "32", "--lr_scheduler", "cosine", "--warmup_steps", "0" if q else "20",
                "--output_dir", str(work / "pretrain")])
     private = ["--model_name_or_path", str(work / "pretrain"), "--dataset", str(work / "private.jsonl"),
-               "--label_column", "label", "--label_values", ",".join(MODULES), "--heldout_fraction", str(s["heldout_fraction"]), "--min_chars", "32"]
+               "--label_column", "label", "--label_values", ",".join(MODULES),
+               "--heldout_fraction", str(s["heldout_fraction"]), "--min_chars", "32"]
     arms = {"no_dp": ["--privacy.enabled", "false", "--epochs", str(s["nodp_epochs"]),
                       "--logical_batch_size", str(s["nodp_batch"]), "--physical_batch_size", str(s["nodp_batch"])]}
     for eps in EPSILONS[:1] if q else EPSILONS:
@@ -130,7 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(synthesize_and_measure(name, run_dir, work, data["canaries"], s))
     result = {"quick": q, "settings": settings, "data": {k: v for k, v in data.items() if k != "canaries"},
               "runs": rows, "wall_time_s": round(time.time() - start, 1),
-              "command": "python recipes/synthetic_study.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
+              "command": "python recipes/synthetic_study.py "
+                         + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))}
     (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (out / "table.md").write_text(table(rows) + "\n")
     plot(rows, out / "tradeoff.png")

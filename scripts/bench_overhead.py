@@ -383,7 +383,8 @@ def main(argv=None) -> dict:
     result = {"setup": setup, "results": rows, **(inter or {})}
     print(f"model={args.shape or args.model} finetuning={args.finetuning} seq={args.seq} batch={args.batch} "
           f"device={args.device} autocast={args.autocast} (median of {args.steps} steps after {args.warmup} warm-up)")
-    print(f"{'mode':<10}{'ran':<10}{'step (s)':>10}{'tok/s':>10}{'× no-DP':>9}{'peak MiB':>10}{'× no-DP':>9}{'max B':>7}")
+    print(f"{'mode':<10}{'ran':<10}{'step (s)':>10}{'tok/s':>10}{'× no-DP':>9}"
+          f"{'peak MiB':>10}{'× no-DP':>9}{'max B':>7}")
     for r in rows:
         if "error" in r:
             print(f"{r['mode']:<10}failed: {r['error'][:90]}")

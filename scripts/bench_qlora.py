@@ -89,7 +89,8 @@ def interleaved(args, saved: Path) -> dict:
     out["nf4_cpu_ratio"] = statistics.median(a / b for a, b in zip(cpu["nf4"], cpu["none"]))
     print(f"interleaved, DP (bk), median of {args.interleave} rounds: unquantized {out['none']['median_cpu_s']:.3f} s "
           f"CPU ({out['none']['median_wall_s']:.3f} s wall), nf4 {out['nf4']['median_cpu_s']:.3f} s CPU "
-          f"({out['nf4']['median_wall_s']:.3f} s wall); nf4 / unquantized CPU time per round {out['nf4_cpu_ratio']:.3f}×")
+          f"({out['nf4']['median_wall_s']:.3f} s wall); nf4 / unquantized CPU time per round "
+          f"{out['nf4_cpu_ratio']:.3f}×")
     return out
 
 

@@ -118,8 +118,9 @@ def toys() -> None:
         return step
 
     for mode in ("auto", "bk", "hooks", "ghost"):  # the longest record (row 2) removed: the others lose padding
-        print(f"{'mean over padded positions':<45} {mode:<6} add/remove "
-              f"{_sensitivity(r.PaddingDependent, mode, hf_step(pid, mask), hf_step(pid[:2, :4].contiguous(), mask[:2, :4].contiguous()))}")
+        sensitivity = _sensitivity(r.PaddingDependent, mode, hf_step(pid, mask),
+                                   hf_step(pid[:2, :4].contiguous(), mask[:2, :4].contiguous()))
+        print(f"{'mean over padded positions':<45} {mode:<6} add/remove {sensitivity}")
 
 
 def _sensitivity(make, mode, step_a, step_b):

@@ -22,9 +22,11 @@ def splits_of(rows, **kw):
 for n in (300, 10_000):
     rows = [f"record {i}: " + "lorem ipsum " * (i % 5) for i in range(n)]
     for pf in (0.0, 0.1):
-        kw = {"public_fraction": pf} | ({"simulate_public_from_private": True} if pf and hasattr(DataConfig, "simulate_public_from_private") else {})
+        kw = {"public_fraction": pf} | ({"simulate_public_from_private": True}
+                                        if pf and hasattr(DataConfig, "simulate_public_from_private") else {})
         a = splits_of(rows, **kw)
-        for how, other in (("append", rows + ["a new record"]), ("insert", rows[: n // 2] + ["a new record"] + rows[n // 2:]),
+        for how, other in (("append", rows + ["a new record"]),
+                           ("insert", rows[: n // 2] + ["a new record"] + rows[n // 2:]),
                            ("remove-first", rows[1:])):
             b = splits_of(other, **kw)
             moved = {k: (len(a[k] - b[k]), len(b[k] - a[k])) for k in a}

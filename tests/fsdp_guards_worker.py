@@ -1,8 +1,8 @@
 """One process of tests/test_gradient_paths.py::test_ghost_fsdp_refuses_a_hook_copy (run under torch.distributed.run).
 
-FSDP2 + ghost_fsdp (asked for explicitly: under FSDP ``auto`` is bk or a refusal), on CPU (gloo): a forward hook on a layer copies
-its (unsharded) weight for another layer to use. Each rank records whether its first backward pass was refused
-and whether its weights stayed as they were; rank 0 writes the findings as JSON to argv[1].
+FSDP2 + ghost_fsdp (asked for explicitly: under FSDP ``auto`` is bk or a refusal), on CPU (gloo): a forward hook on a
+layer copies its (unsharded) weight for another layer to use. Each rank records whether its first backward pass was
+refused and whether its weights stayed as they were; rank 0 writes the findings as JSON to argv[1].
 """
 
 import json
@@ -36,8 +36,8 @@ def check() -> dict:
                        expected_batch_size=2)
     data = [(torch.randint(0, V, (5,)), torch.tensor(i % V)) for i in range(4)]
     pt = make_private(model=model, optimizer=opt, dataset=data, collate_fn=lambda b: b,
-                      cfg=PrivacyConfig(grad_sample_mode="ghost_fsdp", max_grad_norm=1e-3), plan=plan, logical_batch_size=2,
-                      rank=rank, world_size=2)
+                      cfg=PrivacyConfig(grad_sample_mode="ghost_fsdp", max_grad_norm=1e-3), plan=plan,
+                      logical_batch_size=2, rank=rank, world_size=2)
     before = {k: v.clone() for k, v in full_state_dict(model).items()}
     found = {"mode": pt.grad_sample_mode, "refused": None}
     try:

@@ -112,8 +112,8 @@ def test_auto_policy_picks_the_cheaper_norm():
     kinds = {}
     for T in (8, 512):
         orig = bk._finish_backward
-        bk._finish_backward = lambda T=T, orig=orig: kinds.update({(T, type(r.module), r.module.out_features): bool(r.ghost)
-                                                    for r in bk._records}) or orig()
+        bk._finish_backward = lambda T=T, orig=orig: kinds.update({(T, type(r.module), r.module.out_features):
+                                                                   bool(r.ghost) for r in bk._records}) or orig()
         bk(torch.randn(2, T, 256)).sum().backward()
         bk._finish_backward = orig
     assert kinds[(8, torch.nn.Linear, 256)] and not kinds[(8, torch.nn.Linear, 4)]

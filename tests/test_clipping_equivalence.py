@@ -47,7 +47,8 @@ def private_sum(model, tok, batch, cfg: PrivacyConfig):
     return [p.grad.detach().clone() * n for p in pt.optimizer.params]
 
 
-CASES = [(kind, ft, mode) for kind in ("tiny-gpt2", "tiny-llama") for ft in ("full", "lora") for mode in ("ghost", "hooks")]
+CASES = [(kind, ft, mode) for kind in ("tiny-gpt2", "tiny-llama") for ft in ("full", "lora")
+         for mode in ("ghost", "hooks")]
 
 
 @pytest.mark.parametrize("kind, finetuning, mode", CASES)

@@ -66,7 +66,8 @@ def test_a_launch_without_multi_gpu_warns_that_one_process_trains(tmp_path):
     """accelerate starts one process when asked for two without --multi_gpu: the run says so."""
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     out = tmp_path / "run"
-    proc = subprocess.run([accelerate, "launch", "--num_processes", "2", os.path.join(ROOT, "recipes", "finetune_llm.py"),
+    proc = subprocess.run([accelerate, "launch", "--num_processes", "2",
+                           os.path.join(ROOT, "recipes", "finetune_llm.py"),
                            "--max_steps", "1", "--logical_batch_size", "8", "--physical_batch_size", "8",
                            "--max_length", "32", "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every",
                            "0", "--max_records", "60", "--progress", "false", "--accountant", "rdp",

@@ -363,14 +363,16 @@ def test_composition_after_a_non_private_warm_up(tmp_path, records):
     assert ledger.verify(tmp_path / "dp2").ok
     released = json.loads((export(tmp_path / "dp2", tmp_path / "bundle") / "privacy_report.json").read_text())
     assert [s["enabled"] for s in released["stages"]] == [False, True, True]
-    assert released["history"] == dp2["history"] and released["composition"].startswith("1 (σ, q, steps) entries of earlier private stages")
+    assert (released["history"] == dp2["history"]
+            and released["composition"].startswith("1 (σ, q, steps) entries of earlier private stages"))
     assert not any("records_sha256" in s or "num_records" in s or "public_data" in s for s in released["stages"])
 
 
 def test_a_local_base_path_does_not_leave_in_the_adapter_config(tmp_path):
     from dpllm.export import _strip_local_base
 
-    for base, want in (("/home/alice/models/llama-ft", "llama-ft"), ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B")):
+    for base, want in (("/home/alice/models/llama-ft", "llama-ft"),
+                       ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-3.2-1B")):
         path = tmp_path / "adapter_config.json"
         path.write_text(json.dumps({"base_model_name_or_path": base, "r": 8}))
         _strip_local_base(path)

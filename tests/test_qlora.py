@@ -30,8 +30,9 @@ from tests.test_clipping_equivalence import explicit_per_sample_grads, private_s
 
 def qlora_model(quantization: str = "nf4", *, seed: int = 0):
     torch.manual_seed(seed)
-    cfg = ModelConfig(model_name_or_path="tiny-llama", finetuning="lora", quantization=quantization, tiny_hidden_size=32,
-                      tiny_num_layers=2, tiny_num_heads=2, tiny_intermediate_size=64, tiny_max_positions=128, lora_r=4)
+    cfg = ModelConfig(model_name_or_path="tiny-llama", finetuning="lora", quantization=quantization,
+                      tiny_hidden_size=32, tiny_num_layers=2, tiny_num_heads=2, tiny_intermediate_size=64,
+                      tiny_max_positions=128, lora_r=4)
     model, tok, _ = load_base(cfg, 64)
     model, _ = prepare_model(model, cfg, dp=True)
     with torch.no_grad():  # LoRA B starts at zero, which makes A's gradient zero: perturb so every adapter gets signal
@@ -123,7 +124,8 @@ def test_without_bitsandbytes_the_message_names_the_extra(monkeypatch):
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install 'dpllm\[qlora\]'") as err:
         parse_config(["--quantization", "nf4"])
     assert "\n" not in str(err.value)
@@ -176,4 +178,5 @@ def test_a_run_saved_before_the_quantization_option_resumes_with_the_same_config
     import hashlib
 
     legacy = {k: v for k, v in resume._flat(old).items() if k.split(".", 1)[1] not in resume.NOT_COMPARED}
-    assert resume.config_key(cfg) == hashlib.sha256(json.dumps(legacy, sort_keys=True, default=str).encode()).hexdigest()
+    assert (resume.config_key(cfg)
+            == hashlib.sha256(json.dumps(legacy, sort_keys=True, default=str).encode()).hexdigest())

@@ -97,8 +97,9 @@ MODES = ["auto", "bk", "hooks", "ghost"]
 @pytest.mark.parametrize("make, B, T, message", [
     (lambda: Mixing("mean"), 3, 5, "one record's input changes other records' outputs"),
     (lambda: Mixing("batchnorm"), 3, 5, "one record's input changes other records' outputs"),
-    (SequenceFirst, 5, 5, (r"rows are not the batch's records: for a batch of 2 records emb \(5 rows\), lin \(5 rows\), "
-                           r"head \(5 rows\) see another number of rows.*per position, not per record")),
+    (SequenceFirst, 5, 5, (r"rows are not the batch's records: for a batch of 2 records emb \(5 rows\), "
+                           r"lin \(5 rows\), head \(5 rows\) see another number of rows"
+                           r".*per position, not per record")),
 ], ids=["mean-over-batch", "batch-statistics-norm", "sequence-first-T-equals-B"])
 def test_a_model_whose_records_reach_each_other_is_refused_before_the_first_step(mode, make, B, T, message):
     torch.manual_seed(0)

@@ -157,8 +157,8 @@ def test_scaling_error_is_a_value_error():
     assert issubclass(ScalingError, ValueError)
 
 
-@pytest.mark.parametrize("module", [dpllm.scaling.forms, dpllm.scaling.fit, dpllm.scaling.plan, dpllm.scaling.extrapolate,
-                                    dpllm.privacy.planning])
+@pytest.mark.parametrize("module", [dpllm.scaling.forms, dpllm.scaling.fit, dpllm.scaling.plan,
+                                    dpllm.scaling.extrapolate, dpllm.privacy.planning])
 def test_docstring_examples_run(module):
     result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0

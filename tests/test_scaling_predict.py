@@ -59,11 +59,13 @@ def test_fit_reports_extrapolation_validation_and_predict_says_where_it_is(csv_f
                  "--extrapolate", "20", "--json"]) == 0
     inside, beyond = json.loads(capsys.readouterr().out)["predictions"]
     assert inside["inside_data"] and inside["data"] == "inside the data" and inside["beyond_factor"] == 1.0
-    assert not beyond["inside_data"] and beyond["beyond_input"] == "N" and beyond["beyond_factor"] == pytest.approx(10.0)
+    assert (not beyond["inside_data"] and beyond["beyond_input"] == "N"
+            and beyond["beyond_factor"] == pytest.approx(10.0))
     assert "rolling-origin validation along N" in beyond["interval_calibration"]
     fit = FitResult.from_dict(doc["fits"]["non-private"])
     assert beyond["prediction_interval"] == pytest.approx([float(v) for v in fit.prediction_interval(N=1e9, D=1e9)])
-    assert main(["scaling", "predict", "--fit", fit_json, "--params", "1e9", "--tokens", "1e9", "--extrapolate", "20"]) == 0
+    assert main(["scaling", "predict", "--fit", fit_json, "--params", "1e9", "--tokens", "1e9",
+                 "--extrapolate", "20"]) == 0
     text = capsys.readouterr().out
     assert "BEYOND the data: ×10 in N past the fitted range (fitted N 1e+06 to 1e+08)" in text
     assert "held-out coverage at nominal 95%" in text

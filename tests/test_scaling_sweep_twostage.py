@@ -27,7 +27,8 @@ def test_two_stage_quick_sweep_runs_and_resumes_from_tables(tmp_path):
         cfg = (out / os.path.basename(r["run_dir"]) / "config.yaml").read_text()
         size = os.path.basename(r["run_dir"]).split("_")[0]
         assert f"pre_{size}" in cfg and "private.jsonl" in cfg
-        grid = {float(x["run_dir"].rsplit("_lr", 1)[1]): x["final_eval_loss"] for x in lr if f"_{size}_" in x["run_dir"]}
+        grid = {float(x["run_dir"].rsplit("_lr", 1)[1]): x["final_eval_loss"] for x in lr
+                if f"_{size}_" in x["run_dir"]}
         assert f"learning_rate: {min(grid, key=grid.get)}" in cfg
     # A fresh machine gets only the runs tables back: nothing is re-run, not even pretraining.
     for d in out.iterdir():

@@ -335,7 +335,8 @@ def test_sft_study_quick(tmp_path):
 def test_mia_reads_chat_jsonl_as_records(tmp_path):
     from mia.audit import read_texts
 
-    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": m} for m in CHATS[:2]] + [{"prompt": "a", "completion": "b"}])
+    path = write_jsonl(tmp_path / "m.jsonl",
+                       [{"messages": m} for m in CHATS[:2]] + [{"prompt": "a", "completion": "b"}])
     texts = read_texts(path)
     assert texts[:2] == chat_records()[:2] and json.loads(texts[2]) == {"prompt": "a", "completion": "b"}
 

@@ -137,7 +137,8 @@ def test_sft_records(tmp_path):
     assert all(t.startswith("{") for t in before["train"])  # canonical JSON records
     for _how, other, changed in _neighbours(rows, new):
         after = _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other)))
-        (text,) = [t for t in (Counter(after["train"] + after["heldout"]) - Counter(before["train"] + before["heldout"]))
+        (text,) = [t for t in (Counter(after["train"] + after["heldout"])
+                               - Counter(before["train"] + before["heldout"]))
                    + (Counter(before["train"] + before["heldout"]) - Counter(after["train"] + after["heldout"]))]
         assert json.loads(text)["messages"] == changed["messages"]
         _differ_by(before, after, text)

@@ -32,8 +32,8 @@ def labelled_file(path):
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("synth")
     data = labelled_file(base / "data.jsonl")
-    common = ["--dataset", str(data), "--label_column", "topic", "--label_values", ",".join(TOPICS), "--num_canaries", "4",
-              *FAST]
+    common = ["--dataset", str(data), "--label_column", "topic", "--label_values", ",".join(TOPICS),
+              "--num_canaries", "4", *FAST]
     train(parse_config(["--output_dir", str(base / "dp"), "--target_epsilon", "4", *common]))
     train(parse_config(["--output_dir", str(base / "nodp"), "--privacy.enabled", "false", *common]))
     train(parse_config(["--output_dir", str(base / "plain"), "--target_epsilon", "4", "--max_records", "60", *FAST]))
@@ -58,7 +58,8 @@ def test_label_column_prefixes_a_control_code(tmp_path):
         load_records(parse_config(["--dataset", str(data), "--label_column", "topic"]).data)
     (tmp_path / "d.csv").write_text("text,topic\n" + "".join(f"record number {i} of a csv file here,t{i % 2}\n"
                                                                for i in range(4)))
-    csv = parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "topic", "--label_values", "t0,t1"]).data
+    csv = parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "topic",
+                        "--label_values", "t0,t1"]).data
     assert load_records(csv)[1] == "[t1] record number 1 of a csv file here"
     with pytest.raises(DataError, match="no label column 'kind'"):
         load_records(parse_config(["--dataset", str(tmp_path / "d.csv"), "--label_column", "kind",

@@ -172,7 +172,8 @@ def test_the_model_card_says_what_one_unit_is_and_reads_epsilon_through_the_boun
     unknown = model_card(released, lora=False, has_base=False)
     assert "one whole conversation for chat or instruction data" in unknown and "of the records that were" in unknown
     user = _report(privacy_unit="user", user_level={"unit": "user", "sampling": "els", "max_records_per_user": 4,
-                                                     "group_size": 4, "record_delta": 2.5e-6, "group_privacy": "mixture"})
+                                                     "group_size": 4, "record_delta": 2.5e-6,
+                                                     "group_privacy": "mixture"})
     card = model_card(release_report(user), lora=False, has_base=False, record_kind="messages")
     assert "one **person**" in card and "at most 4 records" in card and "of the people that were" in card
     # the record shape reaches the card only when the publisher declared it (auto-detection reads the private file)

@@ -1,7 +1,8 @@
 """ULS on 2 processes (real `accelerate launch`, gloo on CPU) trains the same run as on 1 process.
 
 The user sampler hands each process whole users (u ≡ rank mod 2) of one global draw; each process clips its
-users' mean gradients (hooks: Opacus's per-sample rows averaged; bk: per-user norms from one backward) and Opacus's distributed optimizer adds rank 0's noise once and all-reduces.
+users' mean gradients (hooks: Opacus's per-sample rows averaged; bk: per-user norms from one backward) and Opacus's
+distributed optimizer adds rank 0's noise once and all-reduces.
 """
 
 import json

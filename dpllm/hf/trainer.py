@@ -86,9 +86,9 @@ class DPTrainer(Trainer):
             raise ConfigError("DPTrainer: pass one eval_dataset (the held-out records), not a dict of them")
         quantized = quantization_of(model) if model is not None else "none"
         if quantized != "none" and not hasattr(model, "peft_config"):
-            raise ConfigError(f"DPTrainer: the model's base is quantized ({quantized}) and cannot be fine-tuned in full; "
-                              "attach LoRA adapters first (peft.prepare_model_for_kbit_training, then get_peft_model: "
-                              "QLoRA)")
+            raise ConfigError(f"DPTrainer: the model's base is quantized ({quantized}) and cannot be fine-tuned in "
+                              "full; attach LoRA adapters first (peft.prepare_model_for_kbit_training, then "
+                              "get_peft_model: QLoRA)")
         super().__init__(model=model, args=args, data_collator=data_collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, **kwargs)
         self.dp_run: Optional[HFRun] = None

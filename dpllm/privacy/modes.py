@@ -1,10 +1,12 @@
 """``grad_sample_mode: auto`` (the default): which per-sample engine runs a model, and why.
 
-| mode        | chosen when                                                   | why                                   |
-|-------------|---------------------------------------------------------------|---------------------------------------|
-| bk          | every trainable layer has a book-keeping rule (sharded or not) | one backward pass, no per-sample tensors; fastest (README Benchmarks) |
-| hooks       | some layer has no bk rule, and the per-sample gradients fit, or user-level sampling (ghost cannot sum a user's records) | faster than ghost: 1.5× vs 2.3× (CPU), 1.36× vs 2.26× (H100, LoRA) |
-| ghost       | some layer has no bk rule, and hooks' per-sample gradients would not fit | no per-sample gradient tensors |
+Each mode, when ``auto`` chooses it, and why:
+
+- bk: every trainable layer has a book-keeping rule (sharded or not). One backward pass, no per-sample tensors;
+  fastest (README Benchmarks).
+- hooks: some layer has no bk rule, and the per-sample gradients fit, or user-level sampling (ghost cannot sum a
+  user's records). Faster than ghost: 1.5× vs 2.3× (CPU), 1.36× vs 2.26× (H100, LoRA).
+- ghost: some layer has no bk rule, and hooks' per-sample gradients would not fit. No per-sample gradient tensors.
 
 Opacus's hooks mode keeps one gradient per record for every trainable parameter: physical batch ×
 trainable parameters × bytes. That is small under LoRA (8 × 20M × 2 B = 320 MB for Llama-3-8B) and

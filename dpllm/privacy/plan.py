@@ -257,7 +257,8 @@ def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps
     noisiest = sigma * (max(schedule.multipliers()) if schedule else 1.0)
     data_notes = tuple(data_notes) + tuple(w for w in (capped_batch_warning(num_records, batch),
                                                         passes_warning(q, steps),
-                                                        noise_batch_warning(noisiest, expected_batch(num_records, batch)))
+                                                        noise_batch_warning(noisiest,
+                                                                            expected_batch(num_records, batch)))
                                            if w)
     notes = tuple(notes) + data_notes
     plan = PrivacyPlan(num_records=num_records, sample_rate=q, steps=steps, noise_multiplier=sigma, delta=delta,

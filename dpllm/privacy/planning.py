@@ -276,7 +276,8 @@ def format_plan(plan: dict) -> str:
             lines.append("  pieces: " + ", ".join(f"σ={p[0]:.4g}×{p[2]:,}" for p in row["pieces"]))
     if plan["target"]:
         t = plan["target"]
-        lines.append(f"target epsilon {t['target_epsilon']:g}: noise multiplier σ={t['noise_multiplier']:.{SIGMA_DIGITS}g}"
+        lines.append(f"target epsilon {t['target_epsilon']:g}: noise multiplier "
+                     f"σ={t['noise_multiplier']:.{SIGMA_DIGITS}g}"
                      f" → epsilon={t['epsilon']:.4f}, NSR={t['nsr']:.4g}")
     if plan["given_noise"]:
         g = plan["given_noise"]

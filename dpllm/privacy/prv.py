@@ -436,8 +436,8 @@ def calibrate(*, target_epsilon: float, delta: float, sample_rate: float, steps:
     size = domain_points(history=curve.history(hi), delta=delta)
     _check_precision(curve.history(hi), delta, size)
     if size > max_points:
-        raise AccountantUnavailable(f"PRV would need more than {size:,.3g} points (~{size * BYTES_PER_POINT / 2**30:,.3g}"
-                                    f" GiB; limit {max_points:,} points)")
+        raise AccountantUnavailable(f"PRV would need more than {size:,.3g} points "
+                                    f"(~{size * BYTES_PER_POINT / 2**30:,.3g} GiB; limit {max_points:,} points)")
     a, b = curve.bracket(target_epsilon, start=hi)
     if b > max_sigma:
         raise ValueError("unreachable")

@@ -62,9 +62,9 @@ class PrivacyReport:
     warnings: list = field(default_factory=list)
     note: Optional[str] = None
     # privacy_unit=user: {"unit", "sampling" (uls|els), "num_users", "max_records_per_user", "group_size" (k of the
-    # group-privacy accounting: the declared cap; 1 for ULS; None for record sampling without a cap), "users_trimmed", "users_dropped", "records_dropped", "group_privacy"
-    # (which accounting), for ELS "record_epsilon", "record_delta" (record level at δ/k, for comparison), for
-    # record sampling "user_epsilon", "user_delta"}: dpllm.privacy.user_level
+    # group-privacy accounting: the declared cap; 1 for ULS; None for record sampling without a cap), "users_trimmed",
+    # "users_dropped", "records_dropped", "group_privacy" (which accounting), for ELS "record_epsilon", "record_delta"
+    # (record level at δ/k, for comparison), for record sampling "user_epsilon", "user_delta"}: dpllm.privacy.user_level
     user_level: Optional[dict] = None
     # release bundles only (dpllm.export): {"neighbouring_relation", "declared_public", "withheld"}
     release: Optional[dict] = None

@@ -140,7 +140,8 @@ def _events(history, group_size: int):
         else:
             k = int(group_size)
             step = dp_event.MixtureOfGaussiansDpEvent(
-                float(sigma), [float(j) for j in range(k + 1)], [float(binom.pmf(j, k, float(q))) for j in range(k + 1)])
+                float(sigma), [float(j) for j in range(k + 1)],
+                [float(binom.pmf(j, k, float(q))) for j in range(k + 1)])
         events.append(dp_event.SelfComposedDpEvent(step, int(steps)))
     return events
 
@@ -194,9 +195,9 @@ def for_report(report, *, unit: str | None = None) -> Curve:
             ``user_level``) splits whole users, so its record-level audits are held to ``user``.
 
     Raises:
-        TradeoffError: a non-private run; a report with steps but no history; ``user`` for a run without users, or under record sampling without
-            ``max_records_per_user`` (a user may hold any number of records: nothing is bounded); ``record``
-            for user-level sampling (ULS), whose history counts users.
+        TradeoffError: a non-private run; a report with steps but no history; ``user`` for a run without users,
+            or under record sampling without ``max_records_per_user`` (a user may hold any number of records:
+            nothing is bounded); ``record`` for user-level sampling (ULS), whose history counts users.
     """
     if not report.enabled:
         raise TradeoffError("the run was trained without DP: no attack is bounded")

@@ -176,12 +176,13 @@ def _validation_lines(ex: dict) -> list[str]:
                      f"{r['n_runs']} runs, error {r['mean_error_pct']:+.2f}% (rms {r['rms_error_pct']:.2f}%), covered "
                      f"in-range {_pct(c['in_range'])}, widened {_pct(c['widened'])}")
     c, w = ex["coverage"], ex["median_width_pct"]
-    lines.append(f"      all {ex['n_held_out']} held-out runs: covered by the CI of the mean {_pct(c['parameter_only'])}, "
+    lines.append(f"      all {ex['n_held_out']} held-out runs: covered by the CI of the mean "
+                 f"{_pct(c['parameter_only'])}, "
                  f"the in-range prediction interval {_pct(c['in_range'])}, the widened one {_pct(c['widened'])} "
                  f"(cross-validated over folds {_pct(c['widened_cv'])}); median widths {w['parameter_only']:.2g}%, "
                  f"{w['in_range']:.2g}%, {w['widened']:.2g}%")
-    lines.append(f"      beyond the data, intervals widen by kappa = {100 * ex['kappa']:.2g}% sd of log-loss per unit of "
-                 f"Δ·(1 + Δ/W) (Δ e-folds beyond the data, W e-folds the fit spans in {axis})")
+    lines.append(f"      beyond the data, intervals widen by kappa = {100 * ex['kappa']:.2g}% sd of log-loss per unit "
+                 f"of Δ·(1 + Δ/W) (Δ e-folds beyond the data, W e-folds the fit spans in {axis})")
     return lines
 
 
@@ -533,8 +534,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"  predicted loss {answer['predicted_loss']:.4f} (ppl {math.exp(answer['predicted_loss']):.4g}){verdict}")
     pi, ci = answer["prediction_interval"], answer["mean_ci"]
     if math.isfinite(pi[0]):
-        print(f"  95% prediction interval [{pi[0]:.4f}, {pi[1]:.4f}] (a run at this N" + (", D" if "D" in answer else "")
-              + ")" + (f"; 95% CI of the mean [{ci[0]:.4f}, {ci[1]:.4f}]" if math.isfinite(ci[0]) else ""))
+        print(f"  95% prediction interval [{pi[0]:.4f}, {pi[1]:.4f}] (a run at this N"
+              + (", D" if "D" in answer else "") + ")"
+              + (f"; 95% CI of the mean [{ci[0]:.4f}, {ci[1]:.4f}]" if math.isfinite(ci[0]) else ""))
     print(f"  {answer['data']}; interval: {answer['interval_calibration']}")
     return 0
 

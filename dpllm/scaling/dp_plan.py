@@ -303,7 +303,8 @@ def format_plan(doc: dict) -> str:
              f"records={doc['records']:,}  ε={doc['epsilon']:g}  δ={doc['delta']:g}  accountant={doc['accountant']}"
              f" (screened with {doc['screen_accountant']})  tokens/record={doc['tokens_per_record']:.4g}",
              f"{doc['question']}: " + (f"compute ≤ {doc['compute']:.4g} FLOPs" if "compute" in doc
-                                       else f"loss ≤ {doc['target_loss']:.4f} (ppl {math.exp(doc['target_loss']):.4g})"),
+                                       else f"loss ≤ {doc['target_loss']:.4f} "
+                                            f"(ppl {math.exp(doc['target_loss']):.4g})"),
              f"{doc['screened']} candidates screened; dropped: {_fmt_dropped(doc['dropped'])}", "",
              f"{'N':>10} {'batch':>7} {'steps':>7} {'epochs':>7} {'σ':>8} {'σ̄':>10} {'FLOPs':>10} "
              f"{'pred. loss':>10}  {'95% prediction interval':<23}  95% CI of the mean"]

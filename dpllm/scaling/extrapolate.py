@@ -93,10 +93,11 @@ def distance_beyond(domain: Mapping[str, list[float]], x: Mapping[str, Any],
 def effective_distance(delta, name, domain: Mapping[str, list[float]],
                        compute: list[float] | None = None) -> np.ndarray:
     """``Δ·(1 + Δ/W)``: the distance the extra error grows with, for ``Δ`` e-folds beyond a fit whose data span
-    ``W`` e-folds along the input ``name`` that is farthest out (per point, from :func:`distance_beyond`). A law whose log-slope drifts (a bend the data only begin to show) misses by
-    about c·Δ·(Δ + W) when extrapolated Δ beyond a window W: linear in Δ near the data, quadratic far out, and
-    larger for the full sweep (wide W) than for a fold (narrower W) at the same Δ. Calibrating on plain Δ
-    covered 77% of sizes 3-10× beyond a sweep with such a bend; on this distance, 85%."""
+    ``W`` e-folds along the input ``name`` that is farthest out (per point, from :func:`distance_beyond`). A law
+    whose log-slope drifts (a bend the data only begin to show) misses by about c·Δ·(Δ + W) when extrapolated Δ
+    beyond a window W: linear in Δ near the data, quadratic far out, and larger for the full sweep (wide W) than
+    for a fold (narrower W) at the same Δ. Calibrating on plain Δ covered 77% of sizes 3-10× beyond a sweep with
+    such a bend; on this distance, 85%."""
     delta = np.asarray(delta, dtype=float)
     ranges = {**domain, **({"compute": compute} if compute else {})}
     spans = {k: math.log(hi / lo) for k, (lo, hi) in ranges.items() if lo > 0 and hi > lo}
@@ -278,7 +279,8 @@ def describe(extrapolation: Mapping[str, Any]) -> str:
     return (f"widened by rolling-origin validation along {extrapolation['axis']} "
             f"({len([f for f in extrapolation['folds'] if 'skipped' not in f])} folds, "
             f"{extrapolation['n_held_out']} held-out runs): +{100 * extrapolation['kappa']:.2g}% sd of log-loss per "
-            f"unit of Δ·(1 + Δ/W) beyond the data (Δ e-folds past it, W e-folds it spans); held-out coverage at nominal {100 * extrapolation['level']:g}%: in-range interval "
+            "unit of Δ·(1 + Δ/W) beyond the data (Δ e-folds past it, W e-folds it spans); held-out coverage at "
+            f"nominal {100 * extrapolation['level']:g}%: in-range interval "
             f"{100 * cov['in_range']:.0f}%, widened {100 * cov['widened']:.0f}%"
             + (f" ({100 * cv:.0f}% cross-validated)" if cv is not None else ""))
 

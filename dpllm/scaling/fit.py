@@ -70,8 +70,8 @@ def _identified(form: Form, x: dict[str, np.ndarray]) -> bool:
 
 
 def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterable[float] | None = None,
-             sigma_bar: Iterable[float] | None = None, S: Iterable[float] | None = None, n_boot: int = 1000, seed: int = 0,
-             level: float = 0.95, label: str = "", validate: bool = False) -> FitResult:
+             sigma_bar: Iterable[float] | None = None, S: Iterable[float] | None = None, n_boot: int = 1000,
+             seed: int = 0, level: float = 0.95, label: str = "", validate: bool = False) -> FitResult:
     """Fit ``form`` to one loss per run and bootstrap its parameters.
 
     Args:

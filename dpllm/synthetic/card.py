@@ -116,19 +116,23 @@ def _card_body(card: dict) -> str:
         guarantee = "none (trained without DP)"
     cond = (f"labels (control codes, uniformly in turn): {', '.join(g['labels'])}" if g.get("labels") else
             f"{len(g['prompts'])} public prompt(s), in turn" if g.get("prompts") else "unconditional")
+    records = f"{card['num_records']:,}" + ("" if card["complete"] else
+                                            " (incomplete: generation was interrupted; rerun the command to finish)")
+    sampling = (f"temperature {g['temperature']:g}, top-p {g['top_p']:g}, at most {g['max_new_tokens']} new tokens, "
+                f"batch {g['batch_size']}, sampling seed {g['seed']}")
     return f"""# Synthetic data: `{card['file']}`
 
 {card['statement']}
 
 | | |
 |---|---|
-| records | {card['num_records']:,}{'' if card['complete'] else ' (incomplete: generation was interrupted; rerun the command to finish)'} |
+| records | {records} |
 | sha256 | `{card['sha256']}` |
 | source run | `{card['source']['run']}` |
 | source model's DP guarantee | {guarantee} |
 | releasable | {'yes' if card['source']['releasable'] else '**no**: ' + str(card['source']['refusal_overridden'])} |
 | conditioning | {cond} |
-| sampling | temperature {g['temperature']:g}, top-p {g['top_p']:g}, at most {g['max_new_tokens']} new tokens, batch {g['batch_size']}, sampling seed {g['seed']} |
+| sampling | {sampling} |
 
 Each line of the file is one JSON object with the fields {_columns(card)}{_dropped(card)}
 The sampling seed seeds only the sampling, which reads nothing private; the DP

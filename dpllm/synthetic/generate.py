@@ -198,7 +198,8 @@ def _check_resume(out: Path, card_json: Path, settings: dict) -> tuple[int, int]
     old = json.loads(card_json.read_text()).get("generation", {})
     diff = sorted(k for k in settings if old.get(k) != settings[k])
     if diff:
-        raise SynthesisError(f"--out {out} was written with other settings ({', '.join(f'{k}={old.get(k)!r}' for k in diff)}"
+        raise SynthesisError(f"--out {out} was written with other settings "
+                             f"({', '.join(f'{k}={old.get(k)!r}' for k in diff)}"
                              f"); resuming needs the same ones, or pick a new --out")
     return done, next_id
 
