@@ -326,9 +326,11 @@ def privacy_bounds(run_dir: str | Path, attacks: dict, *, fprs=DEFAULT_FPRS, uni
         return {"unavailable": str(err)}
     checked = tradeoff.check_audit(attacks, curve, fprs=fprs)
     plural = "users" if curve.unit == "user" else "records"
+    grid = np.logspace(-6, 0, 61)  # the upper trade-off curve itself, for the ROC plot (mechanism only: public)
     return {**checked["bounds"], "plain_reading": tradeoff.plain_reading(checked["bounds"], plural=plural),
             "confidence": checked["confidence"], "per_attack": checked["per_attack"],
-            "exceeded": [list(x) for x in checked["exceeded"]]}
+            "exceeded": [list(x) for x in checked["exceeded"]],
+            "curve": {"fpr": grid.tolist(), "tpr": [float(t) for t in curve.max_tpr(grid)]}}
 
 
 def prefix_token_counts(tokenizer, texts: list[str], prefixes: list[str]) -> np.ndarray:

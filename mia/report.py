@@ -12,13 +12,15 @@ Files written into the output directory:
   (:func:`write_canary_report`);
 * ``whitebox_report.json`` / ``whitebox_report.md`` — the white-box audit (:func:`write_whitebox_report`).
 
-ROC plots of a private run also draw the region an (ε, δ)-DP run allows: ``TPR <= e^ε FPR + δ``.
+ROC plots of a private run also draw the region an (ε, δ)-DP run allows: ``TPR <= e^ε FPR + δ``, and below it
+the run's own trade-off curve (:mod:`dpllm.privacy.tradeoff`), the most any attack can reach against it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -88,7 +90,8 @@ def print_bounds(report: dict) -> int:
 
 
 def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
-             title: str = "Membership inference ROC", dp_bound: tuple[float, float] | None = None) -> Path:
+             title: str = "Membership inference ROC", dp_bound: tuple[float, float] | None = None,
+             curve: Mapping[str, Sequence[float]] | None = None) -> Path:
     """Log-log ROC curves of several attacks plus the chance diagonal, saved as PNG.
 
     Args:
@@ -97,6 +100,9 @@ def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
         title: Plot title.
         dp_bound: ``(ε, δ)`` of the run: also draw ``TPR = min(1, e^ε FPR + δ)``, the most any
             attack can reach on an (ε, δ)-DP run (Kairouz et al. 2015).
+        curve: ``{"fpr": [...], "tpr": [...]}``: the run's own upper trade-off curve (``privacy_bounds["curve"]``
+            of :func:`mia.audit.privacy_bounds`), the tightest bound any attack on this mechanism meets; drawn
+            solid, below the (ε, δ) line.
     """
     import matplotlib
 
@@ -118,6 +124,9 @@ def plot_roc(scores: dict[str, tuple[np.ndarray, np.ndarray]], path: str | Path,
         x = np.logspace(math.log10(floor / 2), 0, 200)
         ax.plot(x, np.minimum(1.0, math.exp(min(eps, 700.0)) * x + delta), "r:", lw=1.5,
                 label=f"DP bound ε={eps:.3g}, δ={delta:.0e}")
+    if curve is not None:
+        ax.plot(np.maximum(curve["fpr"], floor / 2), np.maximum(curve["tpr"], floor / 2), "r-", lw=1.5,
+                label="bound for any attack on this run")
     ax.set(xscale="log", yscale="log", xlabel="false positive rate", ylabel="true positive rate",
            xlim=(floor / 2, 1.2), ylim=(floor / 2, 1.2), title=title)  # a curve at 1 stays in view
     ax.legend(loc="lower right")
@@ -170,7 +179,8 @@ def write_attack_report(report: dict, scores: dict[str, tuple[np.ndarray, np.nda
     if plot:
         b = report.get("dp_bound")
         paths["png"] = plot_roc(scores, out / f"{stem}_roc.png", title=plot_title,
-                                dp_bound=(b["epsilon"], b["delta"]) if b else None)
+                                dp_bound=(b["epsilon"], b["delta"]) if b else None,
+                                curve=(report.get("privacy_bounds") or {}).get("curve"))
         md += [f"![ROC]({stem}_roc.png)", ""]
     write_text_atomic(paths["md"], "\n".join(md))
     return paths

@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -83,6 +84,10 @@ def test_dp_run_is_bounded(runs):
     bounds = rep["privacy_bounds"]
     assert bounds["exceeded"] == [] and bounds["unit"] == "record"
     assert 0.5 < bounds["auc"] < math.exp(2.0) / (1 + math.exp(2.0)) and bounds["tpr@fpr=0.01"] < 0.1
+    # the curve the ROC plot draws: non-decreasing, above chance, and through the reported TPR bound at FPR 1%
+    fpr, tpr = np.array(bounds["curve"]["fpr"]), np.array(bounds["curve"]["tpr"])
+    assert np.all(np.diff(tpr) >= -1e-12) and np.all(tpr >= fpr - 1e-12) and tpr[-1] == pytest.approx(1.0)
+    assert np.interp(0.01, fpr, tpr) == pytest.approx(bounds["tpr@fpr=0.01"], rel=0.05)
     code, canary = canaries(dp)
     assert canary["accountant_epsilon"] <= 2.0 + 1e-6
     assert code == 0 and not canary["privacy_bug"]
