@@ -122,8 +122,8 @@ def compute_epsilon_history(*, history: History, delta: float, accountant: str =
     while accountant in ("prv", "pld"):
         try:
             if accountant == "pld":
-                return _pld_cached(tuple(history), float(delta))
-            return _prv_cached(tuple(history), float(delta))
+                return _remembered(_PLD_CACHE, tuple(history), float(delta), pld_epsilon)
+            return _remembered(_PRV_CACHE, tuple(history), float(delta), prv.prv_epsilon)
         except AccountantUnavailable as err:
             if strict:
                 raise
@@ -181,28 +181,18 @@ def _pld_points(sigma: float, q: float, interval: float) -> float:
 
 
 _PRV_CACHE: dict = {}
-
-
-def _prv_cached(history: tuple, delta: float) -> float:
-    """:func:`dpllm.privacy.prv.prv_epsilon`, remembered: a plan's table asks for the same σ more than once."""
-    key = (history, delta)
-    if key not in _PRV_CACHE:
-        if len(_PRV_CACHE) > 256:
-            _PRV_CACHE.clear()
-        _PRV_CACHE[key] = prv.prv_epsilon(history=history, delta=delta)
-    return _PRV_CACHE[key]
-
-
 _PLD_CACHE: dict = {}
 
 
-def _pld_cached(history: tuple, delta: float) -> float:
+def _remembered(cache: dict, history: tuple, delta: float, compute) -> float:
+    """``compute(history=..., delta=...)`` (:func:`dpllm.privacy.prv.prv_epsilon`, :func:`pld_epsilon`), remembered
+    in ``cache``: a plan's table asks for the same σ more than once. At most 257 entries, then it starts afresh."""
     key = (history, delta)
-    if key not in _PLD_CACHE:
-        if len(_PLD_CACHE) > 256:
-            _PLD_CACHE.clear()
-        _PLD_CACHE[key] = pld_epsilon(history=history, delta=delta)
-    return _PLD_CACHE[key]
+    if key not in cache:
+        if len(cache) > 256:
+            cache.clear()
+        cache[key] = compute(history=history, delta=delta)
+    return cache[key]
 
 
 def compute_epsilon(
