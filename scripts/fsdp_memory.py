@@ -64,20 +64,31 @@ def estimate(*, hidden: int, intermediate: int, layers: int, heads: int, kv_head
     return terms
 
 
-def main(argv=None) -> dict:
+def llama_shapes() -> dict:
+    """The Llama-style shapes of ``scripts/bench_overhead.py`` (name → config), as the estimators read them."""
     from bench_overhead import SHAPES
 
+    return {k: v for k, v in SHAPES.items() if v["arch"] != "gpt2"}
+
+
+def shape_args(config: dict) -> dict:
+    """The keyword arguments of the estimators (:func:`estimate`, ``qlora_memory.estimate``) from a model config."""
+    return dict(hidden=config["hidden_size"], intermediate=config["intermediate_size"],
+                layers=config["num_hidden_layers"], heads=config["num_attention_heads"],
+                kv_heads=config["num_key_value_heads"], vocab=config["vocab_size"],
+                tied=config.get("tie_word_embeddings", False))
+
+
+def main(argv=None) -> dict:
+    shapes = llama_shapes()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llama3-8b", choices=sorted(k for k, v in SHAPES.items() if v["arch"] != "gpt2"))
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(shapes))
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--batch", type=int, default=8, help="records per GPU per physical batch")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     args = ap.parse_args(argv)
-    s = SHAPES[args.shape]
-    est = estimate(hidden=s["hidden_size"], intermediate=s["intermediate_size"], layers=s["num_hidden_layers"],
-                   heads=s["num_attention_heads"], kv_heads=s["num_key_value_heads"], vocab=s["vocab_size"],
-                   tied=s.get("tie_word_embeddings", False), gpus=args.gpus, batch=args.batch, seq=args.seq,
+    est = estimate(**shape_args(shapes[args.shape]), gpus=args.gpus, batch=args.batch, seq=args.seq,
                    gradient_checkpointing=args.gradient_checkpointing)
     print(f"{args.shape}: {est['parameters'] / 1e9:.2f}B parameters, {args.gpus} GPUs, {args.batch} × {args.seq} "
           f"tokens per GPU{', gradient checkpointing' if args.gradient_checkpointing else ''} (estimate, not measured)")

@@ -24,7 +24,8 @@ projections in float32 with AdamW, bf16 autocast. What each term counts (B recor
 - ``loss``: the float32 logits, their log-softmax and their gradient (3 × 4 B × B·T·V).
 
 The peak is the weights and optimizer state plus the larger of the end of the forward pass (activations + loss)
-and the end of the backward pass (bk records + what activations remain); CUDA workspaces and allocator
+and the end of the backward pass (bk records + what activations remain), plus the dequantized transient (live in
+either); CUDA workspaces and allocator
 fragmentation (~1-2 GB) are not counted.
 """
 
@@ -62,27 +63,25 @@ def estimate(*, hidden: int, intermediate: int, layers: int, heads: int, kv_head
     }
     weights = terms["base (4-bit)"] + terms["base (float32)"] + terms["adapters + AdamW"]
     forward = terms["activations"] + terms["loss"]
-    backward = terms["bk records"] + terms["activations"] / 2 + terms["dequantized transient"]
-    terms["peak"] = weights + max(forward, backward) + terms["dequantized transient"]
+    backward = terms["bk records"] + terms["activations"] / 2
+    terms["peak"] = weights + max(forward, backward) + terms["dequantized transient"]  # the transient: in both
     terms["parameters"] = projections + other
     terms["lora parameters"] = lora
     return terms
 
 
 def main(argv=None) -> dict:
-    from bench_overhead import SHAPES
+    from fsdp_memory import llama_shapes, shape_args
 
+    shapes = llama_shapes()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llama3-8b", choices=sorted(k for k, v in SHAPES.items() if v["arch"] != "gpt2"))
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(shapes))
     ap.add_argument("--batch", type=int, default=8, help="records per physical batch")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--lora-r", type=int, default=16)
     ap.add_argument("--gradient-checkpointing", action="store_true")
     args = ap.parse_args(argv)
-    s = SHAPES[args.shape]
-    est = estimate(hidden=s["hidden_size"], intermediate=s["intermediate_size"], layers=s["num_hidden_layers"],
-                   heads=s["num_attention_heads"], kv_heads=s["num_key_value_heads"], vocab=s["vocab_size"],
-                   tied=s.get("tie_word_embeddings", False), batch=args.batch, seq=args.seq, lora_r=args.lora_r,
+    est = estimate(**shape_args(shapes[args.shape]), batch=args.batch, seq=args.seq, lora_r=args.lora_r,
                    gradient_checkpointing=args.gradient_checkpointing)
     print(f"{args.shape} QLoRA (NF4, r {args.lora_r}), DP with bk: {est['parameters'] / 1e9:.2f}B parameters, "
           f"{est['lora parameters'] / 1e6:.1f}M adapter parameters, {args.batch} × {args.seq} tokens"
