@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from dpllm.config import ConfigError, PrivacyConfig
+from dpllm.errors import TrainingError
 
 log = logging.getLogger(__name__)
 
@@ -385,6 +386,19 @@ def reshard(model: nn.Module) -> None:
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.reshard()
+
+
+def agreed_digest(model: nn.Module, world: World) -> Optional[str]:
+    """:func:`params_digest`, checked equal on every process (replicas that differ after training are a bug).
+
+    Raises:
+        TrainingError: the processes' replicas differ.
+    """
+    digests = gather_objects(params_digest(model), world)
+    if len(set(digests)) > 1:
+        raise TrainingError(f"model replicas differ across the {world.size} processes after training; this is a "
+                            "dpllm bug (no checkpoint was written)")
+    return digests[0]
 
 
 def params_digest(model: nn.Module) -> Optional[str]:

@@ -21,6 +21,7 @@ privacy report under ``model_adjustments``):
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Optional
@@ -28,7 +29,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dpllm.config import ModelConfig
+from dpllm.canaries import add_tokens as add_canary_tokens
+from dpllm.canaries import added_tokens as canary_tokens
+from dpllm.config import ConfigError, ModelConfig
 from dpllm.errors import ModelError
 from dpllm.io import looks_local
 from dpllm.quantization import (  # noqa: F401 (re-exported)
@@ -179,6 +182,32 @@ def load_base(cfg: ModelConfig, max_length: int) -> tuple[nn.Module, object, dic
 def context_length(model: nn.Module) -> Optional[int]:
     c = model.config
     return getattr(c, "max_position_embeddings", None) or getattr(c, "n_positions", None)
+
+
+def fit_to_run(model: nn.Module, tokenizer, *, max_length: int, canaries: list[dict]) -> None:
+    """Ready a loaded model and tokenizer for a run: ``max_length`` within the model's context, a pad token (the
+    end-of-sequence token where there is none), and the vocabulary entries the canaries need.
+
+    Raises:
+        ConfigError: ``max_length`` beyond the model's context.
+    """
+    ctx = context_length(model)
+    if ctx is not None and max_length > ctx:
+        raise ConfigError(f"max_length={max_length} exceeds the model's context of {ctx} tokens; lower max_length")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    added = add_canary_tokens(model, tokenizer, canary_tokens(canaries))
+    if added:
+        log.info("canaries: added %d new tokens to the vocabulary (%s)", added, canaries[0]["design"])
+
+
+def base_to_keep(model: nn.Module, cfg: ModelConfig, source: dict) -> Optional[nn.Module]:
+    """The base a LoRA run saves beside its adapters when the base has no path of its own (a tiny model, or one
+    merged from an earlier run): QLoRA's the weights it was quantized from, else a copy. None otherwise."""
+    if cfg.finetuning != "lora" or source["kind"] == "pretrained":
+        return None
+    unquantized = unquantized_base(model)
+    return unquantized if unquantized is not None else copy.deepcopy(model)
 
 
 def untie_output_embeddings(model: nn.Module, *, weight: bool = True) -> list[str]:

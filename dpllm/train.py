@@ -1,15 +1,16 @@
 """The training loop: one :class:`Trainer` for private and non-private runs, on one process or many.
 
-:meth:`Trainer.run` reads top to bottom as the stages of a run. The Trainer keeps the stages and the loop; three
-collaborators own a kind of state each: ``self.privacy`` (:class:`~dpllm.privacy.run.RunPrivacy`: unit, plan,
-history, report), ``self.resumable`` (:class:`~dpllm.run_state.ResumableState`: checkpoints at step boundaries,
-stops) and :mod:`dpllm.rundir` (the run directory: lock, the files written, ``self.progress`` for metrics.jsonl):
+:meth:`Trainer.run` reads top to bottom as the stages of a run. The Trainer keeps the stages and the loop; four
+collaborators own a kind of state each: ``self.data`` (:class:`~dpllm.run_data.RunData`: records, splits, members),
+``self.privacy`` (:class:`~dpllm.privacy.run.RunPrivacy`: unit, plan, history, report), ``self.resumable``
+(:class:`~dpllm.run_state.ResumableState`: checkpoints at step boundaries, stops) and :mod:`dpllm.rundir` (the run
+directory: lock, the files written, ``self.progress`` for metrics.jsonl):
 
     stage           the Trainer                                   asks
     setup_process   accelerator, processes, resume target         rundir.check_output_dir; run_state.already_finished
-    setup_data      records, splits, canaries                     privacy.bound_contributions: k records per user
+    setup_data      records, splits, canaries, members            run_data.prepare (privacy.bound_contributions)
     setup_plan      the base model's source                       privacy.make_plan: earlier stages, q, steps, σ
-    setup_model     load, LoRA/full, DP layer checks, wrapping    privacy.modes.prepare_engine: the engine
+    setup_model     load, LoRA/full, DP layer checks, wrapping    models.fit_to_run; privacy.modes.prepare_engine
     setup_run_dir   the lock                                      rundir.describe: config.yaml, splits.json...
     setup_privacy   secret generators (or the non-private sampler) privacy.attach: the engine wraps model, optimizer
     start           step-0 eval and the ledger's first line       resumable.restore a resumable checkpoint
@@ -28,7 +29,6 @@ the ε hash chain in :mod:`dpllm.ledger`.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import random
@@ -40,42 +40,21 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dpllm import data, ledger, resume, rundir, sft
-from dpllm.canaries import add_tokens as add_canary_tokens
-from dpllm.canaries import added_tokens as canary_tokens
+from dpllm import data, distributed, ledger, models, resume, run_data, rundir
 from dpllm.checkpoint import unwrap
-from dpllm.config import ConfigError, RunConfig
-from dpllm.distributed import (
-    all_max,
-    all_sum,
-    barrier,
-    check_parallelism,
-    gather_objects,
-    is_sharded,
-    make_accelerator,
-    params_digest,
-    world_of,
-    wrap_model,
-)
+from dpllm.config import RunConfig
 from dpllm.errors import TrainingError  # raised by the loop and dpllm.privacy.run; imported from here too
 from dpllm.evaluation import evaluate
 from dpllm.logs import known_warnings_silenced
-from dpllm.models import (
-    check_dp_layers,
-    context_length,
-    count_parameters,
-    load_base,
-    position_ids_for,
-    prepare_model,
-    source_of,
-    unquantized_base,
-)
+from dpllm.models import load_base, position_ids_for  # dpllm.train's names: tests patch them here
+from dpllm.optim import make_optimizer
 from dpllm.privacy import user_level
 from dpllm.privacy.engine import sequence_loss
 from dpllm.privacy.modes import prepare_engine
 from dpllm.privacy.plan import PrivacyPlan
 from dpllm.privacy.randomness import privacy_generators
 from dpllm.privacy.run import RunPrivacy
+from dpllm.run_data import RunData
 from dpllm.run_state import ResumableState, already_finished
 from dpllm.sampling import ShuffledBatchSampler
 from dpllm.stopping import StopRequests
@@ -107,13 +86,6 @@ def forward_loss(model, batch: dict, criterion=None, autocast=None):
     return sequence_loss(out.logits, batch["labels"], criterion)
 
 
-def _make_optimizer(params, cfg: RunConfig):
-    t = cfg.train
-    if t.optimizer == "sgd":
-        return torch.optim.SGD(params, lr=t.learning_rate, momentum=t.momentum, weight_decay=t.weight_decay)
-    return torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay)
-
-
 class Trainer:
     """One training stage as configured. ``Trainer(cfg).run()`` returns the run summary (rank 0; {} elsewhere).
 
@@ -130,9 +102,7 @@ class Trainer:
         self.metrics_path = self.progress.path
         self.lock: Optional[rundir.RunLock] = None
         self.privacy = RunPrivacy(cfg)  # unit, users, plan, the engine's history, the report (dpllm.privacy.run)
-        self.data_notes: list[str] = []  # what loading removed, for the plan's warnings (set by setup_data)
-        self.sft_format: Optional[str] = None  # the record shape of instruction / chat data (dpllm.sft), None for text
-        self.sft_dropped: Optional[list[int]] = None  # SFT records whose answer max_length cuts off (setup_data)
+        self.data: Optional[RunData] = None  # records, splits, members (dpllm.run_data), by setup_data
         self.criterion = None
         self.step = self.start_step = self.tokens_seen = 0
         self.resumable: Optional[ResumableState] = None  # checkpoints at step boundaries (dpllm.run_state), by start
@@ -174,10 +144,10 @@ class Trainer:
         if self.mp == "bf16" and not torch.cuda.is_available():
             log.warning("mixed_precision=bf16 needs a GPU here; falling back to fp32 on CPU")
             self.mp = "no"
-        self.accelerator = make_accelerator(self.mp)
-        self.world = world_of(self.accelerator)
+        self.accelerator = distributed.make_accelerator(self.mp)
+        self.world = distributed.world_of(self.accelerator)
         self.device = self.accelerator.device
-        check_parallelism(self.p, self.world.kind, world_size=self.world.size,
+        distributed.check_parallelism(self.p, self.world.kind, world_size=self.world.size,
                           logical_batch_size=self.t.logical_batch_size)
         self.resume_from = resume.resolve(self.cfg)  # read-only, so every process reaches the same answer
         if self.resume_from is not None:
@@ -187,52 +157,16 @@ class Trainer:
                                     protected=[self.cfg.data.dataset, self.cfg.model.model_name_or_path])
 
     def setup_data(self) -> None:
-        d = self.cfg.data
-        loaded = data.load_records_counted(d)
-        self.records, self.users, self.data_notes = loaded.records, loaded.users, loaded.notes(d)
-        try:
-            self.splits = data.make_splits(self.records, d, self.users, loaded.public)
-        except data.DataError as err:  # say why so few are left: duplicates are easy to miss in a file
-            raise data.DataError(f"{err}" + (f" ({loaded.duplicates:,} of {loaded.read:,} records read were exact "
-                                             "duplicates and were removed)" if loaded.duplicates else "")) from None
-        self.sft_format = sft.format_of(self.records)
-        log.info("[private] data format: %s",
-                 f"{self.sft_format} records, loss on {d.loss_on} tokens" if self.sft_format
-                 else "plain text, loss on all tokens")  # detected from the private file: the console only
-        if self.sft_format:  # before the plan: N counts only records that keep an answer token
-            self.sft_dropped = sft.drop_cut_answers(self.records, self.splits, sft.load_tokenizer(self.cfg.model),
-                                                    max_length=d.max_length, chat_template=d.chat_template)
-        if d.train_on == "public" and not self.splits.public:
-            raise data.DataError("train_on=public but no record is public; declare public records with "
-                                 "public_dataset: FILE")
-        train_ids = self.splits.public if d.train_on == "public" else self.splits.train
-        self.canaries = data.make_canaries(d) if d.train_on == "private" else []
-        if self.users is not None and d.train_on == "private":  # privacy_unit=user: at most k records per user
-            train_ids = self.privacy.bound_contributions(
-                train_ids, users=self.users, texts=self.records, splits=self.splits, canaries=self.canaries,
-                resumed=self.resume_from is not None, stage=resume.config_key(self.cfg), world=self.world,
-                user_column=None if d.dataset in data.BUILTIN else d.user_column)
-        # a canary user (privacy_unit=user) writes its canary in canary_records_per_user records
-        m = d.canary_records_per_user if self.privacy.user_unit else 1
-        self.train_texts = data.select(self.records, train_ids) + [
-            sft.canary_record(c, self.sft_format) if self.sft_format else c["text"]  # SFT: the secret is the answer
-            for c in self.canaries if c["included"] for _ in range(m)]
-        heldout = data.select(self.records, self.splits.heldout)
-        self.heldout_hashes = {data.sha256(x) for x in heldout}
-        self.eval_texts = heldout if self.t.eval_max_records is None else heldout[: self.t.eval_max_records]
-        self.trained_hashes = {data.sha256(x) for x in self.train_texts}
-        if self.resume_from is not None:  # the same file and config must still give the same members
-            data.check_resumed_split(self.out / "splits.json", self.trained_hashes)
-        if self.world.is_main:  # where every record went, on the operator's console only (issue 35)
-            log.info("%s", data.split_summary(loaded, self.splits, d, canaries=self.canaries,
-                                              sft_dropped=len(self.sft_dropped or ())))
+        """The records, splits, canaries and members (:mod:`dpllm.run_data`), from the data and config alone."""
+        self.data = run_data.prepare(self.cfg, privacy=self.privacy, world=self.world,
+                                     stage=resume.config_key(self.cfg), resume_from=self.resume_from)
 
     def setup_plan(self) -> None:
         """Earlier stages, steps and σ: all decided from the data alone, before any model is loaded."""
-        self.source = source_of(self.cfg.model)
-        self.steps = self.privacy.make_plan(source=self.source, num_records=len(self.train_texts),
-                                            trained=self.trained_hashes, heldout=self.heldout_hashes,
-                                            data_notes=self.data_notes)
+        self.source = models.source_of(self.cfg.model)
+        d = self.data
+        self.steps = self.privacy.make_plan(source=self.source, num_records=len(d.train_texts),
+                                            trained=d.trained_hashes, heldout=d.heldout_hashes, data_notes=d.notes)
 
     @property
     def plan(self) -> Optional[PrivacyPlan]:
@@ -244,60 +178,38 @@ class Trainer:
         return self.privacy.private
 
     def setup_model(self) -> None:
-        cfg, dlen = self.cfg, self.cfg.data.max_length
-        model, self.tokenizer, _ = load_base(cfg.model, dlen)
-        ctx = context_length(model)
-        if ctx is not None and dlen > ctx:
-            raise ConfigError(f"max_length={dlen} exceeds the model's context of {ctx} tokens; lower max_length")
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        added = add_canary_tokens(model, self.tokenizer, canary_tokens(self.canaries))
-        if added:
-            log.info("canaries: added %d new tokens to the vocabulary (%s)", added, cfg.data.canary_design)
-        # LoRA over a base that has no path of its own (tiny, or merged from a run) keeps a copy to save.
-        keep_base = cfg.model.finetuning == "lora" and self.source["kind"] != "pretrained"
-        unquantized = unquantized_base(model)  # QLoRA over such a base saves the weights it was quantized from
-        self.lora_base = (unquantized if unquantized is not None else copy.deepcopy(model)) if keep_base else None
+        cfg = self.cfg
+        model, self.tokenizer, _ = load_base(cfg.model, cfg.data.max_length)
+        models.fit_to_run(model, self.tokenizer, max_length=cfg.data.max_length, canaries=self.data.canaries)
+        self.lora_base = models.base_to_keep(model, cfg.model, self.source)  # saved beside LoRA adapters, or None
         # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
         keep_tie = self.dp and self.p.grad_sample_mode in ("auto", "bk")
-        model, self.adjustments = prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)
+        model, self.adjustments = models.prepare_model(model, cfg.model, dp=self.dp, keep_tie=keep_tie)
         # the engine, before anything is written; the head untied where it needs it, checkpointing (dpllm.privacy.modes)
         mode, untied = prepare_engine(model, cfg, sharded=self.world.kind == "fsdp", keep_tie=keep_tie)
         self.adjustments += untied
         model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
         if self.dp:
-            check_dp_layers(model)
-        self.n_params = count_parameters(model)
+            models.check_dp_layers(model)
+        self.n_params = models.count_parameters(model)
         # DDP / FSDP wrapping comes before the optimizer (FSDP replaces parameters) and before make_private.
-        self.model = wrap_model(model, dp=self.dp, world=self.world, accelerator=self.accelerator,
+        self.model = distributed.wrap_model(model, dp=self.dp, world=self.world, accelerator=self.accelerator,
                                 mixed_precision=self.mp, grad_sample_mode=mode)
-        self.train_ds, self.eval_ds, self.collate = self.make_datasets()
-        self.optimizer = _make_optimizer([q for q in self.model.parameters() if q.requires_grad], cfg)
-        from transformers import get_scheduler
-
-        self.scheduler = get_scheduler(self.t.lr_scheduler, self.optimizer, num_warmup_steps=self.t.warmup_steps,
-                                       num_training_steps=self.steps)
-
-    def make_datasets(self):
-        """``(train_ds, eval_ds, collate)``: token ids and labels (-100 on padding, and on prompts of SFT records)."""
-        if self.sft_format:  # the template is set on the tokenizer saved with the model
-            return sft.make_datasets(self.train_texts, self.eval_texts, self.tokenizer, self.cfg.data)
-        dlen = self.cfg.data.max_length
-        return (data.TokenizedRecords(self.train_texts, self.tokenizer, dlen),
-                data.TokenizedRecords(self.eval_texts, self.tokenizer, dlen),
-                data.make_collate(self.tokenizer.pad_token_id))
+        self.train_ds, self.eval_ds, self.collate = self.data.datasets(self.tokenizer, cfg.data)
+        self.optimizer, self.scheduler = make_optimizer(self.model, self.t, steps=self.steps)
 
     def setup_run_dir(self) -> None:
         """Lock, then (fresh runs) clear and describe the run directory. Only rank 0 writes."""
         if self.world.is_main:
             self.lock = rundir.RunLock(self.out).acquire()
             if self.resume_from is None:  # checked again under the lock, cleared; config.yaml, splits.json...
-                rundir.describe(self.out, self.cfg, splits=self.splits, records=self.records,
-                                trained=self.trained_hashes, sft_format=self.sft_format, sft_dropped=self.sft_dropped,
-                                canaries=self.canaries, user_unit=self.privacy.user_unit)
+                d = self.data
+                rundir.describe(self.out, self.cfg, splits=d.splits, records=d.records, trained=d.trained_hashes,
+                                sft_format=d.sft_format, sft_dropped=d.sft_dropped, canaries=d.canaries,
+                                user_unit=self.privacy.user_unit)
             else:
                 resume.clean_partial_writes(self.out)
-        barrier(self.world)
+        distributed.barrier(self.world)
 
     def setup_privacy(self) -> None:
         self.generators = privacy_generators(reproducible=self.p.reproducible_noise, seed=self.t.seed,
@@ -354,24 +266,22 @@ class Trainer:
 
     def finish(self) -> dict:
         final = self.evaluate(final=True)
-        if self.sft_format and self.world.is_main:  # SFT: greedy answers to the first held-out prompts
+        if self.data.sft_format and self.world.is_main:  # SFT: greedy answers to the first held-out prompts
             rundir.write_generations(self.out, unwrap(self.model), self.tokenizer,
-                                     self.eval_texts[: self.cfg.data.num_generations])
-        tokens = int(all_sum([self.tokens_seen], self.world)[0])
-        digests = gather_objects(params_digest(self.model), self.world)
-        if len(set(digests)) > 1:
-            raise TrainingError(f"model replicas differ across the {self.world.size} processes after training; this "
-                                "is a dpllm bug (no checkpoint was written)")
+                                     self.data.eval_texts[: self.cfg.data.num_generations])
+        tokens = int(distributed.all_sum([self.tokens_seen], self.world)[0])
+        digest = distributed.agreed_digest(self.model, self.world)  # replicas that differ: a TrainingError
         self.privacy.check_history(self.step)
         weights_dir = rundir.shard_final_weights(self.out, unwrap(self.model), self.world)  # FSDP; None otherwise
         summary: dict = {}
         if self.world.is_main:
-            report = self.privacy.report(num_records=len(self.train_ds), steps=self.step, trained=self.trained_hashes,
-                                         adjustments=self.adjustments, base_model=self.source,
+            report = self.privacy.report(num_records=len(self.train_ds), steps=self.step,
+                                         trained=self.data.trained_hashes, adjustments=self.adjustments,
+                                         base_model=self.source,
                                          public_data=data.split_rule(self.cfg.data)["public"])
             summary = rundir.summary(self.cfg, report, steps=self.step, tokens=tokens, params=self.n_params,
                                      initial_eval=self.initial_eval, final=final, wall=self.wall,
-                                     world_size=self.world.size, digest=digests[0], resumed_from=self.start_step)
+                                     world_size=self.world.size, digest=digest, resumed_from=self.start_step)
             rundir.write_final(self.out, self.cfg, report, summary, model=self.model, tokenizer=self.tokenizer,
                                base_model=self.lora_base, weights_dir=weights_dir)
         self.accelerator.wait_for_everyone()
@@ -386,8 +296,8 @@ class Trainer:
             parts = user_level.whole_user_batches(ids, self.batches.user_of, size) or [[]]
         else:
             parts = [ids[i: i + size] for i in range(0, len(ids), size)] or [[]]
-        if is_sharded(unwrap(self.model)):  # FSDP's collectives need equal pass counts
-            parts += [[]] * (int(all_max(len(parts), self.world)) - len(parts))
+        if distributed.is_sharded(unwrap(self.model)):  # FSDP's collectives need equal pass counts
+            parts += [[]] * (int(distributed.all_max(len(parts), self.world)) - len(parts))
         return parts
 
     def optimizer_step(self, ids: list[int]) -> None:
@@ -451,7 +361,7 @@ class Trainer:
         self.progress.step()
 
     def log_train(self) -> None:
-        loss_sum, n, tokens = all_sum([self.window[0], self.window[1], self.tokens_seen], self.world)
+        loss_sum, n, tokens = distributed.all_sum([self.window[0], self.window[1], self.tokens_seen], self.world)
         self.window = [0.0, 0]
         row = {"step": self.step, "split": "train", "loss": loss_sum / max(n, 1),
                "lr": self.scheduler.get_last_lr()[0], "tokens_seen": int(tokens),

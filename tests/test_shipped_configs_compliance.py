@@ -69,6 +69,6 @@ def test_a_shipped_config_meets_the_automatic_items(path, tmp_path):
             enabled, sample_rate, steps = True, plan.sample_rate, trainer.steps
 
         item = _single_epoch(Report)
-        assert item.status == "met", f"{path.name} at N={len(trainer.train_texts)}: {item.evidence}"
+        assert item.status == "met", f"{path.name} at N={len(trainer.data.train_texts)}: {item.evidence}"
         assert not trainer.cfg.privacy.reproducible_noise
         assert not trainer.cfg.train.gradient_checkpointing or trainer.cfg.privacy.grad_sample_mode in ("auto", "bk")

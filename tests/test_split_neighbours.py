@@ -215,8 +215,8 @@ def test_the_console_says_where_every_record_went(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dpllm.train"):
         trainer.setup_data()
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("[private] data:")]
-    s = trainer.splits
-    trained = sum(c["included"] for c in trainer.canaries)
+    s = trainer.data.splits
+    trained = sum(c["included"] for c in trainer.data.canaries)
     assert line == (f"[private] data: {N + 2} records read; dropped 1 too short (min_chars=32), "
                     f"1 duplicate; {len(s.train)} train, {len(s.heldout)} held out (not trained on: eval and audits), "
                     f"0 public (none declared); 4 canaries ({trained} trained on)")

@@ -45,6 +45,7 @@ from dpllm.models import (
     quantization_of,
     untie_output_embeddings,
 )
+from dpllm.run_data import RunData
 from dpllm.sft import SFTArguments, format_of, is_untokenized_sft
 from dpllm.train import Trainer as RunTrainer
 from dpllm.train import seed_everything
@@ -230,22 +231,20 @@ class HFRun(RunTrainer):
 
     def setup_data(self) -> None:
         train, heldout = self.train_rows.texts, self.eval_rows.texts
-        self.records = list(dict.fromkeys(train + heldout))  # unique, in order: ids index records.jsonl
-        index = {t: i for i, t in enumerate(self.records)}
+        records = list(dict.fromkeys(train + heldout))  # unique, in order: ids index records.jsonl
+        index = {t: i for i, t in enumerate(records)}
         members = set(train)
-        self.splits = data.Splits(public=[], train=sorted({index[t] for t in train}),
-                                  heldout=sorted({index[t] for t in heldout if t not in members}),
-                                  rule={"rule": "given: train_dataset and eval_dataset, as passed to DPTrainer"})
-        self.canaries = []
-        self.train_texts = list(train)  # one per row: N counts rows, the privacy unit
-        self.eval_texts = list(heldout)
-        self.trained_hashes = {data.sha256(t) for t in train}
-        self.heldout_hashes = {data.sha256(self.records[i]) for i in self.splits.heldout}
-        self.sft_format = format_of(train) if is_untokenized_sft(self.hf.train_dataset) else None
+        splits = data.Splits(public=[], train=sorted({index[t] for t in train}),
+                             heldout=sorted({index[t] for t in heldout if t not in members}),
+                             rule={"rule": "given: train_dataset and eval_dataset, as passed to DPTrainer"})
+        self.data = RunData(records=records, splits=splits, train_texts=list(train),  # one per row: N counts rows
+                            eval_texts=list(heldout), trained_hashes={data.sha256(t) for t in train},
+                            heldout_hashes={data.sha256(records[i]) for i in splits.heldout},
+                            sft_format=format_of(train) if is_untokenized_sft(self.hf.train_dataset) else None)
         masked = any(bool((x["labels"] == -100).any()) for x in self.train_rows.items)
-        log.info("[private] data format: %s", f"{self.sft_format} records, loss on {self.cfg.data.loss_on} tokens"
-                 if self.sft_format else "token rows, loss on " + ("the tokens their labels keep (-100 elsewhere)"
-                                                                   if masked else "all tokens"))
+        log.info("[private] data format: %s", f"{self.data.sft_format} records, loss on {self.cfg.data.loss_on} tokens"
+                 if self.data.sft_format else "token rows, loss on " + ("the tokens their labels keep (-100 elsewhere)"
+                                                                        if masked else "all tokens"))
 
     def setup_plan(self) -> None:
         super().setup_plan()
@@ -294,7 +293,7 @@ class HFRun(RunTrainer):
         """As dpllm's, plus records.jsonl: the texts splits.json indexes (members and held-out)."""
         if self.world.is_main and self.resume_from is not None:
             self.lock = rundir.RunLock(self.out).acquire()
-            if (self.out / RECORDS).read_text() != _records_jsonl(self.records):
+            if (self.out / RECORDS).read_text() != _records_jsonl(self.data.records):
                 raise ConfigError(f"cannot resume {self.out}: train_dataset / eval_dataset differ from the run's "
                                   f"{RECORDS}; resume with the same data, or start a new run")
             resume.clean_partial_writes(self.out)
@@ -304,9 +303,9 @@ class HFRun(RunTrainer):
             rundir.clear(self.out)
             rundir.mark(self.out)
             write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
-            write_text_atomic(self.out / RECORDS, _records_jsonl(self.records))
-            splits = self.splits.to_json(self.records, self.cfg.data)
-            splits["trained_sha256"] = sorted(self.trained_hashes)
+            write_text_atomic(self.out / RECORDS, _records_jsonl(self.data.records))
+            splits = self.data.splits.to_json(self.data.records, self.cfg.data)
+            splits["trained_sha256"] = sorted(self.data.trained_hashes)
             write_json_atomic(self.out / "splits.json", splits)
         barrier(self.world)
 
