@@ -199,8 +199,9 @@ def record_unit(report: PrivacyReport, record_kind: str | None = None) -> str:
             "protected per record, not as a person.")
 
 
-def _plain_reading(report: PrivacyReport, record_kind: str | None) -> str:
-    """The guarantee as limits on membership attacks (:mod:`dpllm.privacy.tradeoff`), from the released history."""
+def plain_reading(report: PrivacyReport, record_kind: str | None, *, source: str = "this model") -> str:
+    """The guarantee as limits on membership attacks (:mod:`dpllm.privacy.tradeoff`), from the released history;
+    ``source`` names what the attacker holds (the model, or data sampled from it). Empty without a DP history."""
     from dpllm.privacy import tradeoff
 
     try:
@@ -210,9 +211,9 @@ def _plain_reading(report: PrivacyReport, record_kind: str | None) -> str:
     plural = ("people" if report.privacy_unit == "user" else
               "conversations" if record_kind in ("messages", "prompt_completion") else
               "texts" if record_kind == "text" else "records")
-    return ("\n\n**What ε means here, in plain words.** Take anyone who tries to tell, from this model, which "
-            f"{plural} were in its training data. {tradeoff.plain_reading(bounds, plural=plural)} These limits hold "
-            "for every attack, however clever, and for everything computed from the model; they follow from the "
+    return (f"\n\n**What ε means here, in plain words.** Take anyone who tries to tell, from {source}, which "
+            f"{plural} the model was trained on. {tradeoff.plain_reading(bounds, plural=plural)} These limits hold "
+            f"for every attack, however clever, and for everything computed from {source}; they follow from the "
             "noise, sampling rate and number of steps below (the trade-off curve of the whole training history, "
             "computed with dp-accounting as an upper bound). Real attacks usually reach much less. What many "
             f"{plural} have in common (the patterns the model is meant to learn) is not protected, only what sets one "
@@ -261,7 +262,7 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind
                   "datasets that lead to the same settings, which adding or removing one "
                   f"{unit} does except when it changes the number of batches per pass (a count of {units} within one "
                   "of a multiple of the batch size).")
-        reading = _plain_reading(report, record_kind)
+        reading = plain_reading(report, record_kind)
         if reading:
             params = reading + params
     else:

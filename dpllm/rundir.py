@@ -188,30 +188,37 @@ class Progress:
             self.bar.close()
 
 
-def describe(out: Path, cfg: RunConfig, *, splits, records: list[str], trained: set[str], sft_format: Optional[str],
-             sft_dropped: Optional[list[int]], canaries: list[dict], user_unit: bool) -> None:
+def describe(out: Path, cfg: RunConfig, data, *, user_unit: bool, names: OptionNames = CLI_OPTIONS,
+             protected: Optional[list] = None, files: Optional[dict[str, str]] = None) -> None:
     """A fresh run's directory, under the lock: checked again, cleared, marked and described (rank 0).
 
     Writes ``config.yaml``, ``splits.json`` (each record's split, the trained records' hashes, and for SFT
-    records how audits render and score them) and, with canaries, ``canaries.json``.
+    records how audits render and score them), with canaries ``canaries.json``, and ``files`` (name → text).
+
+    Args:
+        data: the run's :class:`dpllm.run_data.RunData` (records, splits, members, canaries, SFT shape).
+        protected: paths the run reads (default: the dataset file and the model directory).
+        names: how the reader sets the options an error suggests (flags, or DPTrainer's fields).
 
     Raises:
         ConfigError: another run filled ``out`` since :func:`check_output_dir` first allowed it.
     """
     # again under the lock: another run may have filled the directory since the first check
-    check_output_dir(out, overwrite=cfg.train.overwrite_output_dir,
-                     protected=[cfg.data.dataset, cfg.model.model_name_or_path])
+    check_output_dir(out, overwrite=cfg.train.overwrite_output_dir, names=names,
+                     protected=[cfg.data.dataset, cfg.model.model_name_or_path] if protected is None else protected)
     clear(out)
     mark(out)
     write_text_atomic(out / "config.yaml", cfg.to_yaml())
-    split = splits.to_json(records, cfg.data)
-    split["trained_sha256"] = sorted(trained)
-    if sft_format:  # how audits render and score the records (answer tokens given the prompt)
-        split["sft"] = {"format": sft_format, "loss_on": cfg.data.loss_on, "dropped_no_answer": sft_dropped}
+    for name, text in (files or {}).items():
+        write_text_atomic(out / name, text)
+    split = data.splits.to_json(data.records, cfg.data)
+    split["trained_sha256"] = sorted(data.trained_hashes)
+    if data.sft_format:  # how audits render and score the records (answer tokens given the prompt)
+        split["sft"] = {"format": data.sft_format, "loss_on": cfg.data.loss_on, "dropped_no_answer": data.sft_dropped}
     write_json_atomic(out / "splits.json", split)
-    if canaries:
+    if data.canaries:
         write_json_atomic(out / "canaries.json",
-                          {"seed": cfg.data.canary_seed, "canaries": canaries,
+                          {"seed": cfg.data.canary_seed, "canaries": data.canaries,
                            **({"unit": "user", "records_per_user": cfg.data.canary_records_per_user}
                               if user_unit else {})})
 

@@ -203,10 +203,7 @@ class Trainer:
         if self.world.is_main:
             self.lock = rundir.RunLock(self.out).acquire()
             if self.resume_from is None:  # checked again under the lock, cleared; config.yaml, splits.json...
-                d = self.data
-                rundir.describe(self.out, self.cfg, splits=d.splits, records=d.records, trained=d.trained_hashes,
-                                sft_format=d.sft_format, sft_dropped=d.sft_dropped, canaries=d.canaries,
-                                user_unit=self.privacy.user_unit)
+                rundir.describe(self.out, self.cfg, self.data, user_unit=self.privacy.user_unit)
             else:
                 resume.clean_partial_writes(self.out)
         distributed.barrier(self.world)

@@ -313,6 +313,12 @@ def test_dptrainer_trains_on_a_messages_dataset(tmp_path):
     assert trainer.privacy_report.num_records == 24  # the cut-off record was dropped before the plan
     records = [json.loads(x)["text"] for x in (tmp_path / "hf" / "records.jsonl").read_text().splitlines()]
     assert sft.format_of(records) == "messages" and len(records) == 30
+    # audits and synthesis render and score the records as chats, as a config-driven SFT run's do
+    from mia.audit import run_sft_format
+
+    splits = json.loads((tmp_path / "hf" / "splits.json").read_text())
+    assert splits["sft"]["format"] == "messages" and splits["sft"]["loss_on"] == "answer"
+    assert run_sft_format(tmp_path / "hf") == "messages"
     assert len((tmp_path / "hf" / "generations.jsonl").read_text().splitlines()) == 1
     train_rows = trainer.dp_run.train_rows
     assert all((r["labels"][:10] == -100).all() for r in train_rows.items)  # "<|user|>\nWhat" is never a label

@@ -114,6 +114,15 @@ def test_labels_card_and_resume(runs, tmp_path):
 
     assert card["sha256"] == file_sha256(whole) and str(runs) not in json.dumps(card) and card["source"]["dp_guarantee"]
     assert f"ε = {report['epsilon']:.3f}" in (tmp_path / "whole.card.md").read_text()
+    # the plain reading: the run's own trade-off bounds, as the model card states them, about the file
+    from dpllm.privacy import tradeoff
+    from dpllm.privacy.report import PrivacyReport
+
+    bounds = tradeoff.for_report(PrivacyReport.read(runs / "dp")).bounds()
+    assert 0.5 < bounds["auc"] < 1 and 0.01 < bounds["tpr@fpr=0.01"] < 1
+    assert "from this file (or the model it was sampled from), which texts" in card["statement"]
+    assert tradeoff.plain_reading(bounds, plural="texts") in card["statement"]
+    assert tradeoff.plain_reading(bounds, plural="texts") in (tmp_path / "whole.card.md").read_text()
 
     # the releasable part loads with datasets as it is (offline: a local folder, the card's configs metadata)
     import datasets

@@ -36,7 +36,7 @@ from dpllm.config import TRAINER_OPTIONS, ConfigError, RunConfig
 from dpllm.distributed import barrier, check_parallelism, warn_if_fewer_processes, world_of, wrap_model
 from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
 from dpllm.hf.records import PadRecords, Rows, rows_of, trainer_rows
-from dpllm.io import looks_local, write_json_atomic, write_text_atomic
+from dpllm.io import looks_local
 from dpllm.models import (
     check_checkpointing,
     check_dp_layers,
@@ -297,16 +297,10 @@ class HFRun(RunTrainer):
                 raise ConfigError(f"cannot resume {self.out}: train_dataset / eval_dataset differ from the run's "
                                   f"{RECORDS}; resume with the same data, or start a new run")
             resume.clean_partial_writes(self.out)
-        elif self.world.is_main:
+        elif self.world.is_main:  # the data live in memory (records.jsonl is written here): no path to protect
             self.lock = rundir.RunLock(self.out).acquire()
-            rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir, names=TRAINER_OPTIONS)
-            rundir.clear(self.out)
-            rundir.mark(self.out)
-            write_text_atomic(self.out / "config.yaml", self.cfg.to_yaml())
-            write_text_atomic(self.out / RECORDS, _records_jsonl(self.data.records))
-            splits = self.data.splits.to_json(self.data.records, self.cfg.data)
-            splits["trained_sha256"] = sorted(self.data.trained_hashes)
-            write_json_atomic(self.out / "splits.json", splits)
+            rundir.describe(self.out, self.cfg, self.data, user_unit=False, names=TRAINER_OPTIONS, protected=[],
+                            files={RECORDS: _records_jsonl(self.data.records)})
         barrier(self.world)
 
     # ---- the Trainer's callbacks ----------------------------------------------------------------------

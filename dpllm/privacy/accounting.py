@@ -11,8 +11,9 @@ Calibration (:func:`calibrate_noise`) returns the smallest σ with 4 significant
 *same* accountant is at most the target. When PRV cannot run for a plan (its domain grows with the steps
 and the ε: 12 million points at N = 10⁹, one epoch; float rounding at δ ≈ 1e-10), it raises
 :class:`AccountantUnavailable`; the planners (:func:`dpllm.privacy.plan.plan_privacy`, ``dpllm plan``) then redo
-the whole plan with :data:`FALLBACK`'s accountant (PLD, as tight; RDP only if PLD fails too) and say so once, so
-calibration and report never mix accountants.
+the whole plan with :data:`FALLBACK`'s accountant (PLD, as tight; RDP where PLD cannot run either: memory, or
+float rounding that would reach δ, :func:`pld_rounding_margin`) and say so once, so calibration and report never
+mix accountants.
 
 Example:
     >>> round(compute_epsilon(noise_multiplier=1.0, sample_rate=0.16, steps=140, delta=1e-5,
@@ -23,6 +24,7 @@ Example:
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Callable, Iterable, Sequence
 
@@ -31,8 +33,8 @@ from dpllm.privacy.prv import AccountantUnavailable
 
 ACCOUNTANTS = ("prv", "rdp", "gdp", "pld")
 # The accountant a plan switches to, as a whole, when its own cannot run: PRV → dp-accounting's PLD (as tight,
-# pessimistic: at δ = 1e-10, N = 10⁹, one epoch, σ = 0.3882 PLD gives ε 6.82 where RDP gives 8.00) → RDP
-# (rigorous, any step count, kilobytes of memory; looser).
+# pessimistic; a smaller FFT domain than PRV's, so it runs where PRV's memory or rounding refuses, e.g. N = 10⁸,
+# one epoch, δ = 1e-9) → RDP (rigorous, any step count, kilobytes of memory, no rounding to speak of; looser).
 FALLBACK = {"prv": "pld", "pld": "rdp"}
 # dp-accounting's grid for the PLD accountant: its pessimistic estimate is an upper bound at any interval; 1e-3 is
 # within ~1.5% of 1e-4 at ten times the speed (0.1 s vs 1.1 s for 244,141 steps; tests/test_planning.py).
@@ -138,8 +140,12 @@ def pld_epsilon(*, history: History, delta: float,
     """ε of ``history`` by dp-accounting's privacy loss distributions: each entry a Poisson-subsampled Gaussian
     under add/remove-one, pessimistic discretisation (an upper bound on the true ε at any interval), composed.
 
+    The ε is read at δ less :func:`pld_rounding_margin` (the float64 rounding of the composition), so that it
+    stays an upper bound.
+
     Raises:
-        AccountantUnavailable: dp-accounting could not build or compose the distributions (memory, numerics).
+        AccountantUnavailable: dp-accounting could not build or compose the distributions (memory, numerics), or
+            float64 rounding would reach δ (:func:`pld_rounding_margin`).
     """
     from dp_accounting.pld import privacy_loss_distribution as pld
 
@@ -149,6 +155,7 @@ def pld_epsilon(*, history: History, delta: float,
             raise AccountantUnavailable(
                 f"dp-accounting's PLD would need ~{points:.2g} grid points per step at σ={sigma:g}, q={q:g} "
                 f"(more than {PLD_MAX_POINTS:,}: tens of GB)")
+    margin = pld_rounding_margin(history, delta)
     try:
         total = None
         for sigma, q, steps in history:
@@ -159,9 +166,32 @@ def pld_epsilon(*, history: History, delta: float,
                                               value_discretization_interval=value_discretization_interval)
             step = one.self_compose(int(steps))
             total = step if total is None else total.compose(step)
-        return 0.0 if total is None else max(0.0, float(total.get_epsilon_for_delta(delta)))
+        return 0.0 if total is None else max(0.0, float(total.get_epsilon_for_delta(delta - margin)))
     except (MemoryError, ValueError, ArithmeticError, RuntimeError) as err:
         raise AccountantUnavailable(f"dp-accounting's PLD failed: {type(err).__name__}: {err}") from None
+
+
+# dp-accounting composes T steps as the T-th power of the step's Fourier transform: a relative error of ~T·2⁻⁵² in
+# every coefficient, so ~T·2⁻⁵² in probability, δ included. Measured (scripts/pld_rounding.py: 7 histories, T from
+# 1,000 to 300,000; four FFT lengths each, which change only the rounding): δ(ε) spread over at most 1.14·T·2⁻⁵².
+# ε is read at δ - PLD_ROUNDING·T·2⁻⁵², and PLD is refused where that margin exceeds PRECISION_FRACTION of δ.
+PLD_ROUNDING = 4.0
+
+
+def pld_rounding_margin(history: History, delta: float) -> float:
+    """What float64 rounding of a PLD composition of ``history`` may add to or take from δ (an upper estimate).
+
+    Raises:
+        AccountantUnavailable: the margin exceeds ``PRECISION_FRACTION·δ`` (at N = 10⁹, one epoch of B = 4,096,
+            δ = 1e-10: 2.2e-10 > 3e-11): the composed distribution's tail at δ would be mostly rounding.
+    """
+    total = sum(int(t) for s, q, t in history if int(t) > 0 and q > 0)
+    margin = PLD_ROUNDING * total * sys.float_info.epsilon
+    if margin > prv.PRECISION_FRACTION * delta:
+        raise AccountantUnavailable(
+            f"{total:,} steps: float64 rounding in the PLD's FFT composition (~{margin:.1g}) would reach "
+            f"δ={delta:g}")
+    return margin
 
 
 # Above this many grid points for one step, dp-accounting's PLD would take tens of GB (σ = 1e-3 asks for ~5e8):
@@ -299,8 +329,8 @@ def smallest_grid_noise(eps: Callable[[float], float], target_epsilon: float, *,
         else:
             i_lo = mid
     sigma = prv.round_up(i_hi * step, digits)
-    # PLD's pessimistic grid makes ε jitter by ~1% from one σ to the next (each value an upper bound; at δ = 1e-10
-    # σ = 0.4432 gave 3.99 and 0.4433 gave 4.05): whatever the bisection assumed, the σ returned meets the target.
+    # PLD's pessimistic grid makes ε jitter from one σ to the next (each value an upper bound): whatever the
+    # bisection assumed, the σ returned meets the target.
     while eps(sigma) > target_epsilon:
         sigma = prv.round_up(sigma + prv.grid_step(sigma, digits), digits)
         if sigma > max_sigma:

@@ -44,7 +44,7 @@ import torch
 from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
-from dpllm.privacy.accounting import PrivacyPlanError, smallest_noise
+from dpllm.privacy.accounting import AccountantUnavailable, PrivacyPlanError, pld_rounding_margin, smallest_noise
 from dpllm.sampling import PoissonBatchSampler
 
 GROUP_PRIVACY = ("tight group privacy of at most k records under Poisson sampling: each step a mixture of "
@@ -82,6 +82,11 @@ def mixture_epsilon(*, history, delta: float, group_size: int) -> float:
     k = int(group_size)
     if k < 1:
         raise ValueError(f"group_size={group_size} must be ≥ 1")
+    try:
+        margin = pld_rounding_margin(history, delta)  # ε read at δ - margin: an upper bound despite the rounding
+    except AccountantUnavailable as err:
+        raise PrivacyPlanError(f"user-level accounting cannot run: {err}; raise target_delta or train fewer "
+                               "steps") from None
     composed = None
     for sigma, q, steps in history:
         if int(steps) <= 0:
@@ -92,7 +97,7 @@ def mixture_epsilon(*, history, delta: float, group_size: int) -> float:
         composed = pld if composed is None else composed.compose(pld)
     if composed is None:
         return 0.0
-    return float(composed.get_epsilon_for_delta(delta))
+    return float(composed.get_epsilon_for_delta(delta - margin))
 
 
 def calibrate_mixture(*, target_epsilon: float, delta: float, sample_rate: float, steps: int, group_size: int,

@@ -13,6 +13,7 @@ import hashlib
 from pathlib import Path
 from typing import Optional
 
+from dpllm.export import plain_reading, release_report
 from dpllm.privacy.report import PrivacyReport
 
 PRIVACY_FIELDS = ("enabled", "epsilon", "delta", "privacy_unit", "accountant", "noise_multiplier", "sample_rate",
@@ -35,8 +36,9 @@ def file_sha256(path: str | Path) -> str:
     return h.hexdigest()
 
 
-def statement(report: PrivacyReport, refusal: Optional[str]) -> str:
-    """The guarantee in words: post-processing of a DP model, or plainly none."""
+def statement(report: PrivacyReport, refusal: Optional[str], shape: Optional[str] = None) -> str:
+    """The guarantee in words: post-processing of a DP model, or plainly none; under DP, what it means for
+    membership attacks on the file (:func:`dpllm.export.plain_reading`; ``shape`` is the records' shape)."""
     if refusal is not None:
         return (f"NOT RELEASABLE: the source run failed dpllm's release checks ({refusal}); the checks were "
                 "overridden, so this file carries no DP guarantee and must stay with the data owner.")
@@ -49,7 +51,8 @@ def statement(report: PrivacyReport, refusal: Optional[str]) -> str:
             "post-processing property of differential privacy this file, any number of further samples and any "
             f"analysis of them are (ε = {report.epsilon:.3f}, δ = {report.delta:g})-DP with respect to the training "
             f"data at no further cost. DP bounds what the file reveals about any one {report.privacy_unit}; it does "
-            "not hide patterns shared by many records, nor anything in the public pretraining data.")
+            "not hide patterns shared by many records, nor anything in the public pretraining data."
+            + plain_reading(report, shape, source="this file (or the model it was sampled from)"))
 
 
 def columns(settings: dict) -> list[str]:
@@ -71,7 +74,6 @@ def make_card(*, run_name: str, report: PrivacyReport, refusal: Optional[str], s
     dropped as not valid text (:mod:`dpllm.synthetic.records`). Both are functions of the samples only.
     """
     from dpllm.checkpoint import library_versions
-    from dpllm.export import release_report
 
     public = release_report(report).to_dict()
     return {
@@ -88,7 +90,7 @@ def make_card(*, run_name: str, report: PrivacyReport, refusal: Optional[str], s
                    "releasable": refusal is None, "dp_guarantee": refusal is None and report.enabled,
                    "refusal_overridden": refusal},
         "generation": settings,
-        "statement": statement(report, refusal),
+        "statement": statement(report, refusal, settings.get("shape", "text")),
         "versions": {k: v for k, v in library_versions().items() if k in ("dpllm", "torch", "transformers")},
     }
 
