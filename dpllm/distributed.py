@@ -254,6 +254,36 @@ def wrap_model(model: nn.Module, *, dp: bool, world: World, accelerator, mixed_p
     return DifferentiallyPrivateDistributedDataParallel(model)  # broadcasts rank 0's weights
 
 
+def loads_on_rank0(world: World, source: dict, quantization: str) -> bool:
+    """FSDP with accelerate's ``fsdp_cpu_ram_efficient_loading`` (``recipes/accelerate/fsdp.yaml`` sets it): rank 0
+    alone reads the pretrained weights; the other processes build the model on the meta device, and every process
+    receives its shard from rank 0 once the model is sharded (:func:`fill_from_rank0`). One copy of the weights in
+    host memory instead of one per process (8 × 32 GB for Llama-3-8B in fp32). Hub and local models, unquantized."""
+    asked = os.environ.get("FSDP_CPU_RAM_EFFICIENT_LOADING", "false").lower() in ("true", "1", "yes")
+    return asked and world.kind == "fsdp" and world.size > 1 and source.get("kind") == "pretrained" and \
+        quantization == "none"
+
+
+def full_state(model: nn.Module) -> tuple[dict, dict]:
+    """Rank 0's weights and buffers (non-persistent ones included, e.g. rotary frequencies), before sharding."""
+    return model.state_dict(), dict(model.named_buffers())
+
+
+def fill_from_rank0(model: nn.Module, full: Optional[tuple[dict, dict]], world: World, device) -> None:
+    """Give every process of a sharded ``model`` its shard of rank 0's weights (``full``: :func:`full_state` on
+    rank 0, None elsewhere) and rank 0's buffers; the other processes built the model on the meta device."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state, buffers = full if full is not None else ({}, {})
+    model.to_empty(device=device)  # memory for each process's shards and buffers; filled below
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buf in model.named_buffers():  # not sharded; non-persistent ones are in no state dict
+        if world.is_main:
+            buf.copy_(buffers[name])
+        torch.distributed.broadcast(buf, src=0)
+    log.info("FSDP: the weights were read by rank 0 alone and sent to the %d processes' shards", world.size)
+
+
 def _mixed_precision_policy(mixed_precision: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 

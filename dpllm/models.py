@@ -133,11 +133,12 @@ def _source_of(cfg: ModelConfig) -> dict:
     return {"kind": "pretrained", "path": str(ckpt.resolve()) if ckpt is not None else name}
 
 
-def load_base(cfg: ModelConfig, max_length: int) -> tuple[nn.Module, object, dict]:
+def load_base(cfg: ModelConfig, max_length: int, *, on_meta: bool = False) -> tuple[nn.Module, object, dict]:
     """Return ``(model, tokenizer, source)``: a tiny model, a Hub/local model, or an earlier run's checkpoint.
 
     An earlier run's LoRA checkpoint is merged into its base, so a later stage starts from the
-    fine-tuned weights.
+    fine-tuned weights. ``on_meta``: a Hub/local model is built from its config on the meta device, without
+    reading its weights (the FSDP processes that receive them from rank 0: :func:`dpllm.distributed.fill_from_rank0`).
 
     Raises:
         ModelError: a missing local path, a model directory without its tokenizer.
@@ -172,11 +173,28 @@ def load_base(cfg: ModelConfig, max_length: int) -> tuple[nn.Module, object, dic
         raise ModelError(f"no tokenizer at {where}: {err}; a model directory must include its tokenizer") from err
     if q != "none":
         model = load_quantized(where, q, torch_dtype=cfg.torch_dtype, trust_remote_code=cfg.trust_remote_code)
+    elif on_meta:
+        model = _on_meta(where, cfg)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             where, dtype=_dtype(cfg.torch_dtype), trust_remote_code=cfg.trust_remote_code
         )
     return model, tok, source
+
+
+def _on_meta(where: str, cfg: ModelConfig) -> nn.Module:
+    """The model ``from_pretrained`` would return, its parameters and buffers on the meta device (no memory)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+    dtype = _dtype(cfg.torch_dtype)
+    if dtype == "auto":  # as from_pretrained resolves it: the checkpoint's own dtype
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    log.info("model: %s built from its config on the meta device; its weights come from rank 0", where)
+    return model.eval()  # as from_pretrained returns it
 
 
 def context_length(model: nn.Module) -> Optional[int]:

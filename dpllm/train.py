@@ -178,8 +178,9 @@ class Trainer:
         return self.privacy.private
 
     def setup_model(self) -> None:
-        cfg = self.cfg
-        model, self.tokenizer, _ = load_base(cfg.model, cfg.data.max_length)
+        cfg, main = self.cfg, self.world.is_main  # fsdp_cpu_ram_efficient_loading: rank 0 reads, the rest build on meta
+        from_rank0 = distributed.loads_on_rank0(self.world, self.source, cfg.model.quantization)
+        model, self.tokenizer, _ = load_base(cfg.model, cfg.data.max_length, on_meta=from_rank0 and not main)
         models.fit_to_run(model, self.tokenizer, max_length=cfg.data.max_length, canaries=self.data.canaries)
         self.lora_base = models.base_to_keep(model, cfg.model, self.source)  # saved beside LoRA adapters, or None
         # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
@@ -188,13 +189,16 @@ class Trainer:
         # the engine, before anything is written; the head untied where it needs it, checkpointing (dpllm.privacy.modes)
         mode, untied = prepare_engine(model, cfg, sharded=self.world.kind == "fsdp", keep_tie=keep_tie)
         self.adjustments += untied
-        model.to(self.device).train()  # from_pretrained returns eval mode; Opacus validates training mode
+        (model if from_rank0 else model.to(self.device)).train()  # from_pretrained: eval mode; Opacus wants train
         if self.dp:
             models.check_dp_layers(model)
         self.n_params = models.count_parameters(model)
+        full = distributed.full_state(model) if from_rank0 and main else None
         # DDP / FSDP wrapping comes before the optimizer (FSDP replaces parameters) and before make_private.
         self.model = distributed.wrap_model(model, dp=self.dp, world=self.world, accelerator=self.accelerator,
-                                mixed_precision=self.mp, grad_sample_mode=mode)
+                                            mixed_precision=self.mp, grad_sample_mode=mode)
+        if from_rank0:
+            distributed.fill_from_rank0(self.model, full, self.world, self.device)
         self.train_ds, self.eval_ds, self.collate = self.data.datasets(self.tokenizer, cfg.data)
         self.optimizer, self.scheduler = make_optimizer(self.model, self.t, steps=self.steps)
 

@@ -108,10 +108,10 @@ SEEDED = ["--reproducible_noise", "true", "--optimizer", "sgd", "--learning_rate
           "--eval_every", "0"]
 
 
-def _recipe(out, *extra, resume=False):
+def _recipe(out, *extra, resume=False, launch=FSDP_LAUNCH):
     from tests.test_distributed import ACCELERATE, TINY
 
-    cmd = [ACCELERATE, "launch", "--main_process_port", str(_free_port()), *FSDP_LAUNCH,
+    cmd = [ACCELERATE, "launch", "--main_process_port", str(_free_port()), *launch,
            os.path.join(ROOT, "recipes", "finetune_llm.py"), *TINY, "--output_dir", str(out), *extra,
            *(["--resume_from", "latest"] if resume else [])]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -206,6 +206,40 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(tmp_path, monk
     assert restored.keys() == saved.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
     assert ledger.verify(tmp_path / "one").ok
     assert json.loads((tmp_path / "one" / "privacy_report.json").read_text())["history"] == r2["history"]
+
+
+def test_rank0_loading_gives_every_process_the_weights_it_would_have_read(tmp_path):
+    """fsdp_cpu_ram_efficient_loading (recipes/accelerate/fsdp.yaml sets it): with a model directory, rank 1 builds
+    the model on the meta device and receives its shard (and the rotary buffers) from rank 0. The run ends where
+    the run whose processes each read the weights ends, step for step."""
+    from safetensors.torch import load_file
+
+    from dpllm.config import ModelConfig
+    from dpllm.models import load_base
+
+    model, tok, _ = load_base(ModelConfig(tiny_hidden_size=32, tiny_num_heads=2), 48)
+    model.save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    everyone = tmp_path / "fsdp_each_reads.yaml"  # the shipped launcher config, each process reading the weights
+    everyone.write_text(open(FSDP_LAUNCH[1]).read().replace("fsdp_cpu_ram_efficient_loading: true",
+                                                            "fsdp_cpu_ram_efficient_loading: false"))
+    same = ("--model_name_or_path", str(tmp_path / "base"), "--finetuning", "full", *SEEDED)
+    rank0 = _recipe(tmp_path / "rank0", *same)
+    each = _recipe(tmp_path / "each", *same, launch=["--config_file", str(everyone), "--num_processes", "2"])
+    logs = []
+    for proc in (rank0, each):
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-4000:]
+        logs.append(err)
+    assert logs[0].count("built from its config on the meta device") == 1  # rank 1 only
+    assert "read by rank 0 alone" in logs[0] and "meta device" not in logs[1]
+    r0, r1 = (json.loads((tmp_path / d / "privacy_report.json").read_text()) for d in ("rank0", "each"))
+    assert r0["history"] == r1["history"] and r0["steps"] == 6
+    a, b = (load_file(str(tmp_path / d / "checkpoint" / "model-00001-of-00001.safetensors")) for d in ("rank0", "each"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
+    base = load_file(str(tmp_path / "base" / "model.safetensors"))
+    moved = [k for k in base if k in a and not torch.allclose(a[k], base[k])]
+    assert len(moved) > len(base) // 2  # it trained: the comparison is between trained weights
 
 
 def _read_dcp(directory, scratch):
