@@ -189,7 +189,8 @@ class Trainer:
         # the engine, before anything is written; the head untied where it needs it, checkpointing (dpllm.privacy.modes)
         mode, untied = prepare_engine(model, cfg, sharded=self.world.kind == "fsdp", keep_tie=keep_tie)
         self.adjustments += untied
-        (model if from_rank0 else model.to(self.device)).train()  # from_pretrained: eval mode; Opacus wants train
+        # FSDP moves each block to the device as it shards it: the whole model never sits on one device
+        (model if self.world.kind == "fsdp" else model.to(self.device)).train()  # from_pretrained gives eval mode
         if self.dp:
             models.check_dp_layers(model)
         self.n_params = models.count_parameters(model)
