@@ -232,7 +232,7 @@ def _check_epsilons(entries: list[dict]) -> int:
                                                          accountant=e["accountant"])
             except (ValueError, TypeError, KeyError) as err:
                 raise LedgerError(f"line {i}: its history, δ or accountant cannot be accounted ({err})") from None
-        if not math.isclose(cache[key], eps, rel_tol=1e-6, abs_tol=1e-9):
+        if not math.isclose(cache[key], eps, rel_tol=1e-6, abs_tol=1e-9) and not _before_margin(e, history, group, eps):
             how = f"user-level mixture accounting (k={group})" if group > 1 else f"{e.get('accountant')} accountant"
             raise LedgerError(f"line {i}: ε={eps:.6g} but its history {history} gives ε={cache[key]:.6g} with the "
                               f"{how} at δ={e.get('delta'):g}")
@@ -241,6 +241,26 @@ def _check_epsilons(entries: list[dict]) -> int:
                               f"is at step {e.get('step')}")
         checked += 1
     return checked
+
+
+def _before_margin(e: dict, history: list, group: int, eps: float) -> bool:
+    """A PLD or user-level (mixture) ε written by a dpllm from before 2026-11-25, which read it at δ itself rather
+    than at δ less the composition's float rounding (:func:`dpllm.privacy.accounting.pld_rounding_margin`): the
+    line still verifies against that reading, a value within the rounding of today's."""
+    from dpllm.privacy.accounting import AccountantUnavailable, pld_epsilon
+    from dpllm.privacy.user_level import mixture_epsilon
+
+    steps = [tuple(h) for h in history]
+    try:
+        if group > 1:
+            old = mixture_epsilon(history=steps, delta=e["delta"], group_size=group, rounding_margin=False)
+        elif e.get("accountant") == "pld":
+            old = pld_epsilon(history=steps, delta=e["delta"], rounding_margin=False)
+        else:
+            return False
+    except (AccountantUnavailable, ValueError, TypeError, KeyError):
+        return False
+    return math.isclose(old, eps, rel_tol=1e-6, abs_tol=1e-9)
 
 
 def _read_report(path: Path):

@@ -134,3 +134,19 @@ def test_pld_refuses_a_grid_it_cannot_hold_and_the_fallback_goes_on_to_rdp():
         eps = compute_epsilon_history(history=history, delta=1e-5, accountant="pld")
     assert eps == pytest.approx(compute_epsilon_history(history=history, delta=1e-5, accountant="rdp"))
     assert eps > 100
+
+
+def test_a_ledger_written_before_the_margin_still_verifies_and_a_lower_epsilon_does_not():
+    """A run accounted by PLD before dpllm took the rounding margin recorded ε at δ itself: its ledger still
+    verifies (the two readings differ by the rounding alone), today's reading too; anything lower does not."""
+    from dpllm import ledger
+
+    history, delta = [[0.5, 1 / 97_657, 97_657]], 1e-9
+    old = accounting.pld_epsilon(history=[tuple(h) for h in history], delta=delta, rounding_margin=False)
+    new = accounting.pld_epsilon(history=[tuple(h) for h in history], delta=delta)
+    assert new > old * (1 + 1e-3)  # the margin, 8.7e-11 of δ = 1e-9, moves ε: seen 2.1720 → 2.1986
+    line = {"kind": "stage", "step": 0, "epsilon": old, "history": history, "delta": delta, "accountant": "pld"}
+    assert ledger._check_epsilons([line]) == 1
+    assert ledger._check_epsilons([dict(line, epsilon=new)]) == 1
+    with pytest.raises(ledger.LedgerError, match="gives ε="):
+        ledger._check_epsilons([dict(line, epsilon=old * 0.999)])

@@ -135,13 +135,14 @@ def compute_epsilon_history(*, history: History, delta: float, accountant: str =
     return _quiet_rdp(history, delta)
 
 
-def pld_epsilon(*, history: History, delta: float,
-                value_discretization_interval: float = PLD_DISCRETIZATION) -> float:
+def pld_epsilon(*, history: History, delta: float, value_discretization_interval: float = PLD_DISCRETIZATION,
+                rounding_margin: bool = True) -> float:
     """ε of ``history`` by dp-accounting's privacy loss distributions: each entry a Poisson-subsampled Gaussian
     under add/remove-one, pessimistic discretisation (an upper bound on the true ε at any interval), composed.
 
     The ε is read at δ less :func:`pld_rounding_margin` (the float64 rounding of the composition), so that it
-    stays an upper bound.
+    stays an upper bound; ``rounding_margin=False`` reads it at δ itself, as dpllm did before 2026-11-25 (only for
+    checking ledgers written then: :func:`dpllm.ledger.verify`).
 
     Raises:
         AccountantUnavailable: dp-accounting could not build or compose the distributions (memory, numerics), or
@@ -155,7 +156,7 @@ def pld_epsilon(*, history: History, delta: float,
             raise AccountantUnavailable(
                 f"dp-accounting's PLD would need ~{points:.2g} grid points per step at σ={sigma:g}, q={q:g} "
                 f"(more than {PLD_MAX_POINTS:,}: tens of GB)")
-    margin = pld_rounding_margin(history, delta)
+    margin = pld_rounding_margin(history, delta) if rounding_margin else 0.0
     try:
         total = None
         for sigma, q, steps in history:

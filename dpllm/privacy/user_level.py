@@ -72,18 +72,19 @@ def _step_pld(sigma: float, sample_rate: float, group_size: int):
         value_discretization_interval=MIXTURE_DISCRETIZATION)
 
 
-def mixture_epsilon(*, history, delta: float, group_size: int) -> float:
+def mixture_epsilon(*, history, delta: float, group_size: int, rounding_margin: bool = True) -> float:
     """User-level ε at ``delta`` of record-level DP-SGD ``history`` ``[(σ, q, steps), ...]`` for users of at
     most ``group_size`` records: the tight mixture-of-Gaussians accounting (see the module docstring).
 
     Deterministic in its arguments (the report and the ledger store them), so anyone can recompute it.
-    ``inf`` when the privacy loss is unbounded at this δ.
+    ``inf`` when the privacy loss is unbounded at this δ. Read at δ less the composition's float rounding
+    (:func:`dpllm.privacy.accounting.pld_rounding_margin`); ``rounding_margin=False``: at δ, as before 2026-11-25.
     """
     k = int(group_size)
     if k < 1:
         raise ValueError(f"group_size={group_size} must be ≥ 1")
-    try:
-        margin = pld_rounding_margin(history, delta)  # ε read at δ - margin: an upper bound despite the rounding
+    try:  # ε read at δ - margin: an upper bound despite the rounding
+        margin = pld_rounding_margin(history, delta) if rounding_margin else 0.0
     except AccountantUnavailable as err:
         raise PrivacyPlanError(f"user-level accounting cannot run: {err}; raise target_delta or train fewer "
                                "steps") from None
