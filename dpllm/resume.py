@@ -343,9 +343,16 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
         CheckpointError: the checkpoint lacks some trainable weights.
     """
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    if state.get("plan") != plan:
+    saved = state.get("plan")
+    if saved != plan:
+        why = "the data or an earlier stage changed"
+        if saved and plan and {k: v for k, v in saved.items() if k != "noise_multiplier"} == \
+                {k: v for k, v in plan.items() if k != "noise_multiplier"}:  # the same data, another σ for the target
+            why = ("only σ differs: the accounting changed since the run started (PLD and user-level ε take the "
+                   "float rounding of their composition into account since dpllm of 2026-11-25); finish the run "
+                   "with the dpllm that started it, or start it again")
         raise ConfigError(f"cannot resume from {ckpt}: the privacy plan differs from the checkpoint's "
-                          f"({state.get('plan')} vs {plan}); the data or an earlier stage changed")
+                          f"({saved} vs {plan}); {why}")
     if accountant is not None:
         saved = state["accountant"]
         accountant.load_state_dict({"mechanism": saved["mechanism"],

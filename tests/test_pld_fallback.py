@@ -150,3 +150,19 @@ def test_a_ledger_written_before_the_margin_still_verifies_and_a_lower_epsilon_d
     assert ledger._check_epsilons([dict(line, epsilon=new)]) == 1
     with pytest.raises(ledger.LedgerError, match="gives ε="):
         ledger._check_epsilons([dict(line, epsilon=old * 0.999)])
+
+
+def test_a_run_whose_sigma_the_new_accounting_moves_is_told_why_it_cannot_resume(tmp_path):
+    import json
+
+    from dpllm import resume
+    from dpllm.config import ConfigError
+
+    plan = {"noise_multiplier": 0.5123, "sample_rate": 0.01, "steps": 100, "delta": 1e-9, "accountant": "pld",
+            "prior_history": []}
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"plan": plan}))
+    kw = dict(model=None, optimizer=None, scheduler=None, world=None, generators={})
+    with pytest.raises(ConfigError, match="only σ differs: the accounting changed"):
+        resume.load(tmp_path, plan=dict(plan, noise_multiplier=0.5124), **kw)
+    with pytest.raises(ConfigError, match="the data or an earlier stage changed"):
+        resume.load(tmp_path, plan=dict(plan, steps=101), **kw)
