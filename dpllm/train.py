@@ -148,7 +148,7 @@ class Trainer:
         self.world = distributed.world_of(self.accelerator)
         self.device = self.accelerator.device
         distributed.check_parallelism(self.p, self.world.kind, world_size=self.world.size,
-                          logical_batch_size=self.t.logical_batch_size)
+                                      logical_batch_size=self.t.logical_batch_size)
         self.resume_from = resume.resolve(self.cfg)  # read-only, so every process reaches the same answer
         if self.resume_from is not None:
             resume.check_config(self.resume_from, self.cfg)
