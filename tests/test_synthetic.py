@@ -282,3 +282,4 @@ def test_sampled_text_is_valid_text(runs, tmp_path):
     assert len(rows) == 48 and not any(NOT_TEXT.search(r["text"]) for r in rows) and "\\u0000" not in text
     assert card["samples_dropped_not_valid_text"] == rows[-1]["id"] + 1 - 48
     assert sum(len(r["text"]) for r in rows) > 48 * 5  # real text came out, not empty strings
+    assert all(r["text"].strip() for r in rows)  # an empty sample is dropped and replaced, never written

@@ -152,7 +152,7 @@ def _columns(card: dict) -> str:
 def _dropped(card: dict) -> str:
     n = card.get("samples_dropped_not_valid_text")
     return ("." if not n else f"; {n} of the {card['samples_drawn']} samples drawn were dropped as not valid text "
-            "(NUL or control characters, bytes that are not UTF-8, or an empty turn) and replaced by further samples.")
+            "(NUL or control characters, bytes that are not UTF-8, or empty) and replaced by further samples.")
 
 
 def release_folder(synth: str | Path, dest: str | Path) -> Path:

@@ -91,7 +91,7 @@ def cli_main(argv: list[str]) -> int:
     dropped, drawn = card.get("samples_dropped_not_valid_text") or 0, card.get("samples_drawn") or 0
     if drawn and dropped > DROPPED_SHARE * drawn:
         print(f"warning: {dropped} of {drawn} samples were not valid text (NUL or control characters, bytes that are "
-              "not UTF-8, an empty turn) and were replaced: the model writes poor text")
+              "not UTF-8, an empty sample or turn) and were replaced: the model writes poor text")
     if not args.no_report:
         from dpllm.synthetic.report import evaluate, quality_warnings, write_report
 

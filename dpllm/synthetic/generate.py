@@ -3,7 +3,7 @@
 Record ``i`` is conditioned on ``labels[i % L]`` (the control code ``[label] `` the model was trained
 with, ``data.label_column``), on ``prompts[i % P]``, or on nothing (the tokenizer's BOS token, else its
 EOS token as a start-of-text marker). Batch ``b`` holds samples ``b·B … b·B + B - 1`` (always a full
-batch) and draws from its own generator seeded by ``(seed, b)``. A sample that is not valid text, or not a
+batch) and draws from its own generator seeded by ``(seed, b)``. A sample that is not valid text (or empty), or not a
 record of the run's shape (:mod:`dpllm.synthetic.records`: chat runs give ``messages``, prompt/completion
 runs ``prompt``/``completion``), is dropped and the next ids replace it, until the file holds ``num`` records
 (at most :func:`_max_draws` samples). Each line keeps its sample's id, so an interrupted run continued later,
@@ -177,7 +177,7 @@ def synthesize(run_dir: str | Path, *, num: int, out: str | Path, temperature: f
     if not card["complete"]:
         raise SynthesisError(f"only {card['num_records']} of {num} samples were valid text after drawing "
                              f"{_max_draws(num, batch_size)} (the rest held NUL or control characters or bytes "
-                             f"that are not UTF-8, or an empty {shape} turn): the model does not write clean text "
+                             f"that are not UTF-8, or were empty): the model does not write clean text "
                              "yet; train it longer, or lower --temperature / --top-p"
                              + (", or give public prompts (--prompt) for the user turns" if markers_needed else ""))
     return card
@@ -263,7 +263,7 @@ def _sample(run_dir: Path, out: Path, *, start: int, have: int, num: int, settin
             return {"id": i, "messages": [{"role": "user", "content": user},
                                           {"role": "assistant", "content": answer}]}
         text = clean(tok.decode(row, skip_special_tokens=True))
-        if text is None:
+        if text is None or not text.strip():  # an empty sample is no record: dropped and replaced, as an empty turn
             return None
         if shape == "prompt_completion":
             return {"id": i, "prompt": extra.get("prompt", ""), "completion": text.strip()}
