@@ -244,10 +244,11 @@ def _check_epsilons(entries: list[dict]) -> int:
 
 
 def _before_margin(e: dict, history: list, group: int, eps: float) -> bool:
-    """A PLD or user-level (mixture) ε written by a dpllm from before 2026-11-25, which read it at δ itself rather
-    than at δ less the composition's float rounding (:func:`dpllm.privacy.accounting.pld_rounding_margin`): the
-    line still verifies against that reading, a value within the rounding of today's."""
+    """A PRV, PLD or user-level (mixture) ε written by a dpllm from before 2026-11-25, which read it at δ itself
+    rather than at δ less the composition's float rounding (:data:`dpllm.privacy.prv.ROUNDING`): the line still
+    verifies against that reading, a value within the rounding of today's."""
     from dpllm.privacy.accounting import AccountantUnavailable, pld_epsilon
+    from dpllm.privacy.prv import prv_epsilon
     from dpllm.privacy.user_level import mixture_epsilon
 
     steps = [tuple(h) for h in history]
@@ -256,6 +257,8 @@ def _before_margin(e: dict, history: list, group: int, eps: float) -> bool:
             old = mixture_epsilon(history=steps, delta=e["delta"], group_size=group, rounding_margin=False)
         elif e.get("accountant") == "pld":
             old = pld_epsilon(history=steps, delta=e["delta"], rounding_margin=False)
+        elif e.get("accountant") == "prv":
+            old = prv_epsilon(history=steps, delta=e["delta"], rounding_margin=False)
         else:
             return False
     except (AccountantUnavailable, ValueError, TypeError, KeyError):

@@ -68,15 +68,31 @@ def test_pld_reads_epsilon_at_delta_less_the_rounding_margin():
 
 
 def test_the_rounding_margin_covers_what_the_fft_length_moves():
-    """scripts/pld_rounding.py: the same composition at four FFT lengths (only the rounding differs) moves δ(ε) by
-    less than the margin dpllm takes (seen: at most 1.14·T·2⁻⁵² over 7 histories; the margin is 4·T·2⁻⁵²)."""
-    from dpllm.privacy import tradeoff
+    """scripts/fft_rounding.py: the same composition at four FFT lengths (only the rounding differs) and in long
+    double moves δ(ε) by less than the margin dpllm takes (seen: at most 1.14·T·2⁻⁵² over 7 histories, 0.71 from
+    the long-double run; the margin is 4·T·2⁻⁵²)."""
+    from dpllm.privacy import prv, tradeoff
 
-    assert tradeoff.ROUNDING == accounting.PLD_ROUNDING  # the trade-off curves raise δ(ε) by the same margin
-    rows = _script("pld_rounding").spread(20_000, 0.8, 1e-3)
+    assert tradeoff.ROUNDING == accounting.PLD_ROUNDING == prv.ROUNDING  # one margin for PRV, PLD, the curves
+    rows = _script("fft_rounding").spread(20_000, 0.8, 1e-3)
     assert [r["epsilon"] for r in rows] == [1.0, 2.0, 4.0, 8.0]
     assert 0 < max(r["spread_in_T_eps"] for r in rows) < accounting.PLD_ROUNDING / 2  # seen: 0.72
+    assert 0 < max(r["error_in_T_eps"] for r in rows) < accounting.PLD_ROUNDING / 2  # seen: 0.61
     assert rows[0]["delta"] > 1e-5  # a real tail (4.3e-5), next to tails that are rounding alone (ε = 4, 8)
+
+
+def test_prv_reads_epsilon_below_its_own_rounding():
+    """dpllm's PRV composes by the same FFT power: its float64 δ(ε) is within 0.45·T·2⁻⁵² of the long-double
+    run (scripts/fft_rounding.py), and its ε is read at δ less 4·T·2⁻⁵², so it is at least the reading at δ."""
+    from dpllm.privacy import prv
+
+    r = _script("fft_rounding").prv_error(5_000, 1.0, 0.01, 1e-6)
+    assert 0 < max(row["error_in_T_eps"] for row in r["rows"]) < prv.ROUNDING / 4  # seen: 0.45
+    assert r["rows"][1]["delta"] == pytest.approx(1e-6, rel=0.1)  # the tail at the reported ε is δ's
+    history, delta = [(0.75, 1.02e-4, 9_766)], 1e-8
+    at_delta = prv.prv_epsilon(history=history, delta=delta, rounding_margin=False)
+    ours = prv.prv_epsilon(history=history, delta=delta)
+    assert at_delta < ours < at_delta + 1e-4  # the margin (3.5e-4 of δ here) moves ε, and not by much
 
 
 def test_pld_failing_too_falls_back_to_rdp(monkeypatch):
@@ -151,6 +167,21 @@ def test_a_ledger_written_before_the_margin_still_verifies_and_a_lower_epsilon_d
     assert ledger._check_epsilons([dict(line, epsilon=new)]) == 1
     with pytest.raises(ledger.LedgerError, match="gives ε="):
         ledger._check_epsilons([dict(line, epsilon=old * 0.999)])
+
+
+def test_a_prv_ledger_written_before_the_margin_still_verifies():
+    from dpllm import ledger
+    from dpllm.privacy import prv
+
+    history, delta = [[0.75, 1.02e-4, 9_766]], 1e-8
+    old = prv.prv_epsilon(history=[tuple(h) for h in history], delta=delta, rounding_margin=False)
+    new = accounting.compute_epsilon_history(history=[tuple(h) for h in history], delta=delta, accountant="prv")
+    assert new > old * (1 + 1e-6)  # beyond the ledger's tolerance: without the old reading it would not verify
+    line = {"kind": "stage", "step": 0, "epsilon": old, "history": history, "delta": delta, "accountant": "prv"}
+    assert ledger._check_epsilons([line]) == 1
+    assert ledger._check_epsilons([dict(line, epsilon=new)]) == 1
+    with pytest.raises(ledger.LedgerError, match="gives ε="):
+        ledger._check_epsilons([dict(line, epsilon=old * 0.9999)])
 
 
 def test_a_run_whose_sigma_the_new_accounting_moves_is_told_why_it_cannot_resume(tmp_path):

@@ -2,8 +2,9 @@
 
 Every ε that dpllm prints goes through :func:`compute_epsilon_history`, from the recorded
 ``(noise_multiplier, sample_rate, steps)`` history. ``rdp`` and ``gdp`` are Opacus's accountants; ``prv`` is
-Opacus's PRV computation as :mod:`dpllm.privacy.prv` runs it (same algorithm and bound, an FFT-friendly
-domain, a memory check before it allocates, no torch import; compared with Opacus's in tests/test_prv.py);
+Opacus's PRV computation as :mod:`dpllm.privacy.prv` runs it (same algorithm and bound, read below δ by the
+FFT's float rounding, an FFT-friendly domain, a memory check before it allocates, no torch import; compared with
+Opacus's in tests/test_prv.py);
 ``pld`` is Google dp-accounting's privacy-loss-distribution accountant with pessimistic discretisation (an
 upper bound at any grid; :data:`PLD_DISCRETIZATION`).
 
@@ -173,10 +174,11 @@ def pld_epsilon(*, history: History, delta: float, value_discretization_interval
 
 
 # dp-accounting composes T steps as the T-th power of the step's Fourier transform: a relative error of ~T·2⁻⁵² in
-# every coefficient, so ~T·2⁻⁵² in probability, δ included. Measured (scripts/pld_rounding.py: 7 histories, T from
-# 1,000 to 300,000; four FFT lengths each, which change only the rounding): δ(ε) spread over at most 1.14·T·2⁻⁵².
-# ε is read at δ - PLD_ROUNDING·T·2⁻⁵², and PLD is refused where that margin exceeds PRECISION_FRACTION of δ.
-PLD_ROUNDING = 4.0
+# every coefficient, so ~T·2⁻⁵² in probability, δ included. Measured (scripts/fft_rounding.py: 7 histories, T from
+# 1,000 to 300,000, against the same composition in long double and at four FFT lengths): at most 1.14·T·2⁻⁵².
+# ε is read at δ - PLD_ROUNDING·T·2⁻⁵² (PRV's margin, prv.ROUNDING), and PLD is refused where that margin exceeds
+# PRECISION_FRACTION of δ.
+PLD_ROUNDING = prv.ROUNDING
 
 
 def pld_rounding_margin(history: History, delta: float) -> float:

@@ -19,6 +19,10 @@ the same discretisation with the continuous mean restored, FFT self-composition,
    accountant refuses with :class:`AccountantUnavailable` instead, and the caller switches the whole plan
    to another accountant.
 4. No torch: this module needs numpy and scipy only, so ``dpllm plan`` starts in a fraction of a second.
+5. ε is read at δ less the FFT composition's float rounding (:data:`ROUNDING`·T·2⁻⁵², measured against a
+   long-double run by ``scripts/fft_rounding.py``), not at δ itself: Opacus's reading can fall below the
+   bound by what the rounding moved δ. The margin is a few 1e-12 of δ on ordinary plans (ε moves by ~1e-7),
+   at most ~1e-3 of δ where the precision check still lets PRV run.
 
 :func:`calibrate` finds the smallest σ on a printed grid (4 significant figures) whose ε is at most the
 target. It searches with the same computation on a 10× coarser mesh (a cheap stand-in, never reported),
@@ -50,6 +54,11 @@ EPS_SLACK = 1e-6
 MAX_POINTS = 25_000_000
 BYTES_PER_POINT = 56
 PRECISION_FRACTION = 0.3  # rounding noise (T·2⁻⁵²·√n) allowed, as a fraction of δ: see _check_precision
+# The T-fold FFT power rounds δ(ε) by ~T·2⁻⁵² in probability: measured against the same composition in long
+# double, at most 0.45·T·2⁻⁵² here and 1.14·T·2⁻⁵² in dp-accounting's PLD (scripts/fft_rounding.py). Both read ε
+# at δ less ROUNDING·T·2⁻⁵² (:func:`prv_epsilon`, :func:`dpllm.privacy.accounting.pld_rounding_margin`): ε
+# is then an upper bound whichever way the rounding fell. Opacus's PRV does not take this margin.
+ROUNDING = 4.0
 # Integer RDP orders: every one up to 32, then sparser (the bound moves little between neighbours up there).
 ORDERS = np.array(list(range(2, 33)) + [40, 48, 56, 64, 80, 96, 128, 160, 192, 256], dtype=float)
 SQRT2 = math.sqrt(2.0)
@@ -265,7 +274,8 @@ def _convolve_same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def _epsilon_from_pmf(pmf: np.ndarray, t_min: float, dt: float, delta: float, delta_error: float,
                       eps_error: float) -> float:
-    """Opacus's ``DiscretePRV.compute_epsilon`` upper bound: ε at δ - δ_err, plus ``eps_error``."""
+    """Opacus's ``DiscretePRV.compute_epsilon`` upper bound: ε at δ - δ_err, plus ``eps_error`` (``delta_error``
+    here includes the rounding margin)."""
     n = len(pmf)
     if np.finfo(np.longdouble).eps * n > delta - delta_error:
         raise AccountantUnavailable(f"δ={delta:g} is too small for a {n:,}-point PRV domain (float rounding)")
@@ -287,8 +297,10 @@ def _epsilon_from_pmf(pmf: np.ndarray, t_min: float, dt: float, delta: float, de
 
 
 def prv_epsilon(*, history: History, delta: float, eps_error: float = EPS_ERROR,
-                max_points: int = MAX_POINTS) -> float:
-    """ε after composing ``history`` (``(σ, q, steps)`` entries), Opacus's PRV upper bound at δ_err = δ/1000.
+                max_points: int = MAX_POINTS, rounding_margin: bool = True) -> float:
+    """ε after composing ``history`` (``(σ, q, steps)`` entries), Opacus's PRV upper bound at δ_err = δ/1000,
+    read at δ less the composition's float rounding (:data:`ROUNDING`·T·2⁻⁵²; ``rounding_margin=False``: at δ
+    itself, as Opacus and dpllm before 2026-11-25 read it).
 
     Raises:
         AccountantUnavailable: the domain would exceed ``max_points`` (memory), or the discretisation fails.
@@ -314,7 +326,8 @@ def prv_epsilon(*, history: History, delta: float, eps_error: float = EPS_ERROR,
             # Heterogeneous histories: convolve the self-compositions (Opacus's convolution tree, in order).
             composed = pmf if composed is None else _convolve_same(composed, pmf)
             del pmf
-        return _epsilon_from_pmf(composed, dom.t_min + shift, dom.dt, delta, delta_error, eps_error)
+        margin = ROUNDING * sum(t for _, _, t in history) * np.finfo(float).eps if rounding_margin else 0.0
+        return _epsilon_from_pmf(composed, dom.t_min + shift, dom.dt, delta, delta_error + margin, eps_error)
     except MemoryError as err:
         raise AccountantUnavailable(f"out of memory for a {dom.size:,}-point PRV domain ({err})") from err
     except FloatingPointError as err:

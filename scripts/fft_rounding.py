@@ -1,0 +1,137 @@
+"""How much float64 rounding moves δ(ε) in the two FFT accountants, in units of T·2⁻⁵² (T: the composed steps).
+
+Both compose T steps as the T-th power of one step's discrete Fourier transform: dp-accounting's PLD (the plan's
+fallback) and dpllm's PRV (:mod:`dpllm.privacy.prv`, Opacus's algorithm). Each is run here as it runs in dpllm,
+in float64, and again in long double (x86: 2⁻⁶³, so its own rounding is ~2,000× smaller) as the reference; for
+the PLD also at four FFT lengths, which change only the rounding. dpllm reads ε at δ less ``ROUNDING``·T·2⁻⁵²
+(:data:`dpllm.privacy.prv.ROUNDING`, the same for both) and refuses an accountant where that margin would exceed
+``PRECISION_FRACTION``·δ; this prints the largest error seen and the margin, per history.
+
+    python scripts/fft_rounding.py            # 7 PLD and 4 PRV histories, ~25 s on one CPU core
+    python scripts/fft_rounding.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+# (steps, σ, q): N = 10⁹ one epoch of B = 4,096 first (the plan PLD used to report at δ = 1e-10), then ordinary runs
+HISTORIES = [(244_141, 0.37, 4.1e-6), (97_657, 0.5, 1.02e-5), (20_000, 0.8, 1e-3), (5_000, 1.0, 0.01),
+             (1_000, 0.7, 0.05), (100_000, 0.6, 1e-4), (300_000, 1.0, 1e-3)]
+# (steps, σ, q, δ) PRV runs (its own precision check refuses the long ones): the last is near that check's limit
+PRV_HISTORIES = [(1_000, 0.7, 0.05, 1e-6), (5_000, 1.0, 0.01, 1e-6), (20_000, 0.8, 1e-3, 1e-7),
+                 (9_766, 0.75, 1.02e-4, 1e-8)]
+PADDINGS = (0, 700, 3000, 9000)
+EPSILONS = (1.0, 2.0, 4.0, 8.0)
+
+
+def _power(f, steps: int):
+    """``f ** steps`` by repeated squaring, in ``f``'s precision."""
+    acc, e = None, steps
+    while True:
+        if e & 1:
+            acc = f.copy() if acc is None else acc * f
+        e >>= 1
+        if not e:
+            return acc
+        f = f * f
+
+
+def _delta_at(losses, pmf, eps: float) -> float:
+    import numpy as np
+
+    above = losses > eps
+    return float(np.sum((1 - np.exp(eps - losses[above])) * pmf[above]))
+
+
+def spread(steps: int, sigma: float, q: float, *, interval: float = 1e-3, paddings=PADDINGS) -> list[dict]:
+    """dp-accounting's PLD: δ(ε) at :data:`EPSILONS` of ``steps`` composed (σ, q) steps at each FFT length, the
+    largest difference between lengths and the largest distance from the long-double composition, in
+    steps·2⁻⁵²."""
+    import numpy as np
+    from dp_accounting.pld import common
+    from dp_accounting.pld import privacy_loss_distribution as pld
+    from scipy import fft
+
+    one = pld.from_gaussian_mechanism(standard_deviation=sigma, sampling_prob=q, pessimistic_estimate=True,
+                                      value_discretization_interval=interval)
+    probs, lowest = one._pmf_remove._probs, one._pmf_remove._lower_loss  # the dense pmf dp-accounting composes
+    lo, hi = common.compute_self_convolve_bounds(probs, steps, 1e-15)
+    n = hi - lo + 1
+    losses = (np.arange(n) + lo + lowest * steps) * interval
+    composed = []
+    for pad in paddings:
+        length = fft.next_fast_len(max(n, len(probs)) + pad)
+        composed.append(np.roll(np.real(fft.ifft(fft.fft(probs, length) ** steps)), -lo)[:n])
+    length = fft.next_fast_len(max(n, len(probs)))
+    exact = np.roll(np.real(fft.ifft(_power(fft.fft(probs.astype(np.longdouble), length), steps))), -lo)[:n]
+    unit = steps * sys.float_info.epsilon
+    rows = []
+    for eps in EPSILONS:
+        deltas = [_delta_at(losses, y, eps) for y in composed]
+        ref = _delta_at(losses.astype(np.longdouble), exact, eps)
+        rows.append({"epsilon": eps, "delta": ref, "spread_in_T_eps": (max(deltas) - min(deltas)) / unit,
+                     "error_in_T_eps": max(abs(d - ref) for d in deltas) / unit})
+    return rows
+
+
+def prv_error(steps: int, sigma: float, q: float, delta: float) -> dict:
+    """dpllm's PRV: its ε for the history, and δ at ε/2, ε, 2ε from its float64 composition against the same
+    composition in long double, in steps·2⁻⁵² (and its precision check's estimate T·2⁻⁵²·√n, as a fraction of δ)."""
+    import math
+
+    import numpy as np
+    from scipy.fft import irfft, rfft
+
+    from dpllm.privacy import prv
+
+    history = [(sigma, q, steps)]
+    eps = prv.prv_epsilon(history=history, delta=delta)
+    dom = prv._domain(history, delta / 1000, prv.EPS_ERROR)
+    pmf, shift = prv._discretise(q, sigma, dom)
+    losses = dom.t_min + shift * steps + dom.dt * np.arange(dom.size)
+    ours = prv._self_compose(pmf.copy(), steps)
+    m = steps - 1 + (dom.size // 2 if steps % 2 == 0 else 0)  # the roll _self_compose applies
+    exact = np.roll(irfft(_power(rfft(pmf.astype(np.longdouble)), steps), dom.size), m)
+    unit = steps * sys.float_info.epsilon
+    rows = [{"epsilon": e, "delta": _delta_at(losses.astype(np.longdouble), exact, e),
+             "error_in_T_eps": abs(_delta_at(losses, ours, e) - _delta_at(losses.astype(np.longdouble), exact, e))
+             / unit} for e in (eps / 2, eps, 2 * eps)]
+    return {"steps": steps, "sigma": sigma, "q": q, "delta": delta, "prv_epsilon": eps, "points": dom.size,
+            "check_over_delta": unit * math.sqrt(dom.size) / delta, "rows": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="also write the rows here")
+    args = ap.parse_args()
+    from dpllm.privacy.prv import ROUNDING
+
+    out, worst = {"pld": [], "prv": []}, 0.0
+    print("PLD (dp-accounting): δ(ε) from the long-double run; float64 error and spread over FFT lengths, ·T·2⁻⁵²")
+    print(f"{'steps':>8} {'σ':>5} {'q':>8}  " + "  ".join(f"δ(ε={e:g}) err spread" for e in EPSILONS))
+    for steps, sigma, q in HISTORIES:
+        rows = spread(steps, sigma, q)
+        worst = max(worst, *(max(r["spread_in_T_eps"], r["error_in_T_eps"]) for r in rows))
+        out["pld"].append({"steps": steps, "sigma": sigma, "q": q, "rows": rows})
+        print(f"{steps:>8,} {sigma:>5g} {q:>8g}  " + "  ".join(
+            f"{r['delta']:9.2e} {r['error_in_T_eps']:4.2f} {r['spread_in_T_eps']:4.2f}" for r in rows), flush=True)
+    print("PRV (dpllm.privacy.prv): float64 error of δ at ε/2, ε, 2ε, ·T·2⁻⁵²")
+    for steps, sigma, q, delta in PRV_HISTORIES:
+        r = prv_error(steps, sigma, q, delta)
+        worst = max(worst, *(row["error_in_T_eps"] for row in r["rows"]))
+        out["prv"].append(r)
+        errors = "  ".join(f"{row['error_in_T_eps']:.2f}" for row in r["rows"])
+        print(f"{steps:>8,} {sigma:>5g} {q:>8g}  δ={delta:g} ε={r['prv_epsilon']:.4f} ({r['points']:,} points; "
+              f"check {r['check_over_delta']:.2g}·δ)  {errors}", flush=True)
+    print(f"largest: {worst:.2f}·T·2⁻⁵²; dpllm's margin: {ROUNDING:g}·T·2⁻⁵² "
+          f"({ROUNDING / max(worst, 1e-12):.1f}× the largest)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"paddings": PADDINGS, "rounding": ROUNDING, **out}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
