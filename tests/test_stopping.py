@@ -73,8 +73,16 @@ def test_a_lost_ctrl_c_still_stops_the_run_at_the_next_step(tmp_path, capsys, mo
                 pass  # what a careless `except BaseException` in some callback would do
 
     monkeypatch.setattr(dpllm.train.Trainer, "after_step", swallowed_ctrl_c)
+    # Ctrl-C at Python's default, whatever this worker inherited: a suite started as a background job of a shell
+    # without job control (`make test &` in a CI script) inherits SIGINT *ignored*, and dpllm rightly keeps it
+    # ignored (test_a_signal_started_ignored_stays_ignored), so the run would finish with 0.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     out = tmp_path / "run"
-    assert recipe.cli([*FAST, "--max_steps", "5", "--output_dir", str(out)]) == 130
+    try:
+        code = recipe.cli([*FAST, "--max_steps", "5", "--output_dir", str(out)])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130
     err = capsys.readouterr().err
     assert f"interrupted at step 2 of 5; the last resumable checkpoint is {out / 'checkpoints' / 'step-000002'}" in err
     assert not (out / "privacy_report.json").exists()
