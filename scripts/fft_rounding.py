@@ -27,18 +27,6 @@ PADDINGS = (0, 700, 3000, 9000)
 EPSILONS = (1.0, 2.0, 4.0, 8.0)
 
 
-def _power(f, steps: int):
-    """``f ** steps`` by repeated squaring, in ``f``'s precision."""
-    acc, e = None, steps
-    while True:
-        if e & 1:
-            acc = f.copy() if acc is None else acc * f
-        e >>= 1
-        if not e:
-            return acc
-        f = f * f
-
-
 def _delta_at(losses, pmf, eps: float) -> float:
     import numpy as np
 
@@ -55,6 +43,8 @@ def spread(steps: int, sigma: float, q: float, *, interval: float = 1e-3, paddin
     from dp_accounting.pld import privacy_loss_distribution as pld
     from scipy import fft
 
+    from dpllm.privacy.prv import _power
+
     one = pld.from_gaussian_mechanism(standard_deviation=sigma, sampling_prob=q, pessimistic_estimate=True,
                                       value_discretization_interval=interval)
     probs, lowest = one._pmf_remove._probs, one._pmf_remove._lower_loss  # the dense pmf dp-accounting composes
@@ -67,11 +57,12 @@ def spread(steps: int, sigma: float, q: float, *, interval: float = 1e-3, paddin
         composed.append(np.roll(np.real(fft.ifft(fft.fft(probs, length) ** steps)), -lo)[:n])
     length = fft.next_fast_len(max(n, len(probs)))
     exact = np.roll(np.real(fft.ifft(_power(fft.fft(probs.astype(np.longdouble), length), steps))), -lo)[:n]
+    losses_ld = losses.astype(np.longdouble)
     unit = steps * sys.float_info.epsilon
     rows = []
     for eps in EPSILONS:
         deltas = [_delta_at(losses, y, eps) for y in composed]
-        ref = _delta_at(losses.astype(np.longdouble), exact, eps)
+        ref = _delta_at(losses_ld, exact, eps)
         rows.append({"epsilon": eps, "delta": ref, "spread_in_T_eps": (max(deltas) - min(deltas)) / unit,
                      "error_in_T_eps": max(abs(d - ref) for d in deltas) / unit})
     return rows
@@ -83,7 +74,6 @@ def prv_error(steps: int, sigma: float, q: float, delta: float) -> dict:
     import math
 
     import numpy as np
-    from scipy.fft import irfft, rfft
 
     from dpllm.privacy import prv
 
@@ -92,13 +82,13 @@ def prv_error(steps: int, sigma: float, q: float, delta: float) -> dict:
     dom = prv._domain(history, delta / 1000, prv.EPS_ERROR)
     pmf, shift = prv._discretise(q, sigma, dom)
     losses = dom.t_min + shift * steps + dom.dt * np.arange(dom.size)
-    ours = prv._self_compose(pmf.copy(), steps)
-    m = steps - 1 + (dom.size // 2 if steps % 2 == 0 else 0)  # the roll _self_compose applies
-    exact = np.roll(irfft(_power(rfft(pmf.astype(np.longdouble)), steps), dom.size), m)
-    unit = steps * sys.float_info.epsilon
-    rows = [{"epsilon": e, "delta": _delta_at(losses.astype(np.longdouble), exact, e),
-             "error_in_T_eps": abs(_delta_at(losses, ours, e) - _delta_at(losses.astype(np.longdouble), exact, e))
-             / unit} for e in (eps / 2, eps, 2 * eps)]
+    ours = prv._self_compose(pmf, steps)
+    exact = prv._self_compose(pmf.astype(np.longdouble), steps)  # the same code, in long double
+    losses_ld, unit = losses.astype(np.longdouble), steps * sys.float_info.epsilon
+    rows = []
+    for e in (eps / 2, eps, 2 * eps):
+        ref = _delta_at(losses_ld, exact, e)
+        rows.append({"epsilon": e, "delta": ref, "error_in_T_eps": abs(_delta_at(losses, ours, e) - ref) / unit})
     return {"steps": steps, "sigma": sigma, "q": q, "delta": delta, "prv_epsilon": eps, "points": dom.size,
             "check_over_delta": unit * math.sqrt(dom.size) / delta, "rows": rows}
 

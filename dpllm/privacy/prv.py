@@ -244,22 +244,24 @@ def _discretise(q: float, sigma: float, dom: _Domain) -> tuple[np.ndarray, float
     return pmf, shift
 
 
-def _self_compose(pmf: np.ndarray, steps: int) -> np.ndarray:
-    """``steps``-fold convolution by FFT, rolled back onto the symmetric grid (Opacus's ``_compose_fourier``)."""
-    n = len(pmf)
-    f = rfft(pmf)
-    # f ** steps by repeated squaring: ~2·log2(steps) complex products, several times faster than
-    # numpy's complex power at equal accuracy (relative error ~ steps·1e-16, |f| ≤ 1).
+def _power(f: np.ndarray, steps: int) -> np.ndarray:
+    """``f ** steps`` by repeated squaring, in ``f``'s precision, overwriting ``f``: ~2·log2(steps) complex
+    products, several times faster than numpy's complex power at equal accuracy (relative error ~ steps·1e-16
+    in float64, |f| ≤ 1)."""
     acc, e = None, steps
     while True:
         if e & 1:
             acc = f.copy() if acc is None else np.multiply(acc, f, out=acc)
         e >>= 1
         if not e:
-            break
+            return acc
         np.multiply(f, f, out=f)
-    del f
-    out = irfft(acc, n)
+
+
+def _self_compose(pmf: np.ndarray, steps: int) -> np.ndarray:
+    """``steps``-fold convolution by FFT, rolled back onto the symmetric grid (Opacus's ``_compose_fourier``)."""
+    n = len(pmf)
+    out = irfft(_power(rfft(pmf), steps), n)
     m = steps - 1 + (n // 2 if steps % 2 == 0 else 0)
     return np.roll(out, m)
 
