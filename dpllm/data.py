@@ -275,6 +275,7 @@ class Loaded:
     over_max_records: int = 0  # private records beyond max_records (by keyed-hash rank)
     public_read: int = 0  # records read from public_dataset
     same_as_public: int = 0  # private records whose text the public dataset also holds (treated as public)
+    sft_format: Optional[str] = None  # the file's record shape (messages / prompt_completion) by its schema; None: text
 
     def notes(self, cfg: DataConfig) -> list[str]:
         """Lines for the privacy plan's warnings: records removed as duplicates of a file's (none for the
@@ -306,29 +307,42 @@ def keyed_draw(content: str, *, key: int, purpose: str) -> float:
     return int.from_bytes(h.digest(), "big") / 2.0 ** 64
 
 
-def _read_raw(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
+def _read_raw(cfg: DataConfig) -> tuple[list[str], Optional[list[str]], Optional[str]]:
+    """The raw texts, users (or None) and SFT record shape (None: plain text) of ``cfg.dataset``.
+
+    The shape is the table's schema (its columns, or the declared ``data_format``), one fact for the whole
+    file: a text column whose values happen to be JSON stays plain text, whatever any record holds.
+    """
     from dpllm import sft
 
     by_user = cfg.privacy_unit == "user"
     table = sft.read_table(cfg)  # chat / instruction records, Parquet, save_to_disk folders
     if table is not None:
-        return table
+        texts, users, shape = table
+        return texts, users, (shape if shape != "text" else None)
     if cfg.dataset in BUILTIN:
-        return BUILTIN_USERS[cfg.dataset]() if by_user else (BUILTIN[cfg.dataset](), None)
+        return (*(BUILTIN_USERS[cfg.dataset]() if by_user else (BUILTIN[cfg.dataset](), None)), None)
     if Path(cfg.dataset).is_file():
-        return _file_records(Path(cfg.dataset), cfg)
+        return (*_file_records(Path(cfg.dataset), cfg), None)
     if Path(cfg.dataset).is_dir():
         raise DataError(f"dataset={cfg.dataset} is a directory; give a .jsonl/.json/.csv/.txt file")
-    return _hub_records(cfg)
+    return (*_hub_records(cfg), None)
 
 
-def _public_records(cfg: DataConfig) -> tuple[list[str], int]:
-    """The declared public records (stripped, filtered, unique) and how many were read."""
+def _public_records(cfg: DataConfig, shape: Optional[str]) -> tuple[list[str], int]:
+    """The declared public records (stripped, filtered, unique) and how many were read.
+
+    Raises:
+        DataError: the public data set's record shape is not the private one's ``shape``.
+    """
     import dataclasses
 
     pcfg = dataclasses.replace(cfg, dataset=cfg.public_dataset, public_dataset=None, privacy_unit="record",
                                max_records=None)
-    raw, _ = _read_raw(pcfg)
+    raw, _, public_shape = _read_raw(pcfg)
+    if public_shape != shape:
+        raise DataError(f"public_dataset={cfg.public_dataset} holds {public_shape or 'plain text'} records but "
+                        f"dataset={cfg.dataset} holds {shape or 'plain text'} records; give both in one shape")
     texts = [t.strip() for t in raw]
     return list(dict.fromkeys(t for t in texts if len(t) >= cfg.min_chars)), len(raw)
 
@@ -348,8 +362,8 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
     if cfg.label_column and (cfg.dataset in BUILTIN or Path(cfg.dataset).suffix.lower() == ".txt"):
         raise DataError(f"label_column={cfg.label_column!r} needs a .jsonl/.json/.csv file or a Hub dataset with that "
                         f"column; dataset={cfg.dataset} has none (unset label_column)")
-    raw, raw_users = _read_raw(cfg)
-    public, public_read = _public_records(cfg) if cfg.public_dataset else ([], 0)
+    raw, raw_users, shape = _read_raw(cfg)
+    public, public_read = _public_records(cfg, shape) if cfg.public_dataset else ([], 0)
     public_set = set(public)
     owner: dict[str, str] = {}  # text -> user (the smallest name among the users who wrote it)
     records: list[str] = []
@@ -399,7 +413,7 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
         users = users + [""] * len(public) if by_user else users
     return Loaded(records=records, users=users if by_user else None, read=len(raw), too_short=too_short,
                   duplicates=duplicates, public=flags, over_max_records=over, public_read=public_read,
-                  same_as_public=same_as_public)
+                  same_as_public=same_as_public, sft_format=shape)
 
 
 def sha256(text: str) -> str:

@@ -6,7 +6,7 @@ plan and before any model loads; ``DPTrainer`` (:mod:`dpllm.hf`) builds one from
     step                        what                                          where
     read                        records, users, what reading removed          data.load_records_counted
     split                       public / train / held out, keyed per record   data.make_splits
-    SFT records                 record shape; answers max_length cuts off     sft.format_of, sft.drop_cut_answers
+    SFT records                 record shape; answers max_length cuts off     Loaded.sft_format, sft.drop_cut_answers
     canaries                    num_canaries secrets, each trained on or not  data.make_canaries
     users (privacy_unit=user)   at most k records per user, a secret choice   RunPrivacy.bound_contributions
     members                     training texts (records, then canaries),      data.select; the resumed run's
@@ -55,7 +55,7 @@ class RunData:
     def datasets(self, tokenizer, cfg: DataConfig):
         """``(train_ds, eval_ds, collate)``: token ids and labels (-100 on padding, and on prompts of SFT records)."""
         if self.sft_format:  # the template is set on the tokenizer saved with the model
-            return sft.make_datasets(self.train_texts, self.eval_texts, tokenizer, cfg)
+            return sft.make_datasets(self.train_texts, self.eval_texts, tokenizer, cfg, fmt=self.sft_format)
         return (data.TokenizedRecords(self.train_texts, tokenizer, cfg.max_length),
                 data.TokenizedRecords(self.eval_texts, tokenizer, cfg.max_length),
                 data.make_collate(tokenizer.pad_token_id))
@@ -111,11 +111,11 @@ def _read_and_split(cfg: RunConfig) -> tuple[data.Loaded, data.Splits, Optional[
     except data.DataError as err:  # say why so few are left: duplicates are easy to miss in a file
         raise data.DataError(f"{err}" + (f" ({loaded.duplicates:,} of {loaded.read:,} records read were exact "
                                          "duplicates and were removed)" if loaded.duplicates else "")) from None
-    sft_format = sft.format_of(loaded.records)
+    sft_format = loaded.sft_format  # the file's schema (or data_format), never a vote of the records (issue 46)
     log.info("[private] data format: %s", f"{sft_format} records, loss on {d.loss_on} tokens" if sft_format
              else "plain text, loss on all tokens")  # detected from the private file: the console only
     dropped = None
     if sft_format:  # before the plan: N counts only records that keep an answer token
-        dropped = sft.drop_cut_answers(loaded.records, splits, sft.load_tokenizer(cfg.model),
+        dropped = sft.drop_cut_answers(loaded.records, splits, sft.load_tokenizer(cfg.model), fmt=sft_format,
                                        max_length=d.max_length, chat_template=d.chat_template)
     return loaded, splits, sft_format, dropped

@@ -229,3 +229,45 @@ def test_a_resumed_run_refuses_a_split_that_changed(tmp_path):
     with pytest.raises(data.DataError, match="predates dpllm's per-record split rule.*1 differ"):
         data.check_resumed_split(path, {data.sha256("a")})
     data.check_resumed_split(path, {data.sha256("a"), data.sha256("b")})  # the same members: resumes
+
+
+# ---- issue 46: one record (or user) changes nothing about how the others are trained ---------------------------
+
+def _examples(tmp_path, rows: list[dict], name: str, *extra: str) -> dict[str, tuple[list[int], list[int]]]:
+    """Each trained record's text → the (token ids, labels) its training example holds (labels = ids where every
+    token is in the loss, as the plain-text collator makes them)."""
+    from dpllm.sft import load_tokenizer
+    from dpllm.train import Trainer
+
+    cfg = parse_config(["--dataset", _write(tmp_path / f"{name}.jsonl", rows), "--output_dir", str(tmp_path / name),
+                        "--privacy.enabled", "false", "--max_length", "64", *extra])
+    trainer = Trainer(cfg)
+    trainer.setup_process()
+    trainer.setup_data()
+    train_ds, _, _ = trainer.data.datasets(load_tokenizer(cfg.model), cfg.data)
+    out = {}
+    for text, item in zip(trainer.data.train_texts, (train_ds[i] for i in range(len(train_ds)))):
+        ids, labels = (item["input_ids"], item["labels"]) if isinstance(item, dict) else (item, item)
+        out[text] = (ids.tolist(), labels.tolist())
+    return out
+
+
+def test_one_plain_record_does_not_flip_the_format_of_the_others(tmp_path):
+    """Item 1: 200 records whose texts happen to be JSON prompt/completion strings, ± one plain-text record. The
+    format is the file's schema (a text column: plain text), so every record trained in both runs has the same
+    training example in both; on the old code the 200 were SFT records (loss on the answer) without the plain
+    record and plain text with it."""
+    rows = [{"text": json.dumps({"completion": f"the answer is {i * 7}", "prompt": f"what is {i} times seven?"},
+                                sort_keys=True)} for i in range(200)]
+    plain = {"text": "one plain record of the file, a support ticket about a printer"}
+    a = _examples(tmp_path, rows, "a")
+    b = _examples(tmp_path, rows + [plain], "b")
+    both = a.keys() & b.keys()
+    assert len(both) > 120 and set(b) - set(a) <= {plain["text"]}
+    assert all(a[t] == b[t] for t in both), sum(a[t] != b[t] for t in both)
+    t = next(iter(both))
+    assert a[t][1] == a[t][0]  # plain text: every token is in the loss
+    # data_format: text is honoured, and a declared shape the columns cannot hold is refused with what to change
+    assert _examples(tmp_path, rows, "c", "--data_format", "text") == a
+    with pytest.raises(data.DataError, match="data_format=prompt_completion needs the column"):
+        _examples(tmp_path, rows, "d", "--data_format", "prompt_completion")

@@ -24,10 +24,11 @@ _PACKED_MIN_ROWS = 8
 
 
 class Rows(Dataset):
-    """Records as ``{"input_ids", "labels"}`` 1-D LongTensors, and their texts."""
+    """Records as ``{"input_ids", "labels"}`` 1-D LongTensors, their texts, and the SFT record shape of the
+    dataset's columns (``fmt``; None for token rows)."""
 
-    def __init__(self, items: list[dict], texts: list[str]):
-        self.items, self.texts = items, texts
+    def __init__(self, items: list[dict], texts: list[str], fmt=None):
+        self.items, self.texts, self.fmt = items, texts, fmt
 
     def __len__(self) -> int:
         return len(self.items)
@@ -101,7 +102,7 @@ def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: 
                     dropped, name, args.max_length)
     if not items and name == "train_dataset":
         raise ConfigError(f"DPTrainer: every row of {name} loses its answer to max_length={args.max_length}; raise it")
-    return Rows(items, kept)
+    return Rows(items, kept, fmt)
 
 
 __all__ = ["PadRecords", "Rows", "rows_of", "trainer_rows"]

@@ -46,7 +46,7 @@ from dpllm.models import (
     untie_output_embeddings,
 )
 from dpllm.run_data import RunData
-from dpllm.sft import SFTArguments, format_of, is_untokenized_sft
+from dpllm.sft import SFTArguments, is_untokenized_sft
 from dpllm.train import Trainer as RunTrainer
 from dpllm.train import seed_everything
 
@@ -240,7 +240,7 @@ class HFRun(RunTrainer):
         self.data = RunData(records=records, splits=splits, train_texts=list(train),  # one per row: N counts rows
                             eval_texts=list(heldout), trained_hashes={data.sha256(t) for t in train},
                             heldout_hashes={data.sha256(records[i]) for i in splits.heldout},
-                            sft_format=format_of(train) if is_untokenized_sft(self.hf.train_dataset) else None)
+                            sft_format=self.train_rows.fmt)  # the dataset's columns, not a vote of its rows
         masked = any(bool((x["labels"] == -100).any()) for x in self.train_rows.items)
         log.info("[private] data format: %s", f"{self.data.sft_format} records, loss on {self.cfg.data.loss_on} tokens"
                  if self.data.sft_format else "token rows, loss on " + ("the tokens their labels keep (-100 elsewhere)"

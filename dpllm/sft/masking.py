@@ -54,11 +54,14 @@ def answer_fits(records: Sequence[str], tokenizer, *, max_length: int) -> list[b
 
 
 def drop_cut_answers(records: Sequence[str], splits, tokenizer, *, max_length: int,
-                     chat_template: Optional[str] = None) -> list[int]:
+                     chat_template: Optional[str] = None, fmt: Optional[str] = None) -> list[int]:
     """Remove records whose answer ``max_length`` cuts off entirely from ``splits.train`` and ``.heldout``.
 
     They are reported (a warning, and ``splits.json``'s ``sft.dropped_no_answer``) and are neither members
     nor held out: training on them would train on zero tokens, and they have no answer to evaluate.
+
+    Args:
+        fmt: the data set's record shape (``Loaded.sft_format``); None guesses it from the records.
 
     Returns:
         The dropped record ids.
@@ -66,7 +69,8 @@ def drop_cut_answers(records: Sequence[str], splits, tokenizer, *, max_length: i
     Raises:
         DataError: conversations and no chat template (see :func:`prepare_tokenizer`), or no record left.
     """
-    prepare_tokenizer(tokenizer, chat_template, needed=needs_template(records, format_of(records)))
+    fmt = fmt or format_of(records)
+    prepare_tokenizer(tokenizer, chat_template, needed=needs_template(records, fmt))
     ids = sorted(set(splits.train) | set(splits.heldout))
     fits = answer_fits([records[i] for i in ids], tokenizer, max_length=max_length)
     dropped = [i for i, ok in zip(ids, fits) if not ok]
@@ -127,10 +131,11 @@ class PadRecords:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def make_datasets(train_texts, eval_texts, tokenizer, cfg: DataConfig):
+def make_datasets(train_texts, eval_texts, tokenizer, cfg: DataConfig, *, fmt: Optional[str] = None):
     """``(train_ds, eval_ds, collate)`` of a run: training labels as ``loss_on`` says; held-out ones
-    always answer-only (the held-out metric is the answer's loss)."""
-    fmt = format_of(list(train_texts) + list(eval_texts))
+    always answer-only (the held-out metric is the answer's loss). ``fmt``: the data set's record shape
+    (``Loaded.sft_format``); None guesses it from the records (callers with SFT records only)."""
+    fmt = fmt or format_of(list(train_texts) + list(eval_texts))
     prepare_tokenizer(tokenizer, cfg.chat_template, needed=needs_template(train_texts, fmt))
     train = SFTRecords(train_texts, tokenizer, max_length=cfg.max_length, loss_on=cfg.loss_on)
     heldout = SFTRecords(eval_texts, tokenizer, max_length=cfg.max_length, loss_on="answer") if eval_texts else []

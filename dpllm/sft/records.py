@@ -3,7 +3,7 @@
     shape_of, read_table    a table's columns → its shape (``data_format: auto`` detects it); the rows of a
                             file, ``save_to_disk`` folder, Hub id or built-in set (:data:`BUILTIN`) → records
     canonical, parse        a row ↔ the canonical JSON string splits, hashes and audits treat as any text
-    format_of               the one shape of a run's records (None for plain text)
+    format_of               a guess of the shape from record strings (audits of bare texts; never training)
     canary_record           a canary as a record of the run's shape (the secret is the answer)
     needs_template          whether rendering needs a chat template (conversational records)
     SFTArguments            how DPTrainer reads an untokenized dataset (:func:`is_untokenized_sft`)
@@ -178,18 +178,19 @@ def rows_to_records(rows, cfg: DataConfig, source: str) -> tuple[list[str], Opti
     return texts, users, fmt
 
 
-def read_table(cfg: DataConfig) -> Optional[tuple[list[str], Optional[list[str]]]]:
+def read_table(cfg: DataConfig) -> Optional[tuple[list[str], Optional[list[str]], str]]:
     """The records of an SFT dataset, or of any table dpllm.data cannot read itself (Parquet, a folder).
 
-    Returns None for the plain-text datasets :mod:`dpllm.data` reads as before (its built-in corpora,
-    .txt files, tables with only a text column).
+    Returns ``(records, users, shape)``, the shape decided by the table's columns (or the declared
+    ``data_format``, :func:`shape_of`), never by what the records hold; None for the plain-text datasets
+    :mod:`dpllm.data` reads as before (its built-in corpora, .txt files, tables with only a text column).
 
     Raises:
         DataError: unreadable data, a missing column, a malformed record.
     """
     name, fmt = cfg.dataset, cfg.data_format
     if name in BUILTIN:
-        return rows_to_records(BUILTIN[name](), cfg, name)[:2]
+        return rows_to_records(BUILTIN[name](), cfg, name)
     path = Path(name)
     if name in ("pydoc", "pystdlib") or path.suffix.lower() == ".txt":
         if fmt in FORMATS:
@@ -206,7 +207,7 @@ def read_table(cfg: DataConfig) -> Optional[tuple[list[str], Optional[list[str]]
         if not rows or not all(isinstance(r, dict) for r in rows[:1]):
             return None
         texts, users, shape = rows_to_records(rows, cfg, name)
-        return (texts, users) if shape != "text" else None
+        return (texts, users, shape) if shape != "text" else None
     if path.suffix.lower() == ".csv" and path.is_file():
         import csv
 
@@ -215,7 +216,7 @@ def read_table(cfg: DataConfig) -> Optional[tuple[list[str], Optional[list[str]]
             rows = list(csv.DictReader(fh))
         if not rows or shape_of(list(rows[0]), cfg) == "text":
             return None
-        return rows_to_records(rows, cfg, name)[:2]
+        return rows_to_records(rows, cfg, name)
     table = _load_dataset(cfg)
     if table is None:
         return None
@@ -223,7 +224,7 @@ def read_table(cfg: DataConfig) -> Optional[tuple[list[str], Optional[list[str]]
     shape = shape_of(cols, cfg)
     if shape == "text" and (path.suffix.lower() == ".json" or not (path.is_dir() or path.suffix == ".parquet")):
         return None  # dpllm.data reads its own kinds of text tables (and words their errors)
-    return rows_to_records(table.to_list() if hasattr(table, "to_list") else list(table), cfg, name)[:2]
+    return rows_to_records(table.to_list() if hasattr(table, "to_list") else list(table), cfg, name)
 
 
 def _load_dataset(cfg: DataConfig):
@@ -268,7 +269,11 @@ def parse(record: str) -> dict:
 
 
 def format_of(records: Sequence[str]) -> Optional[str]:
-    """``messages`` or ``prompt_completion`` when every record is a canonical SFT record, else None (text)."""
+    """``messages`` or ``prompt_completion`` when every record is a canonical SFT record, else None (text).
+
+    A guess from the records' contents, for readers that have nothing else (an audit of texts alone): one
+    record changes it for all. A run's shape is the data set's schema (:func:`read_table`, ``data_format``),
+    carried in :class:`dpllm.data.Loaded` and ``splits.json``; training never calls this (issue 46)."""
     def shape(r: str) -> Optional[str]:
         if not r.startswith('{"'):
             return None
