@@ -75,8 +75,8 @@ class DataConfig:
                                           "whose keyed hash under split_seed ranks first, whatever their place "
                                           "in the file.")
     deduplicate: bool = _f(True, "Keep one copy of texts that repeat exactly (record-level: a copy would train as "
-                                 "a second record; user-level: a shared text goes to the user whose name sorts "
-                                 "first). false keeps every copy (privacy_unit=record only).")
+                                 "a second record; user-level: within each user, so a text two users wrote is a "
+                                 "record of each). false keeps every copy (privacy_unit=record only).")
     public_dataset: Optional[str] = _f(None, "A second dataset (same forms as dataset) whose records you declare "
                                              "public: they form the public split, trained on without DP "
                                              "(train_on: public); a private record equal to one of them is "
@@ -467,8 +467,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("public_fraction and public_dataset both set: declare public data one way (unset "
                           "public_fraction)")
     if not d.deduplicate and d.privacy_unit == "user":
-        raise ConfigError("deduplicate=false needs privacy_unit=record: at user level a text shared by two users "
-                          "would be trained and held out at once; set deduplicate: true")
+        raise ConfigError("deduplicate=false needs privacy_unit=record: at user level a user's repeated text is one "
+                          "record (the cap counts distinct records); set deduplicate: true")
     if t.logical_batch_size < 1 or t.physical_batch_size < 1:
         raise ConfigError("logical_batch_size and physical_batch_size must be positive")
     if t.physical_batch_size > t.logical_batch_size:

@@ -248,8 +248,8 @@ def load_records(cfg: DataConfig) -> list[str]:
 def load_records_and_users(cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
     """:func:`load_records` and, with ``privacy_unit: user``, the user of each record (else None).
 
-    The record list is the same as :func:`load_records`'s whatever the unit; a text several users wrote is kept
-    once, for the user whose name sorts first (wherever the copies are in the file).
+    At user level a text is deduplicated within each user only: a text several users wrote is a record of each
+    of them (wherever the copies are in the file), so the record list can hold it more than once.
 
     Raises:
         DataError: as :func:`load_records`, or a missing user column.
@@ -351,9 +351,10 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
     """:func:`load_records_and_users` with the counts of records read, too short and duplicated.
 
     Every record is kept or dropped by itself (its text, its user's name, the key ``split_seed``), never by
-    its place in the file: a duplicate is one record whichever copy comes first (at user level, the shared
-    text goes to the user whose name sorts first), and ``max_records`` keeps the records whose keyed hash
-    ranks first. The kept records stay in file order (``splits.json``'s ids index this list).
+    its place in the file: a duplicate is one record whichever copy comes first (at user level, within one
+    user: a text two users wrote is a record of each, so a user's records never depend on which other users
+    exist), and ``max_records`` keeps the records whose keyed hash ranks first. The kept records stay in file
+    order (``splits.json``'s ids index this list).
 
     Raises:
         DataError: as :func:`load_records_and_users`.
@@ -365,28 +366,25 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
     raw, raw_users, shape = _read_raw(cfg)
     public, public_read = _public_records(cfg, shape) if cfg.public_dataset else ([], 0)
     public_set = set(public)
-    owner: dict[str, str] = {}  # text -> user (the smallest name among the users who wrote it)
+    seen: set = set()  # record level: texts; user level: (user, text), so no user's copy decides another's
     records: list[str] = []
     users: list[str] = []
     too_short = duplicates = same_as_public = 0
     for i, text in enumerate(raw):
         text = text.strip()
         # exact duplicates would be both member and non-member: one record, whichever copy comes first
+        key = (raw_users[i], text) if raw_users is not None else text
         if len(text) < cfg.min_chars:
             too_short += 1
         elif text in public_set:
             same_as_public += 1
-        elif cfg.deduplicate and text in owner:
+        elif cfg.deduplicate and key in seen:
             duplicates += 1
-            if raw_users is not None and raw_users[i] < owner[text]:
-                owner[text] = raw_users[i]
         else:
-            owner[text] = raw_users[i] if raw_users is not None else ""
+            seen.add(key)
             records.append(text)
             if raw_users is not None:
                 users.append(raw_users[i])
-    if cfg.deduplicate and raw_users is not None:
-        users = [owner[t] for t in records]
     if duplicates:  # a file's count also goes into the plan's warnings (Loaded.notes)
         log.info("dataset %s: %d of %d records read were exact duplicates and were removed", cfg.dataset, duplicates,
                  len(raw))
@@ -472,7 +470,9 @@ def make_splits(records: Sequence[str], cfg: DataConfig, users: Optional[Sequenc
 
     A record's draw u = :func:`keyed_draw` of its text (with ``users``: of its user's name, so every record of a
     user lands in the same split and a held-out record never belongs to a trained user) under the key
-    ``split_seed``. Records marked in ``public`` (declared public, ``public_dataset``) form the public split;
+    ``split_seed``; a held-out user's record whose text a training user also wrote is left out of the held-out
+    split (it is trained on; the training split never depends on it). Records marked in ``public`` (declared
+    public, ``public_dataset``) form the public split;
     the rest are held out when u < ``public_fraction`` + ``heldout_fraction``·(1 − ``public_fraction``) and
     trained on otherwise, except that ``public_fraction`` > 0 (studies only, ``simulate_public_from_private``)
     sends u < ``public_fraction`` to the public split. Adding or removing one record of the file therefore
@@ -496,6 +496,10 @@ def make_splits(records: Sequence[str], cfg: DataConfig, users: Optional[Sequenc
         ids[role].append(i)
         if users is not None:
             names[role].add(users[i])
+    if users is not None:  # a text a training user also wrote is no non-member: neither held out nor audited
+        trained = {records[i] for i in ids["train"]}
+        ids["heldout"] = [i for i in ids["heldout"] if records[i] not in trained]
+        names["heldout"] = {users[i] for i in ids["heldout"]}
     unit = "users" if users is not None else "records"
     n = len(names["train"] | names["heldout"]) if users is not None else len(ids["train"]) + len(ids["heldout"])
     if not ids["train"]:

@@ -160,11 +160,12 @@ def test_duplicates_are_one_record_whichever_copy_comes_first(tmp_path):
     for other, changed in ((rows + [dict(rows[3])], rows[3]), (rows[:7] + rows[8:], rows[7])):
         _differ_by(before, _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), deduplicate=False)),
                    changed["text"])
-    # at user level a text two users wrote belongs to the user whose name sorts first, wherever the copies are
-    urows = [{"text": NEW, "user": "zed"}] + _rows(users=20) + [{"text": NEW, "user": "amy"}]
+    # at user level a text two users wrote is a record of each (dedup within one user), wherever the copies are
+    urows = ([{"text": NEW, "user": "zed"}] + _rows(users=20) + [{"text": NEW, "user": "amy"}]
+             + [{"text": NEW, "user": "zed"}])
     records, users = data.load_records_and_users(DataConfig(dataset=_write(tmp_path / "u.jsonl", urows),
                                                             privacy_unit="user"))
-    assert users[records.index(NEW)] == "amy"
+    assert sorted(u for r, u in zip(records, users) if r == NEW) == ["amy", "zed"]
 
 
 def test_max_records_keeps_by_keyed_hash_not_file_order(tmp_path):
@@ -271,3 +272,37 @@ def test_one_plain_record_does_not_flip_the_format_of_the_others(tmp_path):
     assert _examples(tmp_path, rows, "c", "--data_format", "text") == a
     with pytest.raises(data.DataError, match="data_format=prompt_completion needs the column"):
         _examples(tmp_path, rows, "d", "--data_format", "prompt_completion")
+
+
+def _kept_by_user(cfg: DataConfig, k) -> tuple[dict[str, set], dict[str, set]]:
+    """Each user's trained records after the cap (one fixed key) and each held-out user's records, as texts."""
+    loaded = data.load_records_counted(cfg)
+    s = data.make_splits(loaded.records, cfg, loaded.users)
+    cap = user_level.cap_users(s.train, loaded.users, k, torch.Generator().manual_seed(0), texts=loaded.records)
+    heldout: dict[str, set] = {}
+    for i in s.heldout:
+        heldout.setdefault(loaded.users[i], set()).add(loaded.records[i])
+    return {u: {loaded.records[i] for i in ids} for u, ids in cap["by_user"].items()}, heldout
+
+
+@pytest.mark.parametrize("k", [None, 3])
+def test_a_new_user_who_shares_a_text_takes_no_record_from_another(tmp_path, k):
+    """Item 2: a newcomer whose id sorts first writes a text an existing training user wrote (one the cap keeps).
+    On the old code deduplication gave the text to the newcomer, so the existing user lost it (and with
+    max_records_per_user the cap picked another record in its place); now every existing user keeps the same
+    records, and the shared text is trained for both users."""
+    rows = _rows(users=40)
+    opts = {"privacy_unit": "user", "heldout_fraction": 0.25}
+    before, _ = _kept_by_user(DataConfig(dataset=_write(tmp_path / "a.jsonl", rows), **opts), k)
+    victim = next(u for u in sorted(before) if len(before[u]) == (k or 6))
+    shared = sorted(before[victim])[0]
+    for newcomer in ("a-newcomer", "zz-newcomer"):  # sorts before and after every existing user
+        after, _ = _kept_by_user(DataConfig(dataset=_write(tmp_path / "b.jsonl", rows + [
+            {"text": shared, "user": newcomer}, {"text": NEW, "user": newcomer}]), **opts), k)
+        assert {u: after[u] for u in before} == before, newcomer
+    # a held-out user's copy of a trained text is no non-member: it leaves the held-out split, never the training one
+    heldout_user = next(u for u in sorted({r["user"] for r in rows}) if u not in before)
+    text = next(r["text"] for r in rows if r["user"] == heldout_user)
+    cfg = DataConfig(dataset=_write(tmp_path / "c.jsonl", rows + [{"text": text, "user": victim}]), **opts)
+    trained, heldout = _kept_by_user(cfg, None)
+    assert text in trained[victim] and text not in heldout[heldout_user]
