@@ -74,6 +74,10 @@ class DataConfig:
     max_records: Optional[int] = _f(None, "Use at most this many records (after filtering and dedup): the ones "
                                           "whose keyed hash under split_seed ranks first, whatever their place "
                                           "in the file.")
+    record_fraction: Optional[float] = _f(None, "Keep each record iff the keyed hash of its own text under split_seed "
+                                                "is below this fraction (about fraction·N records): one record more "
+                                                "or less in the file never moves another, so it is the way to use "
+                                                "part of a private file under DP (max_records is refused there).")
     deduplicate: bool = _f(True, "Keep one copy of texts that repeat exactly (record-level: a copy would train as "
                                  "a second record; user-level: within each user, so a text two users wrote is a "
                                  "record of each). false keeps every copy (privacy_unit=record only).")
@@ -437,6 +441,9 @@ def validate(cfg: RunConfig) -> None:
     _choice("data_format", d.data_format, ("auto", "messages", "prompt_completion", "text"))
     _choice("loss_on", d.loss_on, ("answer", "all"))
     _choice("user_sampling", p.user_sampling, ("uls", "els", "record"))
+    if d.record_fraction is not None and not (0 < d.record_fraction <= 1):
+        raise ConfigError(f"record_fraction={d.record_fraction} must be in (0, 1] (the expected fraction of records "
+                          "kept); unset it to keep every record")
     if d.max_records_per_user is not None and d.max_records_per_user < 1:
         raise ConfigError(f"max_records_per_user={d.max_records_per_user} must be ≥ 1 (or unset: keep all records)")
     if d.canary_records_per_user < 1 or (d.canary_records_per_user > 1 and d.privacy_unit != "user"):

@@ -276,6 +276,7 @@ class Loaded:
     public_read: int = 0  # records read from public_dataset
     same_as_public: int = 0  # private records whose text the public dataset also holds (treated as public)
     sft_format: Optional[str] = None  # the file's record shape (messages / prompt_completion) by its schema; None: text
+    over_record_fraction: int = 0  # private records whose keyed draw is ≥ record_fraction (left out one by one)
 
     def notes(self, cfg: DataConfig) -> list[str]:
         """Lines for the privacy plan's warnings: records removed as duplicates of a file's (none for the
@@ -288,7 +289,11 @@ class Loaded:
         if self.over_max_records:
             out.append(f"max_records={cfg.max_records:,} kept the records that rank first by keyed hash and left out "
                        f"{self.over_max_records:,}: a file one record larger can push one of the kept records out, so "
-                       "ε holds for adding or removing a record of the kept set; unset max_records for the whole file")
+                       "ε holds for adding or removing a record of the kept set, not of the file (allowed only for a "
+                       "built-in public corpus or without DP); use record_fraction for part of a private file")
+        if self.over_record_fraction:
+            out.append(f"record_fraction={cfg.record_fraction:g} left out {self.over_record_fraction:,} records, each "
+                       "by the keyed hash of its own text: ε holds for adding or removing a record of the file")
         return out
 
 
@@ -388,6 +393,13 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
     if duplicates:  # a file's count also goes into the plan's warnings (Loaded.notes)
         log.info("dataset %s: %d of %d records read were exact duplicates and were removed", cfg.dataset, duplicates,
                  len(raw))
+    fraction_out = 0
+    if cfg.record_fraction is not None:  # each record by its own keyed draw: one record more moves no other
+        keep = [j for j, t in enumerate(records)
+                if keyed_draw(t, key=cfg.split_seed, purpose="fraction") < cfg.record_fraction]
+        fraction_out = len(records) - len(keep)
+        records = [records[j] for j in keep]
+        users = [users[j] for j in keep] if users else users
     over = 0
     if cfg.max_records is not None and len(records) > cfg.max_records:
         rank = sorted(range(len(records)), key=lambda j: (keyed_draw(records[j], key=cfg.split_seed, purpose="cap"),
@@ -411,7 +423,7 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
         users = users + [""] * len(public) if by_user else users
     return Loaded(records=records, users=users if by_user else None, read=len(raw), too_short=too_short,
                   duplicates=duplicates, public=flags, over_max_records=over, public_read=public_read,
-                  same_as_public=same_as_public, sft_format=shape)
+                  same_as_public=same_as_public, sft_format=shape, over_record_fraction=fraction_out)
 
 
 def sha256(text: str) -> str:
@@ -459,6 +471,9 @@ def split_rule(cfg: DataConfig) -> dict:
             "heldout": "u < public_fraction + heldout_fraction·(1 − public_fraction) (and not public); else train",
             "public": public,
             "deduplicate": cfg.deduplicate,
+            "record_fraction": (None if cfg.record_fraction is None else
+                                f"{cfg.record_fraction:g}: a record is kept iff blake2b(key='dpllm:fraction:"
+                                "<split_seed>', text) / 2^64 < record_fraction"),
             "max_records": (None if cfg.max_records is None else
                             f"{cfg.max_records}: the records with the smallest blake2b(key='dpllm:cap:<split_seed>', "
                             "text)")}
@@ -531,6 +546,8 @@ def split_summary(loaded: Loaded, splits: Splits, cfg: DataConfig, *, canaries: 
                f"{loaded.duplicates:,} duplicate{'s' * (loaded.duplicates != 1)}" if loaded.duplicates else "",
                f"{loaded.same_as_public:,} equal to a public record" if loaded.same_as_public else "",
                f"{loaded.over_max_records:,} beyond max_records={cfg.max_records}" if loaded.over_max_records else "",
+               f"{loaded.over_record_fraction:,} over record_fraction={cfg.record_fraction:g}"
+               if loaded.over_record_fraction else "",
                f"{sft_dropped:,} whose answer max_length cuts off" if sft_dropped else ""]
     capped = len((splits.users or {}).get("dropped_records", ()))
     if capped:

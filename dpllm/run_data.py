@@ -106,6 +106,7 @@ def _read_and_split(cfg: RunConfig) -> tuple[data.Loaded, data.Splits, Optional[
     """The records read, their splits, the SFT record shape (or None) and the SFT records dropped from the splits."""
     d = cfg.data
     loaded = data.load_records_counted(d)
+    _check_max_records(cfg, loaded)
     try:
         splits = data.make_splits(loaded.records, d, loaded.users, loaded.public)
     except data.DataError as err:  # say why so few are left: duplicates are easy to miss in a file
@@ -119,3 +120,27 @@ def _read_and_split(cfg: RunConfig) -> tuple[data.Loaded, data.Splits, Optional[
         dropped = sft.drop_cut_answers(loaded.records, splits, sft.load_tokenizer(cfg.model), fmt=sft_format,
                                        max_length=d.max_length, chat_template=d.chat_template)
     return loaded, splits, sft_format, dropped
+
+
+def _check_max_records(cfg: RunConfig, loaded: data.Loaded) -> None:
+    """Refuse ``max_records`` where it would turn add/remove-one into replace-one on a private file (issue 46).
+
+    ``max_records`` keeps a count (the records whose keyed hash ranks first): on a file of at least that many
+    records, one record more can push a kept record out, and the released card states add/remove of one record.
+    Under DP it is allowed on the built-in corpora (public text that no one can hand a neighbour of) and on a
+    file too small for any neighbour to reach the cut; ``record_fraction`` decides each record by itself.
+
+    Raises:
+        DataError: DP, a data set of one's own, and ``max_records`` ≤ its records.
+    """
+    d = cfg.data
+    if not cfg.privacy.enabled or d.max_records is None or d.dataset in data.BUILTIN or d.dataset in sft.BUILTIN:
+        return
+    private = sum(not p for p in loaded.public) if loaded.public is not None else len(loaded.records)
+    if private + loaded.over_max_records >= d.max_records:  # this file, or one record more, meets the cut
+        raise data.DataError(
+            f"max_records={d.max_records:,} keeps a count: on this file one record more would push a kept record "
+            "out, so a neighbour differs in two records and the (ε, δ) for adding or removing one would not hold. "
+            "Use record_fraction (each record kept by a keyed hash of its own text; e.g. record_fraction: "
+            f"{min(1.0, d.max_records / max(1, private + loaded.over_max_records)):.2g} for about as many), or "
+            "unset max_records")

@@ -109,7 +109,9 @@ def test_resume_on_another_process_count_never_restores_noise():
 def records(tmp_path):
     from dpllm.data import pydoc_paragraphs
 
-    texts = list(dict.fromkeys(t[:200] for t in pydoc_paragraphs() if len(t) >= 40))[:160]
+    # 119 records: under the runs' max_records=120 even a neighbour one record larger is not cut (a file that meets
+    # the cut is refused under DP, issue 46)
+    texts = list(dict.fromkeys(t[:200] for t in pydoc_paragraphs() if len(t) >= 40))[:119]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     return path

@@ -47,10 +47,12 @@ def _sets(cfg: DataConfig) -> dict[str, Counter]:
     return out
 
 
-def _differ_by(a: dict[str, Counter], b: dict[str, Counter], text: str) -> None:
+def _differ_by(a: dict[str, Counter], b: dict[str, Counter], text: str, *, kept: bool = True) -> None:
+    """``a`` and ``b`` differ in ``text`` alone: in exactly one set, or (``kept`` false: record_fraction left it
+    out) in none."""
     moved = {k: (a[k] - b[k]) + (b[k] - a[k]) for k in a}
     assert all(set(m) <= {text} for m in moved.values()), {k: list(m)[:3] for k, m in moved.items() if m}
-    assert sum(sum(m.values()) for m in moved.values()) == 1  # exactly one record, in exactly one set
+    assert sum(sum(m.values()) for m in moved.values()) == int(kept)  # exactly one record, in exactly one set
 
 
 OPTIONS = {
@@ -59,6 +61,7 @@ OPTIONS = {
     "dedup off": {"deduplicate": False},
     "canaries": {"num_canaries": 8, "canary_seed": 5},
     "another split key": {"split_seed": 11, "heldout_fraction": 0.5},
+    "record fraction": {"record_fraction": 0.5},  # issue 46, item 6: part of the file, each record by itself
 }
 
 
@@ -68,9 +71,11 @@ def test_one_record_moves_only_itself(tmp_path, option):
     cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", rows), **OPTIONS[option])
     before = _sets(cfg)
     assert before["train"] and before["heldout"]
+    fraction = OPTIONS[option].get("record_fraction")
     for _how, other, changed in _neighbours(rows, {"text": NEW}):
         after = _sets(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), **OPTIONS[option]))
-        _differ_by(before, after, changed["text"])
+        _differ_by(before, after, changed["text"], kept=fraction is None or data.keyed_draw(
+            changed["text"], key=0, purpose="fraction") < fraction)
 
 
 def test_the_issue_figure_moves_nothing_else(tmp_path):
@@ -306,3 +311,44 @@ def test_a_new_user_who_shares_a_text_takes_no_record_from_another(tmp_path, k):
     cfg = DataConfig(dataset=_write(tmp_path / "c.jsonl", rows + [{"text": text, "user": victim}]), **opts)
     trained, heldout = _kept_by_user(cfg, None)
     assert text in trained[victim] and text not in heldout[heldout_user]
+
+
+def test_record_fraction_keeps_each_record_by_itself(tmp_path):
+    """Item 6: with max_records one record added to a file pushed a kept record out (add/remove became replace),
+    while the card said add/remove. record_fraction keeps a record iff its own keyed draw is under the fraction:
+    about fraction·N records, and no record added or removed moves another (max_records on a file of one's own
+    is refused under DP: the next test)."""
+    rows = _rows()
+    kept = set(data.load_records(DataConfig(dataset=_write(tmp_path / "a.jsonl", rows), record_fraction=0.5)))
+    assert 90 < len(kept) < 150  # Binomial(240, 1/2): mean 120, sd 7.7
+    for how, other, changed in _neighbours(rows, {"text": NEW}):
+        after = set(data.load_records(DataConfig(dataset=_write(tmp_path / "b.jsonl", other), record_fraction=0.5)))
+        assert after - {changed["text"]} == kept - {changed["text"]}, how
+    assert len(kept) < len(set(data.load_records(DataConfig(dataset=str(tmp_path / "a.jsonl"),
+                                                            record_fraction=0.75)))) < N
+    with pytest.raises(ConfigError, match=r"record_fraction=1.5 must be in \(0, 1\]"):
+        parse_config(["--record_fraction", "1.5"])
+
+
+def test_max_records_is_refused_on_a_private_file_under_dp(tmp_path):
+    """Item 6: on the old code a DP run on a file took max_records (and its card said add/remove one record)."""
+    from dpllm.train import Trainer
+
+    rows = _rows()
+
+    def setup(dataset: str, *extra: str):
+        trainer = Trainer(parse_config(["--dataset", dataset, "--output_dir", str(tmp_path / "run"),
+                                        "--max_records", "100", *extra]))
+        trainer.setup_process()
+        trainer.setup_data()
+        return trainer.data
+
+    path = _write(tmp_path / "a.jsonl", rows)
+    with pytest.raises(data.DataError, match="max_records=100 keeps a count.*Use record_fraction .each record kept "
+                                             "by a keyed hash of its own text; e.g. record_fraction: 0.42"):
+        setup(path)
+    assert not (tmp_path / "run" / "splits.json").exists()
+    assert len(setup(path, "--privacy.enabled", "false").records) == 100  # no DP: no relation to keep
+    small = _write(tmp_path / "small.jsonl", rows[:99])  # 99 records, 100 with one more: no neighbour is cut
+    assert len(setup(small).records) == 99
+    assert len(setup("pydoc").records) == 100  # a built-in public corpus: nobody's file to hand a neighbour of
