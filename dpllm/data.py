@@ -11,7 +11,8 @@ drawn over users, so a held-out user has no trained record (docs/user_level.md).
 
 Every decision about a record is made by that record alone (:func:`keyed_draw`: a keyed hash of its text, or of
 its user's id, under the public key ``split_seed``): which split it joins, which copy of a duplicate stands for
-it, whether ``max_records`` keeps it. The same file and config give the same split every time, and a file with
+it, whether ``record_fraction`` keeps it (``max_records`` ranks records against each other, so a DP run on a file
+of one's own refuses it: dpllm.run_data). The same file and config give the same split every time, and a file with
 one record more or less, wherever it sits, changes every split by that record only: the add/remove-one relation
 DP-SGD's ε is for holds on the file the user hands over, not only on the training split (issue 32). Public
 records are declared (``public_dataset``), never drawn from the private file outside a study that says so.
