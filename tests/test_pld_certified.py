@@ -49,17 +49,17 @@ def _fft_rounding():
 
 
 def test_pld_runs_at_the_billion_record_plan_within_a_few_per_mille_of_dp_accounting():
-    """At σ = 0.3882 (what RDP calibrates for ε = 8 there) PLD refused before: the plain FFT's measured margin,
-    4·T·2⁻⁵² = 2.2e-10, exceeds δ. Certified, ε is 6.8085 (seen), 0.3% under dp-accounting's float64 reading
-    (6.8313, which its own rounding moves: 6.8 ± 0.02 across FFT lengths) and 15% under RDP's 7.998."""
+    """At σ = 0.3882 (what Opacus's RDP calibrates for ε = 8 there) PLD refused before: the plain FFT's measured
+    margin, 4·T·2⁻⁵² = 2.2e-10, exceeds δ. Certified, ε is 6.8085 (seen), 0.3% under dp-accounting's float64 reading
+    (6.8313; 6.8345 through its PLDAccountant: its own rounding moves it) and 15% under Opacus's RDP (7.998)."""
     history = [(0.3882, Q, T)]
     with pytest.raises(accounting.AccountantUnavailable, match="would reach δ=1e-10"):
         accounting.pld_rounding_margin(history, DELTA)
     eps = accounting.pld_epsilon(history=history, delta=DELTA)
-    rdp = prv.rdp_int_epsilon(history=history, delta=DELTA)  # seen 8.00, as Opacus's RDP
+    rdp = prv.rdp_int_epsilon(history=history, delta=DELTA)  # integer orders (no torch): 10.57, looser than Opacus's
     plain = _plain(history, DELTA)
     assert 0.99 * plain <= eps <= 1.01 * plain
-    assert eps < 0.9 * rdp  # seen 6.8085 against 7.998
+    assert eps < 0.9 * 7.998 < 0.9 * rdp
     note = accounting.method_note(history=history, delta=DELTA, accountant="pld")
     assert "tilted FFT" in note and "added to δ" in note
 

@@ -43,7 +43,9 @@ def test_the_billion_record_plan_is_pld_again_with_its_rounding_bounded():
     8.0e-11 and 9.8e-11 with the transform's length alone, and its ε was not monotone in σ). Until issue 46 (item 8)
     the plan then fell back to RDP: σ = 0.3882, where PLD gives 6.81 (RDP 17% loose). Now PLD composes by the tilted
     FFT, whose rounding is bounded and added to δ (dpllm.privacy.tilted): σ = 0.3693 (seen), ε 7.998, and
-    dp-accounting's own float64 ε at that σ is within 3% of the target (seen 8.01)."""
+    dp-accounting's own float64 ε at that σ is within 3% of the target (seen 8.065; 8.105 through
+    ``self_compose``: its rounding moves it by that much here, so it is no reference for "never below", which
+    tests/test_pld_certified.py checks against long-double compositions)."""
     from dpllm.privacy import prv
 
     plan = plan_table(num_records=N, batch=B, delta=DELTA, target_epsilon=8, epochs=1, epsilons=(8,))
@@ -53,8 +55,8 @@ def test_the_billion_record_plan_is_pld_again_with_its_rounding_bounded():
     assert target["epsilon"] <= 8 and sigma < 0.97 * 0.3882  # seen 7.998 at 0.3693
     assert target["epsilon"] == accounting.pld_epsilon(history=[(sigma, Q, T)], delta=DELTA)
     plain = pld_reference([(sigma, Q, T)], 1e-3)
-    assert plain >= 0.97 * 8 and target["epsilon"] >= 0.99 * plain
-    assert prv.rdp_int_epsilon(history=[(sigma, Q, T)], delta=DELTA) > 9  # RDP's ε at this σ (seen 9.3)
+    assert plain >= 0.97 * 8 and abs(target["epsilon"] / plain - 1) < 0.03
+    assert prv.rdp_int_epsilon(history=[(sigma, Q, T)], delta=DELTA) > 9  # integer-order RDP: 10.6 (Opacus's 9.23)
 
 
 def test_pld_reads_epsilon_at_delta_less_the_rounding_margin():
