@@ -186,9 +186,10 @@ def _compose(pieces: Sequence[Piece], interval: float, lam: float, start: int, n
     products = 2 * total_steps + 2 * sum(math.ceil(math.log2(pc.times + 1)) for pc in pieces) + len(pieces)
     mult = math.expm1(products * math.sqrt(2) * 2 * UL / (1 - 2 * UL))
     # |ΔY_k| ≤ P_k·(Σ_j T_j·φ_j/(|X̃_j,k| + φ_j) + mult + u): the transforms' error as the power amplifies it, the
-    # products' compounded rounding, and the cast to float64; P_k's own rounding (T logs of ≤ 3u each) is the factor
-    bound_k = np.exp(log_p) * (amplified + mult + U)
-    spectrum_err = float(np.sqrt(np.sum(bound_k * bound_k))) * (1 + 2 * n * U) * math.exp(4 * total_steps * U)
+    # products' compounded rounding, and the cast to float64. log P_k errs by ≤ (3 + J)·u·|log P_k| ≤ 1e-12 where
+    # P_k does not underflow; where it does, its true value is below 1e-300
+    bound_k = np.exp(log_p) * (1 + 1e-11) * (amplified + mult + U) + 1e-300
+    spectrum_err = float(np.sqrt(np.sum(bound_k * bound_k))) * (1 + 2 * n * U)
     eta_f = _fft_error(n, UL if reference else U)
     y = ifft(product if reference else product.astype(np.complex128))
     # ‖ỹ − y‖₂ ≤ ‖ΔY‖₂/√n (the exact inverse of the spectrum's error) + the inverse transform's own, η_F·‖ỹ‖₂/(1 − η_F)
