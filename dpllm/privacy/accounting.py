@@ -185,7 +185,7 @@ def certified_pld(*, history: History, delta: float,
     """ε of ``history`` from dp-accounting's PLDs (as :func:`pld_epsilon`), composed by :mod:`dpllm.privacy.tilted`: an
     exponentially tilted FFT whose float64 rounding is bounded (Higham 2002) and added to δ, so it needs no measured
     margin and runs at any step count. Used where :func:`pld_rounding_margin` refuses (at N = 10⁹, one epoch of
-    B = 4,096, δ = 1e-10, σ = 0.3882: ε 6.8085, the bound 1.2e-4 of δ; RDP gives 8.00 there).
+    B = 4,096, δ = 1e-10, σ = 0.3882: ε 6.8085, the bound 1.7e-7 of δ; RDP gives 8.00 there).
 
     Returns:
         ``(ε, note)``: the note says how ε was composed and what was added to δ (for the privacy report).
