@@ -203,3 +203,7 @@ def test_a_run_whose_sigma_the_new_accounting_moves_is_told_why_it_cannot_resume
         resume.load(tmp_path, plan=dict(plan, noise_multiplier=0.5124), **kw)
     with pytest.raises(ConfigError, match="the data or an earlier stage changed"):
         resume.load(tmp_path, plan=dict(plan, steps=101), **kw)
+    # a billion-record run planned with the RDP fallback, resumed where PLD now runs (issue 46, item 8)
+    (tmp_path / "trainer_state.json").write_text(json.dumps({"plan": dict(plan, accountant="rdp")}))
+    with pytest.raises(ConfigError, match=r"only σ and the accountant differ \(rdp → pld\)"):
+        resume.load(tmp_path, plan=dict(plan, noise_multiplier=0.5124), **kw)
