@@ -346,11 +346,17 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
     saved = state.get("plan")
     if saved != plan:
         why = "the data or an earlier stage changed"
-        if saved and plan and {k: v for k, v in saved.items() if k != "noise_multiplier"} == \
-                {k: v for k, v in plan.items() if k != "noise_multiplier"}:  # the same data, another σ for the target
+        accounting = ("noise_multiplier", "accountant")  # what a change of accounting alone moves
+        if saved and plan and {k: v for k, v in saved.items() if k not in accounting} == \
+                {k: v for k, v in plan.items() if k not in accounting}:  # the same data, another σ for the target
             why = ("only σ differs: the accounting changed since the run started (PLD and user-level ε take the "
                    "float rounding of their composition into account since dpllm of 2026-11-25); finish the run "
                    "with the dpllm that started it, or start it again")
+            if saved.get("accountant") != plan.get("accountant"):  # e.g. RDP → PLD at N = 10⁹, δ = 1e-10
+                why = (f"only σ and the accountant differ ({saved.get('accountant')} → {plan.get('accountant')}): "
+                       "the accounting changed since the run started (PLD runs where its FFT's rounding could reach "
+                       "δ since dpllm of 2026-11-27, with that rounding bounded); finish the run with the dpllm "
+                       "that started it, or start it again")
         raise ConfigError(f"cannot resume from {ckpt}: the privacy plan differs from the checkpoint's "
                           f"({saved} vs {plan}); {why}")
     if accountant is not None:

@@ -193,8 +193,9 @@ def test_memory_limit_refuses_before_allocating():
 
 @pytest.mark.slow
 def test_billion_record_plan_finishes_under_a_4gb_address_space_limit():
-    """Issue 29: this plan was killed at 12.8 GB after 122 s. Now: refused by PRV and PLD before either allocates
-    (float64 rounding would reach δ at 976,563 steps), RDP for the whole plan, said once each."""
+    """Issue 29: this plan was killed at 12.8 GB after 122 s. Now: refused by PRV before it allocates (float64
+    rounding would reach δ at 976,563 steps), PLD for the whole plan, said once; PLD's own composition is the tilted
+    one whose rounding is bounded (issue 46, item 8; it was RDP before: 11 s of CPU, seen ε 0.9989-9.9967)."""
     def cap():
         resource.setrlimit(resource.RLIMIT_AS, (4_000_000_000, 4_000_000_000))
 
@@ -203,9 +204,9 @@ def test_billion_record_plan_finishes_under_a_4gb_address_space_limit():
                            "1024", "--epochs", "1", "--target-epsilon", "8", "--delta", "1e-10"],
                           capture_output=True, text=True, env=env, preexec_fn=cap, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "accountant=rdp" in proc.stdout and "float64 rounding in the PLD's FFT composition" in proc.stdout
-    assert proc.stderr.count("uses the rdp accountant instead") == 1
+    assert "accountant=pld" in proc.stdout and "float64 rounding in PRV's FFT" in proc.stdout
+    assert proc.stderr.count("uses the pld accountant instead") == 1 and "rdp accountant" not in proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(rows) == 5
-    for target, _sigma, eps, _ in rows:  # every ε meets its target, by RDP's monotone bound
-        assert 0.9 * float(target) <= float(eps) <= float(target)
+    for target, _sigma, eps, _ in rows:  # every ε meets its target, each σ the smallest on the grid that does
+        assert 0.99 * float(target) <= float(eps) <= float(target)

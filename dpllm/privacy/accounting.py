@@ -12,9 +12,10 @@ Calibration (:func:`calibrate_noise`) returns the smallest σ with 4 significant
 *same* accountant is at most the target. When PRV cannot run for a plan (its domain grows with the steps
 and the ε: 12 million points at N = 10⁹, one epoch; float rounding at δ ≈ 1e-10), it raises
 :class:`AccountantUnavailable`; the planners (:func:`dpllm.privacy.plan.plan_privacy`, ``dpllm plan``) then redo
-the whole plan with :data:`FALLBACK`'s accountant (PLD, as tight; RDP where PLD cannot run either: memory, or
-float rounding that would reach δ, :func:`pld_rounding_margin`) and say so once, so calibration and report never
-mix accountants.
+the whole plan with :data:`FALLBACK`'s accountant (PLD, as tight; RDP where PLD cannot run either: memory) and say
+so once, so calibration and report never mix accountants. Where the plain FFT composition's rounding could reach δ
+(:func:`pld_rounding_margin`: N = 10⁹, one epoch, δ = 1e-10), PLD composes by an exponentially tilted FFT whose
+rounding is bounded and added to δ (:func:`certified_pld`, :mod:`dpllm.privacy.tilted`).
 
 Example:
     >>> round(compute_epsilon(noise_multiplier=1.0, sample_rate=0.16, steps=140, delta=1e-5,
@@ -29,7 +30,7 @@ import sys
 import warnings
 from typing import Callable, Iterable, Sequence
 
-from dpllm.privacy import prv
+from dpllm.privacy import prv, tilted
 from dpllm.privacy.prv import AccountantUnavailable
 
 ACCOUNTANTS = ("prv", "rdp", "gdp", "pld")
@@ -142,12 +143,14 @@ def pld_epsilon(*, history: History, delta: float, value_discretization_interval
     under add/remove-one, pessimistic discretisation (an upper bound on the true ε at any interval), composed.
 
     The ε is read at δ less :func:`pld_rounding_margin` (the float64 rounding of the composition), so that it
-    stays an upper bound; ``rounding_margin=False`` reads it at δ itself, as dpllm did before 2026-11-25 (only for
-    checking ledgers written then: :func:`dpllm.ledger.verify`).
+    stays an upper bound; where that margin would be too large a part of δ, the distributions are composed by
+    :func:`certified_pld` instead (a bound on the rounding, not a measured margin). ``rounding_margin=False`` reads
+    the plain composition at δ itself, as dpllm did before 2026-11-25 (only for checking ledgers written then:
+    :func:`dpllm.ledger.verify`).
 
     Raises:
         AccountantUnavailable: dp-accounting could not build or compose the distributions (memory, numerics), or
-            float64 rounding would reach δ (:func:`pld_rounding_margin`).
+            the tilted composition's window would be too large.
     """
     from dp_accounting.pld import privacy_loss_distribution as pld
 
@@ -157,7 +160,11 @@ def pld_epsilon(*, history: History, delta: float, value_discretization_interval
             raise AccountantUnavailable(
                 f"dp-accounting's PLD would need ~{points:.2g} grid points per step at σ={sigma:g}, q={q:g} "
                 f"(more than {PLD_MAX_POINTS:,}: tens of GB)")
-    margin = pld_rounding_margin(history, delta) if rounding_margin else 0.0
+    try:
+        margin = pld_rounding_margin(history, delta) if rounding_margin else 0.0
+    except AccountantUnavailable:  # the plain FFT's rounding could reach δ: compose with a certified bound instead
+        return certified_pld(history=history, delta=delta,
+                             value_discretization_interval=value_discretization_interval)[0]
     try:
         total = None
         for sigma, q, steps in history:
@@ -173,11 +180,84 @@ def pld_epsilon(*, history: History, delta: float, value_discretization_interval
         raise AccountantUnavailable(f"dp-accounting's PLD failed: {type(err).__name__}: {err}") from None
 
 
+def certified_pld(*, history: History, delta: float,
+                  value_discretization_interval: float = PLD_DISCRETIZATION) -> tuple[float, str]:
+    """ε of ``history`` from dp-accounting's PLDs (as :func:`pld_epsilon`), composed by :mod:`dpllm.privacy.tilted`: an
+    exponentially tilted FFT whose float64 rounding is bounded (Higham 2002) and added to δ, so it needs no measured
+    margin and runs at any step count. Used where :func:`pld_rounding_margin` refuses (at N = 10⁹, one epoch of
+    B = 4,096, δ = 1e-10, σ = 0.3882: ε 6.8085, the bound 1.7e-7 of δ; RDP gives 8.00 there).
+
+    Returns:
+        ``(ε, note)``: the note says how ε was composed and what was added to δ (for the privacy report).
+
+    Raises:
+        AccountantUnavailable: the tilted window would be too large, or dp-accounting failed.
+    """
+    key = (tuple((float(s), float(q), int(t)) for s, q, t in history), float(delta), value_discretization_interval)
+    if key not in _CERTIFIED_CACHE:
+        if len(_CERTIFIED_CACHE) > 256:
+            _CERTIFIED_CACHE.clear()
+        _CERTIFIED_CACHE[key] = _certified_pld(key[0], delta, value_discretization_interval)
+    return _CERTIFIED_CACHE[key]
+
+
+def _certified_pld(history: History, delta: float, value_discretization_interval: float) -> tuple[float, str]:
+    from dp_accounting.pld import privacy_loss_distribution as pld
+
+    removes, adds = [], []
+    try:
+        for sigma, q, steps in history:
+            if int(steps) <= 0 or q <= 0:
+                continue
+            one = pld.from_gaussian_mechanism(standard_deviation=float(sigma), sampling_prob=min(1.0, float(q)),
+                                              pessimistic_estimate=True,
+                                              value_discretization_interval=value_discretization_interval)
+            for out, pmf in ((removes, one._pmf_remove), (adds, one._pmf_add)):
+                pmf = pmf.to_dense_pmf()
+                out.append(tilted.Piece(pmf._lower_loss, pmf._probs, pmf._infinity_mass, int(steps)))
+        if not removes:
+            return 0.0, "no private steps"
+        kw = dict(interval=value_discretization_interval, delta=delta)
+        res = tilted.certified_epsilon(removes, **kw)
+        # dp-accounting's ε is the larger of the two directions; the add direction's Chernoff bound is usually
+        # far below the remove direction's ε, which then stands for both (never lower than either)
+        if tilted.chernoff_epsilon(adds, **kw) > res.epsilon:
+            res = max(res, tilted.certified_epsilon(adds, **kw), key=lambda r: r.epsilon)
+    except tilted.Unavailable as err:
+        raise AccountantUnavailable(f"the tilted PLD composition cannot run ({err})") from None
+    except (MemoryError, ValueError, ArithmeticError, RuntimeError) as err:
+        raise AccountantUnavailable(f"dp-accounting's PLD failed: {type(err).__name__}: {err}") from None
+    note = (f"dp-accounting PLD (pessimistic, grid {value_discretization_interval:g}) composed by an exponentially "
+            f"tilted FFT (λ={res.tilt:.4g}, {res.bins:,} bins); certified rounding and window bound "
+            f"{res.bound:.2g} (={res.bound / delta:.2g}·δ) added to δ")
+    return res.epsilon, note
+
+
+def method_note(*, history: History, delta: float, accountant: str) -> str:
+    """How ``accountant`` composes ``history`` and what it allows for float rounding (the privacy report's
+    ``accountant_method``)."""
+    history = [(float(s), float(q), int(t)) for s, q, t in history]
+    steps = sum(t for _, q, t in history if t > 0 and q > 0)
+    margin = f"{prv.ROUNDING:g}·T·2⁻⁵² = {prv.ROUNDING * steps * sys.float_info.epsilon:.2g}"
+    if accountant == "pld":
+        try:
+            pld_rounding_margin(history, delta)
+        except AccountantUnavailable:
+            return certified_pld(history=history, delta=delta)[1]
+        return (f"dp-accounting PLD (pessimistic, grid {PLD_DISCRETIZATION:g}), FFT composition; ε read at δ less "
+                f"the measured rounding margin {margin}")
+    if accountant == "prv":
+        return f"PRV (Gopi et al. 2021, dpllm.privacy.prv), FFT composition; ε read at δ less {margin}"
+    if accountant == "gdp":
+        return "the larger of Opacus's GDP and RDP ε"
+    return "Opacus RDP (no FFT, no rounding margin needed)"
+
+
 # dp-accounting composes T steps as the T-th power of the step's Fourier transform: a relative error of ~T·2⁻⁵² in
 # every coefficient, so ~T·2⁻⁵² in probability, δ included. Measured (scripts/fft_rounding.py: 7 histories, T from
 # 1,000 to 300,000, against the same composition in long double and at four FFT lengths): at most 1.14·T·2⁻⁵².
-# ε is read at δ - PLD_ROUNDING·T·2⁻⁵² (PRV's margin, prv.ROUNDING), and PLD is refused where that margin exceeds
-# PRECISION_FRACTION of δ.
+# ε is read at δ - PLD_ROUNDING·T·2⁻⁵² (PRV's margin, prv.ROUNDING); where that margin exceeds PRECISION_FRACTION of
+# δ, pld_epsilon composes by certified_pld instead.
 PLD_ROUNDING = prv.ROUNDING
 
 
@@ -186,7 +266,8 @@ def pld_rounding_margin(history: History, delta: float) -> float:
 
     Raises:
         AccountantUnavailable: the margin exceeds ``PRECISION_FRACTION·δ`` (at N = 10⁹, one epoch of B = 4,096,
-            δ = 1e-10: 2.2e-10 > 3e-11): the composed distribution's tail at δ would be mostly rounding.
+            δ = 1e-10: 2.2e-10 > 3e-11): the composed distribution's tail at δ would be mostly rounding
+            (:func:`pld_epsilon` then uses :func:`certified_pld`).
     """
     total = sum(int(t) for s, q, t in history if int(t) > 0 and q > 0)
     margin = PLD_ROUNDING * total * sys.float_info.epsilon
@@ -215,6 +296,7 @@ def _pld_points(sigma: float, q: float, interval: float) -> float:
 
 _PRV_CACHE: dict = {}
 _PLD_CACHE: dict = {}
+_CERTIFIED_CACHE: dict = {}
 
 
 def _remembered(cache: dict, history: tuple, delta: float, compute) -> float:
@@ -301,7 +383,104 @@ def calibrate_noise(
 
     if epsilon_tolerance is not None:
         return smallest_noise(eps, target_epsilon, epsilon_tolerance=epsilon_tolerance, unreachable=unreachable)
+    if accountant == "pld" and _certified(prior + [(1.0, sample_rate, steps)], delta):
+        # each certified ε costs ~0.7 s and is smooth in σ: search on a 10× coarser grid (~8× cheaper) from RDP's σ,
+        # then confirm on the full one (about three full evaluations instead of twenty)
+        def coarse(sigma: float) -> float:
+            return certified_pld(history=prior + [(sigma, sample_rate, steps)], delta=delta,
+                                 value_discretization_interval=10 * PLD_DISCRETIZATION)[0]
+
+        start = _rdp_sigma(target_epsilon, delta, sample_rate, steps, prior)
+        return smallest_smooth_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable, start=start,
+                                     stand_in=coarse)
     return smallest_grid_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable)
+
+
+def _certified(history: History, delta: float) -> bool:
+    """Whether :func:`pld_epsilon` composes ``history`` by the tilted FFT (the plain one's margin would reach δ);
+    σ does not enter."""
+    try:
+        pld_rounding_margin(history, delta)
+    except AccountantUnavailable:
+        return True
+    return False
+
+
+def _rdp_sigma(target_epsilon: float, delta: float, sample_rate: float, steps: int, prior: list) -> float:
+    """σ where the integer-order RDP bound meets the target (microseconds; at or above the PLD's σ, which is
+    tighter), to start a search from."""
+    def rdp(sigma: float) -> float:
+        return prv.rdp_int_epsilon(history=prior + [(sigma, sample_rate, steps)], delta=delta)
+
+    hi = 1.0
+    while rdp(hi) > target_epsilon and hi < MAX_NOISE_MULTIPLIER:
+        hi *= 2
+    lo = hi / 2
+    for _ in range(30):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (lo, mid) if rdp(mid) <= target_epsilon else (mid, hi)
+    return hi
+
+
+def smallest_smooth_noise(eps: Callable[[float], float], target_epsilon: float, *, digits: int,
+                          unreachable: Callable[[], Exception], start: float,
+                          stand_in: Callable[[float], float] | None = None,
+                          max_sigma: float = MAX_NOISE_MULTIPLIER) -> float:
+    """:func:`smallest_grid_noise` for an ``eps`` that is smooth and decreasing in σ and costly (the certified PLD).
+
+    1. The root of ``stand_in`` (a cheap, smooth ε such as the same accountant on a coarser grid; ``eps`` itself if
+       None), by Illinois false position on log ε against log σ, bracketed from ``start`` by steps of 10%.
+    2. With a stand-in: ``eps`` there, and the root again of the stand-in moved by that offset (it changes
+       slowly with σ: 0.02295 to 0.02300 from σ = 0.3693 to 0.37 at the billion-record plan).
+    3. That root rounded up to the grid, raised while ``eps`` misses the target and lowered while ``eps`` of the
+       point below meets it: the σ returned meets the target whatever the search assumed.
+
+    Raises:
+        the exception ``unreachable()`` builds, when σ above ``max_sigma`` would be needed.
+    """
+    def root(f: Callable[[float], float], hi: float) -> float:
+        while f(hi) > target_epsilon:
+            hi *= 1.1
+            if hi > max_sigma:
+                raise unreachable()
+        lo = hi / 1.1
+        while f(lo) <= target_epsilon:
+            hi, lo = lo, lo / 1.1
+            if lo < 1e-6:
+                return hi
+        xa, xb = math.log(lo), math.log(hi)
+        fa, fb = math.log(f(lo) / target_epsilon), math.log(max(f(hi), 1e-300) / target_epsilon)
+        side = 0
+        for _ in range(60):
+            if prv.round_up(math.exp(xa), digits) == prv.round_up(math.exp(xb), digits) or xb - xa < 1e-12:
+                break
+            x = xb - fb * (xb - xa) / (fb - fa) if fb != fa else (xa + xb) / 2
+            if not xa < x < xb:
+                x = (xa + xb) / 2
+            fx = math.log(max(f(math.exp(x)), 1e-300) / target_epsilon)
+            if fx > 0:
+                xa, fa = x, fx
+                fb, side = (fb / 2 if side == -1 else fb), -1
+            else:
+                xb, fb = x, fx
+                fa, side = (fa / 2 if side == 1 else fa), 1
+        return math.exp(xb)
+
+    sigma = root(stand_in or eps, prv.round_up(start, digits + 2))
+    if stand_in is not None:
+        at = prv.round_up(sigma, digits)
+        offset = eps(at) - stand_in(at)
+        sigma = root(lambda s: stand_in(s) + offset, at)
+    sigma = prv.round_up(sigma, digits)
+    while eps(sigma) > target_epsilon:
+        sigma = prv.round_up(sigma + prv.grid_step(sigma, digits), digits)
+        if sigma > max_sigma:
+            raise unreachable()
+    while True:
+        below = round(sigma - prv.grid_step(sigma * (1 - 1e-12), digits), 12)
+        if below <= 0 or eps(below) > target_epsilon:
+            return sigma
+        sigma = below
 
 
 def smallest_grid_noise(eps: Callable[[float], float], target_epsilon: float, *, digits: int,

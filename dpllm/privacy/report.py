@@ -41,6 +41,9 @@ class PrivacyReport:
     epsilon: Optional[float] = None
     delta: Optional[float] = None
     accountant: Optional[str] = None
+    # how that accountant composed the history and what it allowed for float rounding (dpllm.privacy.accounting.
+    # method_note: for PLD, the measured margin or the tilted composition's certified bound); absent before 2026-11-27
+    accountant_method: Optional[str] = None
     target_epsilon: Optional[float] = None
     noise_multiplier: Optional[float] = None
     sample_rate: Optional[float] = None
@@ -79,7 +82,7 @@ class PrivacyReport:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for key in ("note", "user_level", "release", "noise_schedule", "grad_sample_mode_reason"):
+        for key in ("note", "user_level", "release", "noise_schedule", "grad_sample_mode_reason", "accountant_method"):
             if out[key] is None:
                 del out[key]
         return out

@@ -29,7 +29,7 @@ from dpllm.checkpoint import library_versions
 from dpllm.config import ConfigError, RunConfig
 from dpllm.errors import DataError, TrainingError
 from dpllm.privacy import clipping, user_level
-from dpllm.privacy.accounting import PrivacyPlanError, check_delta
+from dpllm.privacy.accounting import PrivacyPlanError, check_delta, method_note
 from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import make_private
 from dpllm.privacy.plan import PrivacyPlan, plan_privacy, sample_rate_for, steps_for
@@ -278,6 +278,8 @@ class RunPrivacy:
         eps, delta = self.epsilon()
         return PrivacyReport(
             **common, epsilon=eps, delta=delta, accountant=plan.accountant,
+            accountant_method=(None if self.els and self.group_size > 1 else  # the mixture's: user_level says
+                               method_note(history=self.private.history(), delta=delta, accountant=plan.accountant)),
             privacy_unit="user" if self.user_unit and p.user_sampling != "record" else "record",
             user_level=self.user_level_info(),
             target_epsilon=p.target_epsilon, noise_multiplier=plan.noise_multiplier,
