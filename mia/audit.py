@@ -23,7 +23,7 @@ import numpy as np
 from mia import attacks as attacks_mod
 from mia.canaries import one_run_audit
 from mia.metrics import DEFAULT_FPRS, evaluate
-from mia.signals import compute_signals
+from mia.signals import GUESS, compute_signals
 
 TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json",
                    "spiece.model")
@@ -175,7 +175,7 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
               attacks=("loss", "zlib", "mink", "minkpp"), reference=None, max_length=None,
               batch_size: int = 8, device=None, attack_params: dict | None = None,
               n_bootstrap: int = 1000, seed: int = 0, max_records: int | None = None,
-              progress: bool = True, blind: bool = True) -> tuple[dict, dict]:
+              progress: bool = True, blind: bool = True, record_format: str | None = GUESS) -> tuple[dict, dict]:
     """Compute signals once, score each attack and evaluate it.
 
     Args:
@@ -195,6 +195,8 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
         progress: Show progress bars.
         blind: Also run the model-free blind baseline (:mod:`mia.blind`) on the same texts; its
             verdict (``report["blind"]["shifted"]``) says whether the sets are distribution-shifted.
+        record_format: The records' shape as trained (a run's :func:`run_sft_format`); by default guessed
+            from the texts (files of records with no run behind them).
 
     Returns:
         ``(report, scores)``: the report dict written to ``mia_report.json`` and
@@ -211,7 +213,8 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
     rng = np.random.default_rng(seed)
     members, nonmembers = _subsample(members, max_records, rng), _subsample(nonmembers, max_records, rng)
     texts = members + nonmembers
-    common = dict(max_length=max_length, batch_size=batch_size, device=device, progress=progress)
+    common = dict(max_length=max_length, batch_size=batch_size, device=device, progress=progress,
+                  record_format=record_format)
     sig = compute_signals(model, tokenizer, texts, desc="target", **common)
     ref_sig = None
     if reference is not None and any(attacks_mod.ATTACKS[n].needs_reference for n in names):
@@ -399,7 +402,8 @@ def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss",
     private = bool(privacy.get("enabled", True) and eps is not None and np.isfinite(float(eps)))
     delta = float(privacy.get("delta") or 0.0) if private else 0.0
     delta = delta or float(audit_delta)
-    common = dict(max_length=max_length, batch_size=batch_size, device=device, progress=progress)
+    common = dict(max_length=max_length, batch_size=batch_size, device=device, progress=progress,
+                  record_format=fmt)  # the run's shape, as the canaries were trained
     sig = compute_signals(model, tokenizer, texts, desc="canaries", **common)
     secret = attack == "loss" and tokens == "secret" and any(prefixes)
     if secret:

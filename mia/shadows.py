@@ -214,7 +214,8 @@ def lira_audit(run_dir: str | Path, *, n_shadows: int = 8, out_dir: str | Path |
     pool = members + nonmembers
     n_m = len(members)
     max_length = audit.run_max_length(run_dir)
-    common = {"max_length": max_length, "batch_size": batch_size, "device": device, "progress": False}
+    common = {"max_length": max_length, "batch_size": batch_size, "device": device, "progress": False,
+              "record_format": audit.run_sft_format(run_dir)}  # the run's record shape, as trained
 
     # The target first: a missing checkpoint should fail before minutes of shadow training.
     model, tok = audit.load_run_model(run_dir, device=device, dtype=dtype)

@@ -97,8 +97,21 @@ def tokenize_records(tokenizer, texts: list[str], *, max_length: int | None,
     return [list(map(int, row)) for row in ids]
 
 
-def sft_answer_masks(tokenizer, texts: list[str], *, max_length: int):
-    """``(ids, answer masks)`` when every text is a dpllm instruction / chat record, else None.
+#: ``record_format`` value that guesses the record shape from the texts (files of bare records with no run
+#: behind them); an audit of a run directory passes the run's own shape (``splits.json``), as training used it.
+GUESS = "guess"
+
+
+def sft_answer_masks(tokenizer, texts: list[str], *, max_length: int, record_format: str | None = GUESS):
+    """``(ids, answer masks)`` when the texts are dpllm instruction / chat records, else None.
+
+    Args:
+        tokenizer: The model's tokenizer.
+        texts: The records.
+        max_length: Truncation length.
+        record_format: The shape training used (``messages``, ``prompt_completion``; None: plain text), or
+            :data:`GUESS` to guess it from the texts. A run's audit passes its own: a plain-text run whose
+            texts happen to be JSON must be scored on every token, as it was trained.
 
     Raises:
         ValueError: a record with no answer token within ``max_length``.
@@ -107,7 +120,7 @@ def sft_answer_masks(tokenizer, texts: list[str], *, max_length: int):
         from dpllm import sft
     except ImportError:  # mia without dpllm: plain text only
         return None
-    fmt = sft.format_of(texts)
+    fmt = sft.format_of(texts) if record_format == GUESS else record_format
     if fmt is None:
         return None
     sft.prepare_tokenizer(tokenizer, None, needed=True)
@@ -144,6 +157,7 @@ def compute_signals(
     device: str | torch.device | None = None,
     progress: bool = True,
     desc: str = "signals",
+    record_format: str | None = GUESS,
 ) -> Signals:
     """Score every record with one forward pass (batched) and return its signals.
 
@@ -158,6 +172,7 @@ def compute_signals(
         device: Where to run (``"cpu"``, ``"cuda"``, ...); default: where the model already is.
         progress: Show a tqdm progress bar.
         desc: Label of the progress bar.
+        record_format: The records' shape as trained (see :func:`sft_answer_masks`); :data:`GUESS` by default.
 
     Returns:
         The records' :class:`Signals`.
@@ -171,7 +186,8 @@ def compute_signals(
         model.to(device)
     model.eval()
     run_device = next(model.parameters()).device
-    answers = sft_answer_masks(tokenizer, texts, max_length=max_length or model_context_length(model) or 10 ** 9)
+    answers = sft_answer_masks(tokenizer, texts, max_length=max_length or model_context_length(model) or 10 ** 9,
+                               record_format=record_format)
     if answers is None:
         ids = tokenize_records(tokenizer, texts, max_length=max_length, context_length=model_context_length(model))
     else:

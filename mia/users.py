@@ -24,7 +24,7 @@ import numpy as np
 
 from mia import attacks as attacks_mod
 from mia.metrics import DEFAULT_FPRS, evaluate
-from mia.signals import compute_signals
+from mia.signals import GUESS, compute_signals
 
 AGGREGATES: dict[str, Callable[[np.ndarray], float]] = {"mean": np.mean, "max": np.max, "median": np.median}
 
@@ -79,8 +79,11 @@ def user_scores(record_scores: np.ndarray, owners: list[int], n_users: int, aggr
 def user_audit(model, tokenizer, members: dict[str, list[str]], nonmembers: dict[str, list[str]], *,
                attacks=("loss", "zlib", "mink"), aggregate: str = "mean", max_length: Optional[int] = None,
                batch_size: int = 8, device=None, n_bootstrap: int = 1000, seed: int = 0,
-               progress: bool = False) -> tuple[dict, dict]:
+               progress: bool = False, record_format: Optional[str] = GUESS) -> tuple[dict, dict]:
     """Score every record once, aggregate per user, and evaluate each attack on users.
+
+    ``record_format`` is the records' shape as trained (a run's ``splits.json``; :data:`mia.signals.GUESS` by
+    default guesses it from the texts).
 
     Returns:
         ``(report, scores)`` as :func:`mia.audit.run_audit` returns them, with users in place of records.
@@ -102,7 +105,7 @@ def user_audit(model, tokenizer, members: dict[str, list[str]], nonmembers: dict
         texts += recs
         owners += [j] * len(recs)
     sig = compute_signals(model, tokenizer, texts, max_length=max_length, batch_size=batch_size, device=device,
-                          progress=progress, desc="records")
+                          progress=progress, desc="records", record_format=record_format)
     n_m = len(members)
     report = {"unit": "user", "aggregate": aggregate, "n_members": n_m, "n_nonmembers": len(nonmembers),
               "records_members": sum(len(v) for v in members.values()),
@@ -128,7 +131,8 @@ def cmd_audit_users(args) -> int:
     model, tok = audit.load_run_model(run, device=args.device, dtype=args.dtype)
     rep, scores = user_audit(model, tok, members, nonmembers, attacks=args.attacks, max_length=args.max_length or
                              audit.run_max_length(run), batch_size=args.batch_size, device=args.device,
-                             n_bootstrap=args.n_bootstrap, seed=args.seed, progress=not args.no_progress)
+                             n_bootstrap=args.n_bootstrap, seed=args.seed, progress=not args.no_progress,
+                             record_format=audit.run_sft_format(run))
     privacy = audit.read_privacy_report(run)
     if privacy.get("enabled", True) and privacy.get("epsilon") is not None:
         rep["dp_bound"] = {"epsilon": float(privacy["epsilon"]), "delta": float(privacy.get("delta") or 0.0),

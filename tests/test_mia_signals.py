@@ -93,3 +93,23 @@ def test_lora_model_and_missing_tokenizer(saved, tmp_path):
     loaded, _ = load_target(tmp_path / "adapter")
     c = compute_signals(loaded, tok, TEXTS[:3], progress=False)
     np.testing.assert_allclose(c.loss, b.loss, atol=1e-5)
+
+
+def test_a_runs_own_record_shape_decides_what_is_scored(saved):
+    """Issue 46 item 1 on the audit side: a plain-text run whose texts happen to be JSON prompt/completion strings
+    trained on every token, so its audit must score every token (the run's shape, not a guess from the texts)."""
+    import json
+
+    from mia.audit import run_sft_format
+    from mia.signals import sft_answer_masks
+
+    _, model, tok = saved
+    texts = [json.dumps({"prompt": f"question {i}?", "completion": f" answer number {i}"}) for i in range(4)]
+    guessed = compute_signals(model, tok, texts, progress=False)  # files of bare records: guessed shape
+    as_text = compute_signals(model, tok, texts, progress=False, record_format=None)
+    plain = [len(tok(t)["input_ids"]) - 1 for t in texts]
+    assert as_text.num_tokens.tolist() == plain
+    assert all(g < p for g, p in zip(guessed.num_tokens.tolist(), plain))  # the guess scores answers only
+    assert sft_answer_masks(tok, texts, max_length=512, record_format=None) is None
+    assert sft_answer_masks(tok, texts, max_length=512) is not None
+    assert run_sft_format(saved[0]) is None  # no splits.json: no SFT shape
