@@ -29,10 +29,12 @@ STATIC = {
     "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": ORIGINAL},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    # the fix the refusal names: the long factors for every length
+    "longrope with one set of factors": {**LONGROPE, "short_factor": LONGROPE["long_factor"]},
 }
 
 
-def _llama(rope: dict, *, lora: bool = True):
+def _llama(rope: dict, *, lora: bool = True, init: float = 0.2):
     """A tiny Llama (head_dim 16: 8 rotary frequencies) with the given rope parameters, the same weights each call.
 
     ``initializer_range=0.2``: attention as peaked as a trained model's. At transformers' default 0.02 the
@@ -44,7 +46,7 @@ def _llama(rope: dict, *, lora: bool = True):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=2, max_position_embeddings=CONTEXT, tie_word_embeddings=False,
-                         initializer_range=0.2, rope_parameters={"rope_theta": 10000.0, **rope})
+                         initializer_range=init, rope_parameters={"rope_theta": 10000.0, **rope})
     model = AutoModelForCausalLM.from_config(config)
     if lora:
         model, _ = prepare_model(model, ModelConfig(model_name_or_path="tiny", finetuning="lora", lora_r=4), dp=True)
@@ -55,26 +57,26 @@ def _llama(rope: dict, *, lora: bool = True):
     return model
 
 
-def _records():
+def _records(copies: int = 1):
     g = torch.Generator().manual_seed(1)
-    short = [torch.randint(1, V, (n,), generator=g) for n in (8, 10, 12, 9, 11, 7, 12, 10)]
+    short = [torch.randint(1, V, (n,), generator=g) for n in (8, 10, 12, 9, 11, 7, 12, 10) * copies]
     return short, torch.randint(1, V, (LONG,), generator=g)
 
 
 def _private(model, *, max_length=None):
-    plan = PrivacyPlan(num_records=9, sample_rate=1 / 9, steps=1, noise_multiplier=0.0, delta=1e-5, accountant="rdp",
-                       expected_batch_size=1)
+    plan = PrivacyPlan(num_records=100, sample_rate=0.01, steps=1, noise_multiplier=0.0, delta=1e-5,
+                       accountant="rdp", expected_batch_size=1)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    return make_private(model=model, optimizer=opt, dataset=list(range(9)), collate_fn=lambda b: b,
+    return make_private(model=model, optimizer=opt, dataset=list(range(100)), collate_fn=lambda b: b,
                         cfg=PrivacyConfig(grad_sample_mode="bk", max_grad_norm=C), plan=plan, logical_batch_size=1,
                         max_length=max_length)
 
 
-def _update(rope: dict, records, *, max_length=None) -> torch.Tensor:
+def _update(rope: dict, records, *, max_length=None, init: float = 0.2) -> torch.Tensor:
     """One bk step (σ = 0, learning rate 1, expected batch 1): the clipped sum of ``records``' gradients."""
     from dpllm.train import forward_loss
 
-    model = _llama(rope)
+    model = _llama(rope, init=init)
     before = [p.detach().clone() for p in model.parameters() if p.requires_grad]
     pt = _private(model, max_length=max_length)
     forward_loss(pt.model, make_collate(0)(records), pt.criterion).backward()
@@ -83,9 +85,9 @@ def _update(rope: dict, records, *, max_length=None) -> torch.Tensor:
                                                                            if p.requires_grad])])
 
 
-def _sensitivity(rope: dict, **kw) -> float:
-    """How far one long record moves the clipped sum of eight short ones, in units of C (bound: 1)."""
-    short, long = _records()
+def _sensitivity(rope: dict, *, copies: int = 1, **kw) -> float:
+    """How far one long record moves the clipped sum of 8 × ``copies`` short ones, in units of C (bound: 1)."""
+    short, long = _records(copies)
     return float((_update(rope, short + [long], **kw) - _update(rope, short, **kw)).norm()) / C
 
 
@@ -106,7 +108,7 @@ def test_longrope_with_max_length_past_its_original_context_is_refused_before_th
         check_rope_per_record(model, max_length=LONG)
     check_rope_per_record(model, max_length=ORIGINAL)  # the short factors in every batch
     # one set of factors: the switch changes nothing
-    check_rope_per_record(_llama({**LONGROPE, "short_factor": LONGROPE["long_factor"]}, lora=False), max_length=LONG)
+    check_rope_per_record(_llama(STATIC["longrope with one set of factors"], lora=False), max_length=LONG)
 
 
 def test_dynamic_ntk_past_its_cached_context_is_refused():
@@ -124,7 +126,7 @@ def test_the_independence_check_probes_with_a_record_at_max_length():
         _update(LONGROPE, short, max_length=LONG)
 
 
-@pytest.mark.parametrize("kind", ["linear", "llama3"])
+@pytest.mark.parametrize("kind", ["linear", "llama3", "longrope with one set of factors"])
 def test_static_rope_types_pass_both_checks_and_keep_records_apart(kind):
     rope = STATIC[kind]
     check_rope_per_record(_llama(rope, lora=False), max_length=CONTEXT)
