@@ -134,6 +134,16 @@ def test_static_rope_types_pass_both_checks_and_keep_records_apart(kind):
     assert _sensitivity(rope, max_length=LONG) <= 1 + 1e-3
 
 
+def _byte_llama(tok):
+    """The longrope Llama with the byte tokenizer's vocabulary (the commands' tokenizer for tiny models)."""
+    from transformers import AutoModelForCausalLM
+
+    config = _llama(LONGROPE, lora=False).config
+    config.vocab_size, config.pad_token_id = len(tok), tok.pad_token_id
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config)
+
+
 def test_the_recipe_refuses_such_a_model_before_writing_anything(tmp_path, monkeypatch, capsys):
     """``dpllm train`` (the recipe's command) on a longrope model with max_length past the original context: one
     line saying what to change, exit 2, no run directory."""
@@ -144,15 +154,8 @@ def test_the_recipe_refuses_such_a_model_before_writing_anything(tmp_path, monke
     from tests.helpers import load_recipe
 
     tok = byte_tokenizer()
-
-    def load_base(cfg, max_length, **kw):
-        from transformers import AutoModelForCausalLM
-
-        config = _llama(LONGROPE, lora=False).config
-        config.vocab_size, config.pad_token_id = len(tok), tok.pad_token_id
-        return AutoModelForCausalLM.from_config(config), tok, {"kind": "tiny", "name": "tiny-llama"}
-
-    monkeypatch.setattr(dpllm.train, "load_base", load_base)
+    monkeypatch.setattr(dpllm.train, "load_base", lambda cfg, max_length, **kw: (
+        _byte_llama(tok), tok, {"kind": "tiny", "name": "tiny-llama"}))
     data, out = tmp_path / "train.jsonl", tmp_path / "run"
     data.write_text("".join(json.dumps({"text": f"record {i} talks about something {i * 7}"}) + "\n"
                             for i in range(40)))
@@ -161,6 +164,29 @@ def test_the_recipe_refuses_such_a_model_before_writing_anything(tmp_path, monke
     err = capsys.readouterr().err
     assert code == 2 and "rope_type longrope" in err and "lower max_length to ≤ 16" in err, err[-2000:]
     assert not out.exists()
+
+
+def test_dptrainer_refuses_such_a_model_before_writing_anything(tmp_path):
+    """A user's own Trainer script (``DPTrainer``): max_length is the longest row, 32 here, past the original 16."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from dpllm.hf import DPTrainer, PrivacyArguments
+    from dpllm.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    model = _byte_llama(tok)
+    data = Dataset.from_dict({"text": [f"record {i} talks about something {i * 7}" for i in range(16)]})
+    data = data.map(lambda b: tok(b["text"], truncation=True, max_length=32), batched=True)
+    out = tmp_path / "run"
+    trainer = DPTrainer(model=model, args=TrainingArguments(str(out), max_steps=1, report_to="none",
+                                                            disable_tqdm=True, use_cpu=True,
+                                                            per_device_train_batch_size=4),
+                        privacy_args=PrivacyArguments(target_epsilon=8.0, logical_batch_size=8),
+                        train_dataset=data, processing_class=tok)
+    with pytest.raises(UnclippableModel, match=r"rope_type longrope.*max_length=32.*lower max_length to ≤ 16"):
+        trainer.train()
+    assert not (out / "privacy_report.json").exists() and not (out / "config.yaml").exists()
 
 
 def test_doctests():

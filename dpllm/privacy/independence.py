@@ -279,15 +279,16 @@ def _with_long_record(kwargs: dict, key: str, real, x: torch.Tensor, R: int, max
     """Step 4's two batches: ``(short, long, Ts)``. ``short``: the R records cut to their first
     ``Ts = min(T, SHORT_PROBE)`` positions; ``long``: the same records padded to ``max_length``, and one more
     record of ``max_length`` real tokens (the longest record's tokens, repeated). None where there is no such
-    pair: no attention mask, an input of unknown meaning along the sequence, ``max_length`` ≤ Ts or beyond the
-    model's context.
+    pair: no attention mask, an input of unknown meaning along the sequence, ``max_length`` ≤ ``SHORT_PROBE`` or
+    beyond the model's context.
     """
     T = x.shape[1] if x.dim() > 1 else None
     if real is None or T is None:
         return None
     Ts = min(T, SHORT_PROBE)
     limit = _context(model)
-    if max_length <= Ts or (isinstance(limit, int) and max_length > limit):
+    # decided by settings alone, never by this process's batch: under FSDP every process runs the same passes
+    if max_length <= SHORT_PROBE or (isinstance(limit, int) and max_length > limit):
         return None
     sequence = {n for n, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[0] == R
                 and v.shape[1] == T}
@@ -296,9 +297,7 @@ def _with_long_record(kwargs: dict, key: str, real, x: torch.Tensor, R: int, max
     short = {n: v[:, :Ts] if n in sequence else v for n, v in kwargs.items()}
     padded = _extend(short, Ts, max_length - Ts)
     j = int(real.sum(1).argmax())
-    tokens = x[j][real[j].bool()]
-    if tokens.shape[0] == 0:
-        return None
+    tokens = x[j][real[j].bool()] if bool(real[j].any()) else x[j][:1]  # a batch of empty records: any token
     long = {}
     for n, v in padded.items():
         if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == R):
