@@ -111,6 +111,31 @@ def test_longrope_with_max_length_past_its_original_context_is_refused_before_th
     check_rope_per_record(_llama(STATIC["longrope with one set of factors"], lora=False), max_length=LONG)
 
 
+def test_a_phi3_128k_style_config_is_refused_by_both_checks():
+    """Phi-3-mini-128k's config.json form: ``rope_scaling`` of type longrope, the original context at the top."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    from dpllm.models import position_ids_for
+    from dpllm.privacy.independence import check_record_independence
+
+    torch.manual_seed(0)
+    config = Phi3Config(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                        original_max_position_embeddings=ORIGINAL,
+                        rope_scaling={"type": "longrope", "short_factor": LONGROPE["short_factor"],
+                                      "long_factor": LONGROPE["long_factor"]},
+                        initializer_range=0.2, pad_token_id=0, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(UnclippableModel, match=r"model.rotary_emb \(rope_type longrope\).*lower max_length to ≤ 16"):
+        check_rope_per_record(model, max_length=LONG)
+    batch = make_collate(0)(_records()[0][:3])
+    kwargs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+              "position_ids": position_ids_for(batch["input_ids"])}
+    with pytest.raises(UnclippableModel, match="one record of max_length=48 tokens joins their batch"):
+        check_record_independence(model, (), kwargs, max_length=LONG)
+    check_record_independence(model, (), kwargs, max_length=ORIGINAL)  # short factors in every batch: passes
+
+
 def test_dynamic_ntk_past_its_cached_context_is_refused():
     model = _llama({"rope_type": "dynamic", "factor": 2.0}, lora=False)
     check_rope_per_record(model, max_length=CONTEXT)  # never grows: the frequencies of construction
