@@ -52,6 +52,7 @@ from dpllm.privacy import user_level
 from dpllm.privacy.engine import sequence_loss
 from dpllm.privacy.modes import prepare_engine
 from dpllm.privacy.plan import PrivacyPlan
+from dpllm.privacy.positions import check_rope_per_record
 from dpllm.privacy.randomness import privacy_generators
 from dpllm.privacy.run import RunPrivacy
 from dpllm.run_data import RunData
@@ -182,6 +183,8 @@ class Trainer:
         from_rank0 = distributed.loads_on_rank0(self.world, self.source, cfg.model.quantization)
         model, self.tokenizer, _ = load_base(cfg.model, cfg.data.max_length, on_meta=from_rank0 and not main)
         models.fit_to_run(model, self.tokenizer, max_length=cfg.data.max_length, canaries=self.data.canaries)
+        if self.dp:  # a rotary switch that one long record flips for its whole batch (dpllm.privacy.positions)
+            check_rope_per_record(model, max_length=cfg.data.max_length)
         self.lora_base = models.base_to_keep(model, cfg.model, self.source)  # saved beside LoRA adapters, or None
         # bk clips an output head tied to the input embedding exactly; every other engine needs it untied
         keep_tie = self.dp and self.p.grad_sample_mode in ("auto", "bk")

@@ -3,6 +3,8 @@
     python scripts/measure_guards.py toys    # each toy in each mode: ‖update‖/C per step, or the refusal
     OMP_NUM_THREADS=1 python scripts/measure_guards.py cost [--rounds 9]   # per-step cost of the gradient-path
                                              # guard (interleaved CPU time) and the one-off independence check
+    python scripts/measure_guards.py rope [--copies 4 --init 0.5]   # one long record vs 8 × copies short ones
+                                             # under each rope type (LoRA, bk): ‖Δ clipped sum‖/C, and the refusals
 
 ``toys`` runs the models of tests/test_gradient_paths.py and tests/test_record_independence.py (σ = 0, C = 1e-3)
 through :func:`dpllm.privacy.engine.make_private` as the checkout has it: on a commit without the guards it prints
@@ -222,12 +224,41 @@ def _timed(cls, total: list):
     return mock.patch.multiple(cls, **{n: wrap(getattr(cls, n)) for n in names})
 
 
+def rope(copies: int, init: float) -> None:
+    """The tiny Llama of tests/test_rope_positions.py under each rope type: how far one record of 48 tokens moves
+    the clipped sum of 8 × ``copies`` short records (the first-batch check only, as before issue 46), and what the
+    checks now say (the config check at max_length 48, and the independence check's record at max_length)."""
+    import test_rope_positions as t
+
+    from dpllm.privacy.positions import check_rope_per_record
+
+    warnings.filterwarnings("ignore")
+    kinds = {"longrope": t.LONGROPE, "dynamic": {"rope_type": "dynamic", "factor": 2.0}, **t.STATIC}
+    print(f"{'rope type':34} {'‖Δ‖/C before':>13}  config check     record at max_length")
+    for name, params in kinds.items():
+        before = t._sensitivity(params, copies=copies, init=init)
+        verdicts = []
+        for check in (lambda p: check_rope_per_record(t._llama(p, lora=False, init=init), max_length=t.LONG),
+                      lambda p: t._update(p, t._records(copies)[0], max_length=t.LONG, init=init)):
+            try:
+                check(params)
+                verdicts.append("passes")
+            except ValueError:
+                verdicts.append("refused")
+        print(f"{name:34} {before:13.4f}  {verdicts[0]:16} {verdicts[1]}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("toys", "cost"))
+    ap.add_argument("what", choices=("toys", "cost", "rope"))
     ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--copies", type=int, default=1, help="rope: 8 × copies short records")
+    ap.add_argument("--init", type=float, default=0.2, help="rope: the model's initializer_range")
     args = ap.parse_args(argv)
-    toys() if args.what == "toys" else cost(args.rounds)
+    if args.what == "rope":
+        rope(args.copies, args.init)
+    else:
+        toys() if args.what == "toys" else cost(args.rounds)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from dpllm.models import (
     quantization_of,
     untie_output_embeddings,
 )
+from dpllm.privacy.positions import check_rope_per_record
 from dpllm.run_data import RunData
 from dpllm.sft import SFTArguments, is_untokenized_sft
 from dpllm.train import Trainer as RunTrainer
@@ -280,6 +281,8 @@ class HFRun(RunTrainer):
         check_checkpointing(model, resolve_mode(self.p.grad_sample_mode, model))
         model.to(self.device).train()
         check_dp_layers(model)
+        # a rotary switch that one long record flips for its whole batch (dpllm.privacy.positions)
+        check_rope_per_record(model, max_length=self.cfg.data.max_length)
         self.n_params = count_parameters(model)
         self.model = wrap_model(model, dp=True, world=self.world, accelerator=self.accelerator,
                                 mixed_precision=self.mp)

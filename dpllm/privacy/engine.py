@@ -92,6 +92,7 @@ def make_private(
     world_size: int = 1,
     user_records: Optional[list[list[int]]] = None,
     physical_batch_size: Optional[int] = None,
+    max_length: Optional[int] = None,
 ) -> PrivateTraining:
     """Wrap with Opacus: Poisson sampling, per-sample clipping (ghost or hooks), Gaussian noise.
 
@@ -108,6 +109,9 @@ def make_private(
             bk; :meth:`PrivateTraining.set_users` names the user of every row before each backward pass).
         physical_batch_size: records per backward pass; ``grad_sample_mode: auto`` weighs hooks' per-sample
             gradient memory with it (:mod:`dpllm.privacy.modes`).
+        max_length: the longest record the run may see (``data.max_length``): the independence check adds one
+            record of that length to the first batch (:mod:`dpllm.privacy.independence`, step 4). None: it does
+            not (a caller that does not know it).
 
     Returns:
         A :class:`PrivateTraining` whose ``sampler`` (and ``data_loader`` over it) never ends: one
@@ -150,7 +154,7 @@ def make_private(
     log.info("privacy: grad_sample_mode=%s (%s)", mode, choice.reason)
     check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
     # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
-    guard_record_independence(model)
+    guard_record_independence(model, max_length=max_length)
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
             engine=engine, model=model, optimizer=optimizer, clip_weights=lambda n: fn.weights(n, cfg),

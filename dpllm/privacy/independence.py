@@ -25,12 +25,20 @@ batch (R ≥ 2, chosen unequal to every other dimension of the batch, so a seque
 3. *Longer padding* (HF-style calls with an ``attention_mask`` only; evaluation mode, since dropout masks cannot
    match across shapes): k more masked positions, as a longer record in the batch would add. Every row's real
    positions must stay within ``PADDED_TOL`` (other shapes run other kernel tilings: float rounding differs).
+4. *A record at max_length* (HF-style calls, where the caller gives ``max_length``; evaluation mode): the R
+   records cut to their first ``SHORT_PROBE`` positions, alone and then padded to ``max_length`` beside one more
+   record of ``max_length`` real tokens. Their real positions must stay within ``PADDED_TOL``. This is what a
+   long record does to its batch beyond step 3's padding: the batch's longest *position* is now real, and
+   whatever reads it sees it (transformers' ``longrope`` and ``dynamic`` rotary embeddings pick every row's
+   frequencies from it; :mod:`dpllm.privacy.positions` refuses those by their config before the run, this step
+   sees any other cause in the outputs). A first batch of short records, as steps 1–3 use, never shows it.
 
 The check runs once, inside the first forward pass with gradients enabled (:func:`guard_record_independence`,
 installed by :func:`dpllm.privacy.engine.make_private` for every mode, so the recipe's trainer, ``DPTrainer``,
 user-level runs and the MLP recipes all pass through it), before that pass goes on. It costs three forward
 passes of R ≤ 4 rows without gradients, once per run: on a Llama-3-8B shape at T = 512 about as much as
-one training forward pass of a batch of 8 (docs/engines.md). The random state is restored afterwards.
+one training forward pass of a batch of 8 (docs/engines.md); step 4 adds one pass of R × 8 tokens and one of
+(R + 1) × ``max_length``. The random state is restored afterwards.
 What it cannot see: mixing that happens only for some inputs (it tests one perturbation of one batch) and
 dependence weaker than the tolerances.
 
@@ -73,6 +81,13 @@ PADDED_TOL_LOW_PRECISION = 3e-2
 PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "token_type_ids": 0, "labels": -100, "inputs_embeds": 0.0,
               "position_ids": None}
 
+#: Step 4 cuts the records to this many positions, below any length a model switches at (Phi-3's 4096), so that
+#: the one long record it adds passes every switch up to max_length.
+SHORT_PROBE = 8
+
+LONG_FIX = ("lower max_length to the length the model switches at (its original context, e.g. rope_parameters' "
+            "original_max_position_embeddings), or use a position encoding that treats each position alike in "
+            "every batch")
 FIX = ("keep every record's computation to its own row: no batch statistics (use LayerNorm/RMSNorm/GroupNorm over "
        "a record's own features, not BatchNorm; no h.mean(0)), and keep every trainable layer's input batch-first "
        "(B, ..., d): batch_first=True, or reshape (B·T, d) back to (B, T, d) before the layer")
@@ -115,12 +130,15 @@ def _perturb(model: nn.Module, x: torch.Tensor, row: int, real: Optional[torch.T
     return x
 
 
-def check_record_independence(model: nn.Module, args: tuple, kwargs: dict) -> None:
+def check_record_independence(model: nn.Module, args: tuple, kwargs: dict, *,
+                              max_length: Optional[int] = None) -> None:
     """Refuse ``model`` if one record's input changes another record's output (see the module docstring).
 
     Args:
         model: the model as the training loop calls it (no Opacus or bk wrapper in between is needed).
         args, kwargs: one batch's forward-call arguments, rows in dimension 0.
+        max_length: the longest record the run may see (``data.max_length``): step 4 adds a record of that
+            length to the batch. None: no such step (callers that do not know it).
 
     Raises:
         dpllm.privacy.paths.UnclippableModel: (a ``ValueError`` and a ``RuntimeError``) naming the problem
@@ -210,6 +228,16 @@ def check_record_independence(model: nn.Module, args: tuple, kwargs: dict) -> No
             _compare(short, long[:, :T], real, rows=list(range(R)), tol=tol,
                      problem="the records' outputs change with the batch's padded length (which the longest record "
                              "sets): an operation reads masked positions, e.g. a mean over all positions")
+        probe = (_with_long_record(kwargs, key, real, x, R, max_length, model)
+                 if max_length is not None and key is not None and not batch_args else None)
+        if probe is not None:
+            short_kw, long_kw, Ts = probe
+            short, long = call(new_kwargs=short_kw, training=False), call(new_kwargs=long_kw, training=False)
+            tol = PADDED_TOL.get(ref.dtype, PADDED_TOL_LOW_PRECISION)
+            _compare(short, long[:R, :Ts], real[:, :Ts], rows=list(range(R)), tol=tol,
+                     problem=f"the records' outputs change when one record of max_length={max_length} tokens joins "
+                             "their batch: a computation reads the batch's longest position (e.g. a rotary embedding "
+                             "whose frequencies switch with it: rope_type longrope or dynamic)", fix=LONG_FIX)
 
 
 def _padded(kwargs: dict, real, T: Optional[int], R: int, model: nn.Module) -> Optional[dict]:
@@ -220,9 +248,19 @@ def _padded(kwargs: dict, real, T: Optional[int], R: int, model: nn.Module) -> O
            for k, v in kwargs.items()):
         return None  # an input of unknown meaning along the sequence
     k = 1 if T + 1 != R else 2
-    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    limit = _context(model)
     if isinstance(limit, int) and T + k > limit:
         return None
+    return _extend(kwargs, T, k)
+
+
+def _context(model: nn.Module) -> Optional[int]:
+    config = getattr(model, "config", None)
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+
+def _extend(kwargs: dict, T: int, k: int) -> dict:
+    """``kwargs`` with every sequence input (length ``T``) given ``k`` more masked positions."""
     out = dict(kwargs)
     for name, v in kwargs.items():
         if not (isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[1] == T and name in PAD_VALUES):
@@ -236,7 +274,49 @@ def _padded(kwargs: dict, real, T: Optional[int], R: int, model: nn.Module) -> O
     return out
 
 
-def _compare(ref: torch.Tensor, out: torch.Tensor, real, *, rows: list[int], tol: float, problem: str) -> None:
+def _with_long_record(kwargs: dict, key: str, real, x: torch.Tensor, R: int, max_length: int,
+                      model: nn.Module) -> Optional[tuple[dict, dict, int]]:
+    """Step 4's two batches: ``(short, long, Ts)``. ``short``: the R records cut to their first
+    ``Ts = min(T, SHORT_PROBE)`` positions; ``long``: the same records padded to ``max_length``, and one more
+    record of ``max_length`` real tokens (the longest record's tokens, repeated). None where there is no such
+    pair: no attention mask, an input of unknown meaning along the sequence, ``max_length`` ≤ ``SHORT_PROBE`` or
+    beyond the model's context.
+    """
+    T = x.shape[1] if x.dim() > 1 else None
+    if real is None or T is None:
+        return None
+    Ts = min(T, SHORT_PROBE)
+    limit = _context(model)
+    # decided by settings alone, never by this process's batch: under FSDP every process runs the same passes
+    if max_length <= SHORT_PROBE or (isinstance(limit, int) and max_length > limit):
+        return None
+    sequence = {n for n, v in kwargs.items() if isinstance(v, torch.Tensor) and v.dim() > 1 and v.shape[0] == R
+                and v.shape[1] == T}
+    if sequence - set(PAD_VALUES):
+        return None  # an input of unknown meaning along the sequence
+    short = {n: v[:, :Ts] if n in sequence else v for n, v in kwargs.items()}
+    padded = _extend(short, Ts, max_length - Ts)
+    j = int(real.sum(1).argmax())
+    tokens = x[j][real[j].bool()] if bool(real[j].any()) else x[j][:1]  # a batch of empty records: any token
+    long = {}
+    for n, v in padded.items():
+        if not (isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == R):
+            long[n] = v
+            continue
+        if n == key:  # every position real: the record's tokens, repeated to max_length
+            row = tokens.repeat(-(-max_length // tokens.shape[0]), *([1] * (tokens.dim() - 1)))[:max_length]
+        elif n == "attention_mask":
+            row = torch.ones_like(v[0])
+        elif n in sequence and PAD_VALUES[n] is not None and n != "token_type_ids":
+            row = torch.full_like(v[0], PAD_VALUES[n])  # labels: none needed, the outputs are compared
+        else:  # positions (row 0's, counted on to max_length), token types, per-row values
+            row = v[0]
+        long[n] = torch.cat([v, row.unsqueeze(0)], dim=0)
+    return short, long, Ts
+
+
+def _compare(ref: torch.Tensor, out: torch.Tensor, real, *, rows: list[int], tol: float, problem: str,
+             fix: str = FIX) -> None:
     a, b = ref[rows].float(), out[rows].float()
     if real is not None and a.dim() >= 2 and a.shape[1] == real.shape[1]:
         keep = real[rows].bool()
@@ -250,15 +330,16 @@ def _compare(ref: torch.Tensor, out: torch.Tensor, real, *, rows: list[int], tol
     if moved > tol * max(scale, 1e-12):
         raise UnclippableModel(f"{problem}: they moved by {moved:.3g} (largest output {scale:.3g}; tolerance "
                            f"{tol:g} of it). Per-record clipping then bounds no record's influence: it reaches the "
-                           f"other records' gradients, clipped or not; {FIX}")
+                           f"other records' gradients, clipped or not; {fix}")
 
 
-def guard_record_independence(model: nn.Module) -> None:
+def guard_record_independence(model: nn.Module, *, max_length: Optional[int] = None) -> None:
     """Run :func:`check_record_independence` on the first batch ``model`` is called with while gradients are
     enabled, before that forward pass runs; the hook removes itself once the check passes.
 
     Args:
         model: the bare model (not yet wrapped by Opacus or bk; a DDP wrapper is looked through).
+        max_length: the longest record the run may see; step 4 probes with one (None: no step 4).
     """
     inner = model
     while type(inner).__name__ in ("DifferentiallyPrivateDistributedDataParallel", "DistributedDataParallel"):
@@ -270,7 +351,7 @@ def guard_record_independence(model: nn.Module) -> None:
             return
         state["busy"] = True
         try:
-            check_record_independence(module, args, kwargs)
+            check_record_independence(module, args, kwargs, max_length=max_length)
         finally:
             state["busy"] = False
         state["handle"].remove()

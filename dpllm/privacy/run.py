@@ -193,7 +193,8 @@ class RunPrivacy:
             model=model, optimizer=optimizer, dataset=dataset, collate_fn=collate_fn, cfg=self.p, plan=self.plan,
             logical_batch_size=t.logical_batch_size, noise_generator=generators["noise"],
             sampling_generator=generators["sampling"], rank=world.rank, world_size=world.size,
-            physical_batch_size=t.physical_batch_size, **({"user_records": self.user_records} if self.uls else {}))
+            physical_batch_size=t.physical_batch_size, max_length=self.cfg.data.max_length,
+            **({"user_records": self.user_records} if self.uls else {}))
         log.info("privacy: σ=%.4g q=%.4g steps=%d target ε=%s δ=%g (%s), %d process(es)",
                  self.plan.noise_multiplier, self.plan.sample_rate, self.steps, self.p.target_epsilon,
                  self.p.target_delta, self.p.accountant, world.size)
