@@ -370,9 +370,13 @@ def _rows(hf: DPTrainer, name: str) -> Rows:
     if dataset is None:
         return Rows([], [])
     if is_untokenized_sft(dataset):
+        if p.privacy_unit == "sequence":
+            raise ConfigError(f"DPTrainer: privacy_unit='sequence' declares each row a packed block of tokens, but "
+                              f"{name} holds untokenized chat / instruction records (one conversation per row); use "
+                              "privacy_unit='record'")
         loss_on = hf.sft_args.loss_on if name == "train_dataset" else "answer"
         return trainer_rows(dataset, hf.processing_class, hf.sft_args, name=name, loss_on=loss_on)
-    return rows_of(dataset, hf.processing_class, text_column=p.record_text_column, name=name)
+    return rows_of(dataset, hf.processing_class, text_column=p.record_text_column, name=name, unit=p.privacy_unit)
 
 
 def _model_name(model) -> str:
