@@ -81,3 +81,17 @@ def test_a_huge_record_is_counted_in_pieces():
 def test_doctests():
     assert doctest.testmod(truncation).failed == 0
     assert doctest.testmod(sequence_level).failed == 0
+
+
+def test_sft_records_count_what_the_cut_removed():
+    """Chat / instruction records: the answer's tail past max_length is counted as lost (bytes: one token each)."""
+    from dpllm import sft
+
+    tok = byte_tokenizer()
+    long = sft.canonical({"prompt": "q", "completion": "y" * 90}, "prompt_completion", where="t")
+    short = sft.canonical({"prompt": "q", "completion": "yes"}, "prompt_completion", where="t")
+    s = sft.SFTRecords([long, short], tok, max_length=40).truncation
+    full = [len(tok(p, add_special_tokens=False)["input_ids"]) for r in (long, short)
+            for p in ["".join(text for text, _ in sft.segments(sft.parse(r), tok))]]
+    assert s["truncated_records"] == 1 and s["tokens_total"] == sum(full)
+    assert s["tokens_lost_max"] == full[0] - 40

@@ -118,7 +118,7 @@ def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: 
     fmt = "messages" if "messages" in cols else "prompt_completion"
     texts = [canonical(dataset[i], fmt, where=f"DPTrainer: {name} row {i}") for i in range(len(dataset))]
     prepare_tokenizer(tokenizer, args.chat_template, needed=needs_template(texts, fmt))
-    items, kept, dropped = [], [], 0
+    items, kept, full, dropped = [], [], [], 0
     for t in texts:
         enc = encode(parse(t), tokenizer, max_length=args.max_length, loss_on=loss_on)
         if enc["answer_tokens"] == 0:
@@ -126,12 +126,15 @@ def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: 
             continue
         items.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
         kept.append(t)
+        full.append(enc["full_length"])
     if dropped:
         log.warning("sft: %d row(s) of %s lose their whole answer to max_length=%d and are dropped before training",
                     dropped, name, args.max_length)
     if not items and name == "train_dataset":
         raise ConfigError(f"DPTrainer: every row of {name} loses its answer to max_length={args.max_length}; raise it")
-    return Rows(items, kept)
+    rows = Rows(items, kept)
+    rows.truncation = truncation.summarize(full, max_length=args.max_length) if items else None
+    return rows
 
 
 __all__ = ["PadRecords", "Rows", "rows_of", "trainer_rows"]
