@@ -149,3 +149,15 @@ def test_declared_sequence_unit_trains_a_run_clm_script_end_to_end(tmp_path, tin
     card = (export(out, tmp_path / "bundle") / "README.md").read_text()
     assert f"one sequence of {BLOCK} consecutive tokens" in card and "at the level of one **sequence**" in card
     assert "Long records" not in card and "which sequences the model was trained on" in card
+
+
+def test_the_recipe_refuses_the_sequence_unit_before_writing(tmp_path, capsys):
+    """privacy_unit: sequence is a DPTrainer declaration over its blocks; the recipe trains one record per row."""
+    from tests.helpers import load_recipe
+
+    data = tmp_path / "notes.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in NOTES))
+    out = tmp_path / "run"
+    assert load_recipe("finetune_llm").cli(["--dataset", str(data), "--output_dir", str(out), "--privacy_unit",
+                                            "sequence", "--max_steps", "1", "--progress", "false"]) == 2
+    assert "privacy_unit=sequence" in capsys.readouterr().err and not out.exists()

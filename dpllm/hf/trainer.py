@@ -241,6 +241,10 @@ class HFRun(RunTrainer):
                             eval_texts=list(heldout), trained_hashes={data.sha256(t) for t in train},
                             heldout_hashes={data.sha256(records[i]) for i in splits.heldout},
                             sft_format=format_of(train) if is_untokenized_sft(self.hf.train_dataset) else None)
+        if self.cfg.data.privacy_unit == "sequence":  # a public declaration: the console says what it means
+            log.info("privacy unit: one sequence of %d tokens (declared: PrivacyArguments(privacy_unit='sequence')); "
+                     "ε protects one sequence, and a record cut across two of them is protected as a group of 2 "
+                     "(its ε is in the privacy report)", self.cfg.data.max_length)
         masked = any(bool((x["labels"] == -100).any()) for x in self.train_rows.items)
         log.info("[private] data format: %s", f"{self.data.sft_format} records, loss on {self.cfg.data.loss_on} tokens"
                  if self.data.sft_format else "token rows, loss on " + ("the tokens their labels keep (-100 elsewhere)"
