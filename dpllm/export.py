@@ -88,6 +88,9 @@ def neighbouring_relation(report: PrivacyReport) -> str:
         cap = user.get("max_records_per_user")
         return ("add or remove one user" + (f" (with at most {cap} records)" if cap else "")
                 + ("" if user.get("sampling") == "uls" else "; a user is a group of at most that many records"))
+    if report.privacy_unit == "sequence" and report.sequence_level:
+        return (f"add or remove one sequence (a block of {report.sequence_level['tokens_per_sequence']:,} tokens of "
+                "the concatenated training texts)")
     return "add or remove one record"
 
 

@@ -148,6 +148,8 @@ def test_declared_sequence_unit_trains_a_run_clm_script_end_to_end(tmp_path, tin
     assert f"N = {len(blocks):,} sequences (unit: sequence)" in printed
     card = (export(out, tmp_path / "bundle") / "README.md").read_text()
     assert f"one sequence of {BLOCK} consecutive tokens" in card and "at the level of one **sequence**" in card
+    assert f"**add or remove one sequence (a block of {BLOCK} tokens of the concatenated training texts)**" in card
+    assert f"tokens_per_sequence: {BLOCK}" in card  # the Hub metadata block
     assert "Long records" not in card and "which sequences the model was trained on" in card
 
 
