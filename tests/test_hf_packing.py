@@ -90,6 +90,19 @@ def test_a_start_token_after_text_is_a_record_boundary():
     assert not crosses([5, 6, 7, 2, 0], start=None, end=2, special={0, 1, 2})  # EOS, then padding
 
 
+def test_turns_of_one_chat_with_masked_prompts_are_not_a_boundary(tiny):
+    """A pre-tokenized conversation whose template repeats the edge token between turns (Llama 2: BOS before every
+    user turn; here ByT5's EOS after every turn) is one record when its labels mask the prompts; the same ids with
+    every token in the loss, as group_texts leaves them, are read as two texts in one row."""
+    from dpllm.hf.packed import evidence
+
+    _, tok = tiny
+    rows = [tok(f"question {i}?")["input_ids"] + tok("answer " * (1 + i % 3))["input_ids"] for i in range(10)]
+    cut = [None] * len(rows)
+    assert evidence(rows, cut, tok, text_column="text", masked=[True] * len(rows)) == ""
+    assert "10 of 10 rows hold the end of one text" in evidence(rows, cut, tok, text_column="text")
+
+
 def test_one_record_per_row_with_long_records_trains_and_reports_truncation(tmp_path, tiny):
     """Rows cut by truncation=True fill max_length like blocks do, but their text shows the longer record behind
     them: they train, and the report counts what the cut removed (computed here from the texts alone)."""

@@ -7,7 +7,9 @@ variants (the last short block kept, a ``text`` column decoded from each block) 
 evidence, any one of which refuses:
 
 1. **A record boundary inside a row**: the token the tokenizer itself puts at the start of every text (Llama's
-   BOS) after some text, or the one it puts at the end (ByT5's EOS) before more text.
+   BOS) after some text, or the one it puts at the end (ByT5's EOS) before more text. Rows whose labels mask
+   tokens (-100, a prompt left out of the loss) are not read this way: chat templates may repeat those tokens
+   between turns (Llama 2 puts BOS before every user turn), while ``group_texts`` copies the ids into the labels.
 2. **Rows of exactly the block length that are not shown to be cut from a longer record**: at least half of the
    rows (and at least :data:`MIN_ROWS`) have the longest row's length, and most of those have no record text
    that is longer than the row. One-record-per-row data reaches that length only where ``truncation=True`` cut a
@@ -54,11 +56,13 @@ def crosses(ids: Sequence[int], *, start: Optional[int], end: Optional[int], spe
     return False
 
 
-def evidence(rows: Sequence[Sequence[int]], cut: Sequence[Optional[int]], tokenizer, *, text_column: str) -> str:
+def evidence(rows: Sequence[Sequence[int]], cut: Sequence[Optional[int]], tokenizer, *, text_column: str,
+             masked: Optional[Sequence[bool]] = None) -> str:
     """Why ``rows`` look packed ('' when they do not).
 
     Args:
         rows: every row's token ids (padding removed).
+        masked: per row, whether its labels leave some tokens out of the loss (-100); None: none do.
         cut: per row, how many tokens of its record's text lie past the row (None: the row has no text).
         tokenizer: the tokenizer the rows came from.
         text_column: the column the texts came from (named in the evidence).
@@ -66,7 +70,9 @@ def evidence(rows: Sequence[Sequence[int]], cut: Sequence[Optional[int]], tokeni
     start, end = edge_tokens(tokenizer)
     special = set(tokenizer.all_special_ids)
     n = len(rows)
-    crossing = sum(crosses(r, start=start, end=end, special=special) for r in rows) if start or end else 0
+    masked = masked if masked is not None else [False] * n
+    crossing = sum(crosses(r, start=start, end=end, special=special) for r, m in zip(rows, masked) if not m) \
+        if start or end else 0
     if crossing >= 2 or (crossing and crossing == n):
         names = " / ".join(repr(tokenizer.convert_ids_to_tokens(t)) for t in (start, end) if t is not None)
         return (f"{crossing:,} of {n:,} rows hold the end of one text and the start of another (the {names} token "

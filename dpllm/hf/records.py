@@ -77,7 +77,8 @@ def rows_of(dataset, tokenizer, *, text_column: str, name: str, unit: str = "rec
         return rows
     cut = _tokens_past_row(items, own, tokenizer)
     ids = [x["input_ids"].tolist() for x in items]
-    found = packed.evidence(ids, cut, tokenizer, text_column=text_column)
+    found = packed.evidence(ids, cut, tokenizer, text_column=text_column,
+                            masked=[bool((x["labels"] == -100).any()) for x in items])
     if found:
         first = dataset[0]
         strings = [k for k, v in first.items() if isinstance(v, str)] if isinstance(first, dict) else []
