@@ -341,6 +341,8 @@ def cli_main(argv: list[str]) -> int:
             print(format_table(items))
         return 1 if any(it.status == NOT_MET for it in items) else 0
     print(report.summary())
+    for line in report.details():  # the unit in words (sequence level), what max_length cut off
+        print(line)
     if report.enabled and report.noise_secret is False:
         print(f"WARNING: {NOT_RELEASABLE}", file=sys.stderr)
     print(json.dumps(report.to_dict(), indent=2))

@@ -103,7 +103,8 @@ class DataConfig:
                                       "to audit); 'new_token' (one new vocabulary token per canary; the strongest; "
                                       "full fine-tuning only).")
     privacy_unit: str = _f("record", "'record' (one record is protected) or 'user' (all records of one person are "
-                                     "protected: data.user_column groups records; docs/user_level.md).")
+                                     "protected: data.user_column groups records; docs/user_level.md). 'sequence' (one "
+                                     "packed block of max_length tokens) is declared through DPTrainer only.")
     user_column: str = _f("user", "Column naming each record's user (privacy_unit=user; JSONL/JSON/CSV/Hub). The "
                                   "built-in corpora have their own grouping (pydoc: topic chunks; pystdlib: file).")
     label_column: Optional[str] = _f(None, "Column holding each record's class label (JSONL/JSON/CSV/Hub). Opt-in: "
@@ -437,7 +438,7 @@ def validate(cfg: RunConfig) -> None:
                           "finetuning: full for the audit run, or another canary design")
     _choice("accountant", p.accountant, ("prv", "rdp", "gdp", "pld"))
     _choice("grad_sample_mode", p.grad_sample_mode, ("ghost", "hooks", "ghost_fsdp", "bk", "auto"))
-    _choice("privacy_unit", d.privacy_unit, ("record", "user"))
+    _choice("privacy_unit", d.privacy_unit, ("record", "user", "sequence"))
     _choice("data_format", d.data_format, ("auto", "messages", "prompt_completion", "text"))
     _choice("loss_on", d.loss_on, ("answer", "all"))
     _choice("user_sampling", p.user_sampling, ("uls", "els", "record"))

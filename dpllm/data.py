@@ -4,6 +4,7 @@ The privacy unit is one record: a paragraph of the built-in corpus, a row of a d
 of a text file. Records are never packed together; a long record is truncated to ``max_length``
 tokens and padding is masked out of the loss. ``splits.json`` records which records were trained on
 (members) and which were held out (non-members), so that ``mia`` can audit the run later.
+What the cut removed is counted (:mod:`dpllm.truncation`) for the console and the privacy report.
 
 With ``privacy_unit: user`` every record also has a user (:func:`load_records_and_users`): a column of the
 file (``user_column``), or the built-in corpus's grouping (:data:`PYDOC_USER_PARAGRAPHS`); splits are then
@@ -31,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 from torch.utils.data import Dataset
 
+from dpllm import truncation
 from dpllm.config import DataConfig
 from dpllm.errors import DataError  # defined below dpllm.sft, which raises it too; imported from here as before
 
@@ -638,15 +640,23 @@ def truncated_ids(texts: Sequence[str], tokenizer, max_length: int) -> tuple[lis
     tokens and agree on the first max_length, those are the record's (the cut changes only tokens near it, far
     past max_length). Otherwise, the whole record is tokenized.
     """
+    ids, full, _ = _cut(texts, tokenizer, max_length)
+    return ids, [n > max_length for n in full]
+
+
+def _cut(texts: Sequence[str], tokenizer, max_length: int) -> tuple[list[list[int]], list[int], int]:
+    """:func:`truncated_ids`' ids, each record's untruncated token count, and how many counts are estimates (a
+    record past the shortcut's window is counted in pieces of W characters, never tokenized whole)."""
     margin = 16
     window = 2 * (max_length + margin) * max(1, _longest_token_chars(tokenizer))
     short = [i for i, t in enumerate(texts) if len(t) <= window]
     ids: list = [None] * len(texts)
-    over = [False] * len(texts)
+    full = [0] * len(texts)
+    estimated = 0
     if short:  # one pass; only the records over the limit are tokenized again, truncated (special tokens kept)
         for i, f in zip(short, tokenizer([texts[i] for i in short], truncation=False)["input_ids"]):
-            ids[i], over[i] = f, len(f) > max_length
-        long = [i for i in short if over[i]]
+            ids[i], full[i] = f, len(f)
+        long = [i for i in short if full[i] > max_length]
         if long:
             for i, c in zip(long, tokenizer([texts[i] for i in long], truncation=True, max_length=max_length)[
                     "input_ids"]):
@@ -657,11 +667,15 @@ def truncated_ids(texts: Sequence[str], tokenizer, max_length: int) -> tuple[lis
         heads = [tokenizer(text[:w], truncation=False)["input_ids"] for w in (window, 2 * window)]
         cuts = [tokenizer(text[:w], truncation=True, max_length=max_length)["input_ids"] for w in (window, 2 * window)]
         if min(len(h) for h in heads) > max_length + margin and cuts[0] == cuts[1]:
-            ids[i], over[i] = cuts[0], True
+            ids[i] = cuts[0]
+            pieces = [text[j: j + window] for j in range(0, len(text), window)]
+            specials = len(heads[0]) - len(tokenizer(text[:window], add_special_tokens=False)["input_ids"])
+            full[i] = specials + sum(len(x) for x in tokenizer(pieces, add_special_tokens=False)["input_ids"])
+            estimated += 1
         else:  # few tokens for many characters (a normalizer drops them): no shortcut is safe
             ids[i] = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
-            over[i] = len(tokenizer(text, truncation=False)["input_ids"]) > max_length
-    return ids, over
+            full[i] = len(tokenizer(text, truncation=False)["input_ids"])
+    return ids, full, estimated
 
 
 class TokenizedRecords(Dataset):
@@ -670,8 +684,8 @@ class TokenizedRecords(Dataset):
     def __init__(self, texts: Sequence[str], tokenizer, max_length: int):
         if not texts:
             raise DataError("no records to tokenize")
-        enc, over = truncated_ids(texts, tokenizer, max_length)
-        self.truncated_fraction_sample = sum(over[:512]) / len(over[:512])
+        enc, full, estimated = _cut(texts, tokenizer, max_length)
+        self.truncation = truncation.summarize(full, max_length=max_length, estimated=estimated)  # issue 49
         self.items = [torch.tensor(ids, dtype=torch.long) for ids in enc]
         short = sum(len(x) < 2 for x in self.items)
         if short:

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from dpllm.io import atomic_directory, looks_local, write_text_atomic
-from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError
+from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError, sequence_unit_words
 
 # What save_pretrained writes for a model, an adapter or a tokenizer; nothing else leaves the run.
 RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
@@ -56,7 +56,7 @@ RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensor
 RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_size", "privacy_unit", "epsilon", "delta",
                    "accountant", "target_epsilon", "noise_multiplier", "sample_rate", "max_grad_norm", "clipping",
                    "sensitivity", "grad_sample_mode", "poisson_sampling", "secure_mode", "noise_secret", "history",
-                   "model_adjustments", "versions", "noise_schedule")
+                   "model_adjustments", "versions", "noise_schedule", "sequence_level")
 # Not "note" (free text, could say anything) and not "warnings": they quote data-dependent counts (records removed as
 # duplicates, the expected batch q·N, a logical batch capped at N) for the operator, who reads them in the private run.
 RELEASED_STAGE_FIELDS = ("name", "enabled", "train_on", "steps", "history")
@@ -66,7 +66,8 @@ RELEASED_USER_FIELDS = ("unit", "sampling", "max_records_per_user", "group_size"
 # Facts computed from the private data that the user may declare public (they then appear exactly).
 PUBLIC_FACTS = {"num_records": "N, the number of records the last stage trained on",
                 "num_users": "U, the number of users the last stage trained on (privacy_unit: user)",
-                "dataset": "the dataset's name or local path, per stage"}
+                "dataset": "the dataset's name or local path, per stage",
+                "truncation": "how many training records max_length cut, and how many tokens they lost"}
 WITHHELD = ("exact record and user counts (unless declared public), content digests of the training set, per-user "
             "statistics, local paths, un-noised losses, the member list and the generators' state")
 
@@ -87,6 +88,9 @@ def neighbouring_relation(report: PrivacyReport) -> str:
         cap = user.get("max_records_per_user")
         return ("add or remove one user" + (f" (with at most {cap} records)" if cap else "")
                 + ("" if user.get("sampling") == "uls" else "; a user is a group of at most that many records"))
+    if report.privacy_unit == "sequence" and report.sequence_level:
+        return (f"add or remove one sequence (a block of {report.sequence_level['tokens_per_sequence']:,} tokens of "
+                "the concatenated training texts)")
     return "add or remove one record"
 
 
@@ -130,6 +134,8 @@ def release_report(report: PrivacyReport, *, declare_public: Sequence[str] = ())
     if base.get("path") and (base.get("kind") != "pretrained" or looks_local(str(base["path"]))):
         base["path"] = Path(str(base["path"])).name
     data["base_model"] = base
+    if "truncation" in declare_public:
+        data["data"] = report.data
     data["release"] = {"neighbouring_relation": neighbouring_relation(report) if report.enabled else None,
                        "declared_public": sorted(set(declare_public)), "withheld": WITHHELD}
     return PrivacyReport.from_dict(data)
@@ -183,6 +189,8 @@ def record_unit(report: PrivacyReport, record_kind: str | None = None) -> str:
             fact about the private file and stays on the operator's console.
     """
     user = report.user_level or {}
+    if report.privacy_unit == "sequence" and report.sequence_level:
+        return "In plain words, " + sequence_unit_words(report.sequence_level, report.epsilon) + "."
     if report.privacy_unit == "user":
         cap = user.get("max_records_per_user")
         return ("One protected unit is one **person** (a user of the training data): everything they contributed "
@@ -199,6 +207,21 @@ def record_unit(report: PrivacyReport, record_kind: str | None = None) -> str:
             "protected per record, not as a person.")
 
 
+def truncation_note(report: PrivacyReport) -> str:
+    """What ``max_length`` cut off the training records: the counts where the publisher declared them public
+    (``--declare-public truncation``), else that they are withheld ('' for the sequence unit: blocks are not cut)."""
+    from dpllm import truncation
+
+    if report.privacy_unit == "sequence":
+        return ""
+    if report.data:
+        return f"\n\n**Long records** (declared public by the publisher): {truncation.describe(report.data)}."
+    return ("\n\n**Long records.** A record longer than the run's max_length tokens was trained on its first "
+            "max_length tokens only, and the guarantee covers what was trained. How many records that cut (possibly "
+            "none) is a statistic of the private data and is withheld; `dpllm report RUN_DIR` shows it to the "
+            "operator, and `dpllm export --declare-public truncation` releases it.")
+
+
 def plain_reading(report: PrivacyReport, record_kind: str | None, *, source: str = "this model") -> str:
     """The guarantee as limits on membership attacks (:mod:`dpllm.privacy.tradeoff`), from the released history;
     ``source`` names what the attacker holds (the model, or data sampled from it). Empty without a DP history."""
@@ -208,7 +231,7 @@ def plain_reading(report: PrivacyReport, record_kind: str | None, *, source: str
         bounds = tradeoff.for_report(report).bounds()
     except tradeoff.TradeoffError:
         return ""
-    plural = ("people" if report.privacy_unit == "user" else
+    plural = ("people" if report.privacy_unit == "user" else "sequences" if report.privacy_unit == "sequence" else
               "conversations" if record_kind in ("messages", "prompt_completion") else
               "texts" if record_kind == "text" else "records")
     return (f"\n\n**What ε means here, in plain words.** Take anyone who tries to tell, from {source}, which "
@@ -243,10 +266,11 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind
                      + (" User level ("
                         f"{'at most ' + str(cap) + ' records per user' if cap else 'no cap on records per user'}"
                         f"): {user['group_privacy']}." if user else "")
-                     + "\n\n" + record_unit(report, record_kind))
+                     + "\n\n" + record_unit(report, record_kind) + truncation_note(report))
         size = ("" if report.num_records is None else f" N = {report.num_records:,} records was declared public by the "
                 "publisher; an adversary learns it exactly, which is only harmless if it was public already.")
-        unit, units = ("user", "users") if user.get("sampling") == "uls" else ("record", "records")
+        unit, units = (("user", "users") if user.get("sampling") == "uls" else
+                       ("sequence", "sequences") if report.privacy_unit == "sequence" else ("record", "records"))
         rate = (f"q = 1/⌈N/B⌉ with a logical batch of B = {report.logical_batch_size} records" if unit == "record" else
                 f"q = 1/⌈U/B_u⌉ over U users, with B_u = round(B·U/N) = {user.get('users_per_batch')} users per step "
                 f"(B = {report.logical_batch_size} records)")

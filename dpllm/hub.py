@@ -63,6 +63,10 @@ def dp_metadata(report) -> dict:
         out["noise_schedule"] = [[float(s), int(n)] for s, n in report.noise_schedule.get("pieces_sigma_steps", [])]
     if user.get("max_records_per_user"):
         out["max_records_per_user"] = int(user["max_records_per_user"])
+    seq = report.sequence_level or {}
+    if seq.get("tokens_per_sequence"):  # privacy_unit: sequence (declared): the block, and a record cut across two
+        out["tokens_per_sequence"] = int(seq["tokens_per_sequence"])
+        out["epsilon_group_of_2_sequences"] = seq.get("group_epsilon")
     if report.num_records is not None:  # declared public by the publisher (--declare-public num_records)
         out["num_records_declared_public"] = int(report.num_records)
     return {k: v for k, v in out.items() if v is not None}

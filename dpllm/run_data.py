@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from dpllm import data, sft
+from dpllm import config, data, sft
 from dpllm.config import DataConfig, RunConfig
 from dpllm.distributed import World
 from dpllm.privacy.run import RunPrivacy
@@ -71,8 +71,13 @@ def prepare(cfg: RunConfig, *, privacy: RunPrivacy, world: World, stage: str, re
     Raises:
         DataError: no data, too few records, ``train_on: public`` without public records, or a resumed run whose
             file and config no longer give the members it trained on.
+        ConfigError: ``privacy_unit: sequence``, which only DPTrainer takes (its rows are the blocks).
     """
     d = cfg.data
+    if d.privacy_unit == "sequence":
+        raise config.ConfigError("privacy_unit=sequence protects one packed block of tokens, which only DPTrainer "
+                                 "takes (PrivacyArguments(privacy_unit='sequence') over group_texts-style blocks); "
+                                 "this recipe trains one record per row: use privacy_unit: record (or user)")
     loaded, splits, sft_format, sft_dropped = _read_and_split(cfg)
     if d.train_on == "public" and not splits.public:
         raise data.DataError("train_on=public but no record is public; declare public records with "

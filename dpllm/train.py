@@ -11,6 +11,7 @@ directory: lock, the files written, ``self.progress`` for metrics.jsonl):
     setup_data      records, splits, canaries, members            run_data.prepare (privacy.bound_contributions)
     setup_plan      the base model's source                       privacy.make_plan: earlier stages, q, steps, σ
     setup_model     load, LoRA/full, DP layer checks, wrapping    models.fit_to_run; privacy.modes.prepare_engine
+    log_truncation  what max_length cut off (console)             dpllm.truncation (also in the privacy report)
     setup_run_dir   the lock                                      rundir.describe: config.yaml, splits.json...
     setup_privacy   secret generators (or the non-private sampler) privacy.attach: the engine wraps model, optimizer
     start           step-0 eval and the ledger's first line       resumable.restore a resumable checkpoint
@@ -40,7 +41,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dpllm import data, distributed, ledger, models, resume, run_data, rundir
+from dpllm import data, distributed, ledger, models, resume, run_data, rundir, truncation
 from dpllm.checkpoint import unwrap
 from dpllm.config import RunConfig
 from dpllm.errors import TrainingError  # raised by the loop and dpllm.privacy.run; imported from here too
@@ -125,6 +126,7 @@ class Trainer:
                 self.setup_data()
                 self.setup_plan()
                 self.setup_model()
+                self.log_truncation()
                 self.setup_run_dir()
                 self.setup_privacy()
                 self.start()
@@ -206,6 +208,17 @@ class Trainer:
         self.train_ds, self.eval_ds, self.collate = self.data.datasets(self.tokenizer, cfg.data)
         self.optimizer, self.scheduler = make_optimizer(self.model, self.t, steps=self.steps)
 
+    @property
+    def truncation(self) -> Optional[dict]:
+        """What ``max_length`` cut off the training records (:mod:`dpllm.truncation`), None where not counted."""
+        return getattr(self.train_ds, "truncation", None)
+
+    def log_truncation(self) -> None:
+        """One console line on what ``max_length`` cut off the training records: a WARNING when it cut any."""
+        s = self.truncation
+        if s and self.world.is_main:
+            (log.warning if s.get("truncated_records") else log.info)("[private] data: %s", truncation.describe(s))
+
     def setup_run_dir(self) -> None:
         """Lock, then (fresh runs) clear and describe the run directory. Only rank 0 writes."""
         if self.world.is_main:
@@ -283,7 +296,8 @@ class Trainer:
             report = self.privacy.report(num_records=len(self.train_ds), steps=self.step,
                                          trained=self.data.trained_hashes, adjustments=self.adjustments,
                                          base_model=self.source,
-                                         public_data=data.split_rule(self.cfg.data)["public"])
+                                         public_data=data.split_rule(self.cfg.data)["public"],
+                                         data_summary=self.truncation)
             summary = rundir.summary(self.cfg, report, steps=self.step, tokens=tokens, params=self.n_params,
                                      initial_eval=self.initial_eval, final=final, wall=self.wall,
                                      world_size=self.world.size, digest=digest, resumed_from=self.start_step)

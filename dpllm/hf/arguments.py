@@ -38,7 +38,10 @@ class PrivacyArguments:
     clipping_s: float = _f(1.0, "s of psasc (sensitivity C/s).")
     grad_sample_mode: str = _f("auto", "'auto' (bk where it applies, else Opacus hooks or ghost), 'bk', 'hooks' or "
                                        "'ghost' (see dpllm's PrivacyConfig).")
-    privacy_unit: str = _f("record", "The protected unit: 'record' (one row of train_dataset).")
+    privacy_unit: str = _f("record", "The protected unit: 'record' (one row of train_dataset is one record; packed "
+                                     "rows are refused) or 'sequence' (a declaration: each row is a packed block of "
+                                     "tokens, as run_clm's group_texts makes them, and ε protects one block; a record "
+                                     "cut across two blocks gets the ε of a group of 2, reported beside it).")
     logical_batch_size: int = _f(64, "Expected records per optimizer step over all processes (Poisson "
                                      "sampling); replaces gradient accumulation.")
     record_text_column: str = _f("text", "Column with each record's text, kept in the run directory for audits "
@@ -136,8 +139,10 @@ def refuse_unsafe(args, privacy: PrivacyArguments, *, data_collator=None, comput
     if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
         no("save_strategy='best' is not supported; use 'steps' (resumable checkpoints every save_steps steps, "
            "under OUTPUT_DIR/checkpoints/) or 'no'")
-    if privacy.privacy_unit != "record":
-        no(f"privacy_unit={privacy.privacy_unit!r}: only 'record' (one row of train_dataset) is supported")
+    if privacy.privacy_unit not in ("record", "sequence"):
+        no(f"privacy_unit={privacy.privacy_unit!r}: DPTrainer supports 'record' (one row of train_dataset is one "
+           "record) and 'sequence' (one row is a packed block of tokens); for users, run recipes/finetune_llm.py "
+           "with data.privacy_unit: user")
     if compute_loss_func is not None:
         no("compute_loss_func replaces the per-record loss that Opacus clips; drop it (labels of -100 already "
            "mask tokens out of the loss)")
@@ -222,7 +227,8 @@ def run_config(args, privacy: PrivacyArguments, *, model_name: str, finetuning: 
     eval_every = every(args.eval_strategy, args.eval_steps or args.logging_steps) if has_eval else 0
     cfg = RunConfig(
         model=ModelConfig(model_name_or_path=model_name, finetuning=finetuning, quantization=quantization),
-        data=DataConfig(dataset=records_path, text_column="text", max_length=max(2, max_length), min_chars=0),
+        data=DataConfig(dataset=records_path, text_column="text", max_length=max(2, max_length), min_chars=0,
+                        privacy_unit=privacy.privacy_unit),
         train=TrainConfig(output_dir=args.output_dir, overwrite_output_dir=privacy.overwrite_output_dir,
                           max_steps=args.max_steps if by_steps else None, epochs=epochs,
                           logical_batch_size=privacy.logical_batch_size,

@@ -1,4 +1,5 @@
-"""Rows of a Trainer dataset as dpllm records: one row is one record, the privacy unit.
+"""Rows of a Trainer dataset as dpllm records: one row is one record, the privacy unit (or, declared with
+``privacy_unit="sequence"``, one packed block: :mod:`dpllm.hf.packed` refuses packed rows otherwise).
 
 A row needs ``input_ids``; ``labels`` (with -100 on tokens kept out of the loss) and ``attention_mask``
 (rows padded in advance are stripped back to their real tokens) are optional. Each record's text (the
@@ -9,26 +10,27 @@ A row needs ``input_ids``; ``labels`` (with -100 on tokens kept out of the loss)
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch.utils.data import Dataset
 
+from dpllm import truncation
 from dpllm.config import ConfigError
+from dpllm.hf import packed
 from dpllm.sft import PadRecords, SFTArguments, canonical, encode, needs_template, parse, prepare_tokenizer
 
 log = logging.getLogger(__name__)
 
-# Rows that all have exactly this many tokens or more, none padded and with no text of their own, are almost
-# certainly blocks cut from concatenated records (run_clm's group_texts), where one row mixes records.
-_PACKED_MIN_ROWS = 8
-
 
 class Rows(Dataset):
-    """Records as ``{"input_ids", "labels"}`` 1-D LongTensors, their texts, and the SFT record shape of the
-    dataset's columns (``fmt``; None for token rows)."""
+    """Records as ``{"input_ids", "labels"}`` 1-D LongTensors, their texts, the SFT record shape of the
+    dataset's columns (``fmt``; None for token rows), and ``truncation``: what ``max_length`` cut off them
+    (:mod:`dpllm.truncation`; None where not counted)."""
 
     def __init__(self, items: list[dict], texts: list[str], fmt=None):
         self.items, self.texts, self.fmt = items, texts, fmt
+        self.truncation: Optional[dict] = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -45,13 +47,17 @@ def _tensor(value) -> torch.Tensor:
     return torch.as_tensor(value, dtype=torch.long).reshape(-1)
 
 
-def rows_of(dataset, tokenizer, *, text_column: str, name: str) -> Rows:
+def rows_of(dataset, tokenizer, *, text_column: str, name: str, unit: str = "record") -> Rows:
     """Read every row of ``dataset`` (a ``datasets.Dataset`` or any map-style dataset of dicts).
 
+    At ``unit="record"`` the rows must be records (:mod:`dpllm.hf.packed` refuses packed blocks), and the rows'
+    ``truncation`` (:mod:`dpllm.truncation`) says how many records their ``text_column`` shows were cut; at
+    ``unit="sequence"`` a row is a declared block and its text is its decoded tokens.
+
     Raises:
-        ConfigError: a row without ``input_ids``, or rows that look packed (see ``_PACKED_MIN_ROWS``).
+        ConfigError: a row without ``input_ids``, or (``unit="record"``) rows that look packed.
     """
-    items, texts, padded, has_text = [], [], False, False
+    items, texts, own = [], [], []
     for i in range(len(dataset)):
         row = dataset[i]
         if not isinstance(row, dict) or "input_ids" not in row:
@@ -62,20 +68,45 @@ def rows_of(dataset, tokenizer, *, text_column: str, name: str) -> Rows:
         labels = _tensor(row["labels"]) if row.get("labels") is not None else ids.clone()
         if row.get("attention_mask") is not None:
             keep = _tensor(row["attention_mask"]).bool()
-            padded |= bool((~keep).any())
             ids, labels = ids[keep], labels[keep]
         items.append({"input_ids": ids, "labels": labels})
-        text = row.get(text_column)
-        has_text |= isinstance(text, str)
+        text = row.get(text_column) if unit == "record" else None
+        own.append(text if isinstance(text, str) else None)
         texts.append(text.strip() if isinstance(text, str) else tokenizer.decode(ids, skip_special_tokens=True).strip())
-    lengths = {len(x["input_ids"]) for x in items}
-    if len(items) >= _PACKED_MIN_ROWS and len(lengths) == 1 and not padded and not has_text:
-        raise ConfigError(
-            f"DPTrainer: every row of {name} has exactly {lengths.pop()} tokens, no padding and no "
-            f"{text_column!r} column: this looks like packed data (records concatenated and cut into blocks), where "
-            "one row mixes several records and DP no longer protects a record. Tokenize one record per row "
-            f"(truncation=True, no group_texts) and keep its text in a {text_column!r} column")
-    return Rows(items, texts)
+    rows = Rows(items, texts)
+    if unit != "record" or not items:
+        return rows
+    cut = _tokens_past_row(items, own, tokenizer)
+    ids = [x["input_ids"].tolist() for x in items]
+    found = packed.evidence(ids, cut, tokenizer, text_column=text_column,
+                            masked=[bool((x["labels"] == -100).any()) for x in items])
+    if found:
+        first = dataset[0]
+        strings = [k for k, v in first.items() if isinstance(v, str)] if isinstance(first, dict) else []
+        raise ConfigError(packed.refusal(name, found, text_column=text_column, string_columns=strings,
+                                         has_text=any(t is not None for t in own), block=rows.max_length))
+    if any(c is None for c in cut):
+        rows.truncation = truncation.unknown(rows.max_length, f"{name} rows have no {text_column!r} column to compare "
+                                             "with; keep each record's text in one (PrivacyArguments("
+                                             "record_text_column=...)) and dpllm counts what tokenization cut off")
+    else:
+        rows.truncation = truncation.summarize([len(x) + max(0, c) for x, c in zip(ids, cut)],
+                                               max_length=rows.max_length)
+    return rows
+
+
+def _tokens_past_row(items: list[dict], texts: list, tokenizer) -> list:
+    """Per row, how many more text tokens its record's text has than the row (None: no text); special tokens the
+    tokenizer adds are left out on both sides, so a row cut by ``truncation=True`` counts what the cut removed."""
+    special = set(tokenizer.all_special_ids)
+    with_text = [i for i, t in enumerate(texts) if t is not None]
+    out: list = [None] * len(items)
+    if with_text:
+        enc = tokenizer([texts[i] for i in with_text], add_special_tokens=False)["input_ids"]
+        for i, t in zip(with_text, enc):
+            row = sum(int(x) not in special for x in items[i]["input_ids"].tolist())
+            out[i] = sum(x not in special for x in t) - row
+    return out
 
 
 def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: str):
@@ -89,7 +120,7 @@ def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: 
     fmt = "messages" if "messages" in cols else "prompt_completion"
     texts = [canonical(dataset[i], fmt, where=f"DPTrainer: {name} row {i}") for i in range(len(dataset))]
     prepare_tokenizer(tokenizer, args.chat_template, needed=needs_template(texts, fmt))
-    items, kept, dropped = [], [], 0
+    items, kept, full, dropped = [], [], [], 0
     for t in texts:
         enc = encode(parse(t), tokenizer, max_length=args.max_length, loss_on=loss_on)
         if enc["answer_tokens"] == 0:
@@ -97,12 +128,15 @@ def trainer_rows(dataset, tokenizer, args: SFTArguments, *, name: str, loss_on: 
             continue
         items.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
         kept.append(t)
+        full.append(enc["full_length"])
     if dropped:
         log.warning("sft: %d row(s) of %s lose their whole answer to max_length=%d and are dropped before training",
                     dropped, name, args.max_length)
     if not items and name == "train_dataset":
         raise ConfigError(f"DPTrainer: every row of {name} loses its answer to max_length={args.max_length}; raise it")
-    return Rows(items, kept, fmt)
+    rows = Rows(items, kept, fmt)
+    rows.truncation = truncation.summarize(full, max_length=args.max_length) if items else None
+    return rows
 
 
 __all__ = ["PadRecords", "Rows", "rows_of", "trainer_rows"]

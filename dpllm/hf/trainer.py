@@ -242,6 +242,10 @@ class HFRun(RunTrainer):
                             eval_texts=list(heldout), trained_hashes={data.sha256(t) for t in train},
                             heldout_hashes={data.sha256(records[i]) for i in splits.heldout},
                             sft_format=self.train_rows.fmt)  # the dataset's columns, not a vote of its rows
+        if self.cfg.data.privacy_unit == "sequence":  # a public declaration: the console says what it means
+            log.info("privacy unit: one sequence of %d tokens (declared: PrivacyArguments(privacy_unit='sequence')); "
+                     "ε protects one sequence, and a record cut across two of them is protected as a group of 2 "
+                     "(its ε is in the privacy report)", self.cfg.data.max_length)
         masked = any(bool((x["labels"] == -100).any()) for x in self.train_rows.items)
         log.info("[private] data format: %s", f"{self.data.sft_format} records, loss on {self.cfg.data.loss_on} tokens"
                  if self.data.sft_format else "token rows, loss on " + ("the tokens their labels keep (-100 elsewhere)"
@@ -373,9 +377,13 @@ def _rows(hf: DPTrainer, name: str) -> Rows:
     if dataset is None:
         return Rows([], [])
     if is_untokenized_sft(dataset):
+        if p.privacy_unit == "sequence":
+            raise ConfigError(f"DPTrainer: privacy_unit='sequence' declares each row a packed block of tokens, but "
+                              f"{name} holds untokenized chat / instruction records (one conversation per row); use "
+                              "privacy_unit='record'")
         loss_on = hf.sft_args.loss_on if name == "train_dataset" else "answer"
         return trainer_rows(dataset, hf.processing_class, hf.sft_args, name=name, loss_on=loss_on)
-    return rows_of(dataset, hf.processing_class, text_column=p.record_text_column, name=name)
+    return rows_of(dataset, hf.processing_class, text_column=p.record_text_column, name=name, unit=p.privacy_unit)
 
 
 def _model_name(model) -> str:

@@ -37,7 +37,7 @@ class PrivacyReport:
     steps: int
     logical_batch_size: int
     physical_batch_size: int
-    privacy_unit: str = "record"  # "user": epsilon/delta protect all records of one user (see user_level)
+    privacy_unit: str = "record"  # "user": all records of one user (see user_level); "sequence": one packed block
     epsilon: Optional[float] = None
     delta: Optional[float] = None
     accountant: Optional[str] = None
@@ -74,6 +74,13 @@ class PrivacyReport:
     # A non-constant noise schedule: {"kind", "end", "pieces", "pieces_sigma_steps": [[σ, steps], ...]};
     # noise_multiplier is then its first piece's σ (dpllm.privacy.schedule). The history holds the pieces.
     noise_schedule: Optional[dict] = None
+    # privacy_unit=sequence: {"unit", "tokens_per_sequence", "group_size" (2), "group_epsilon", "group_delta",
+    # "group_privacy"}: the ε of a record cut across two sequences (dpllm.privacy.sequence_level)
+    sequence_level: Optional[dict] = None
+    # What max_length cut off the training records (dpllm.truncation.summarize): "max_length", "records",
+    # "truncated_records", "tokens_total", "tokens_kept", "tokens_lost_median", "tokens_lost_max",
+    # "max_length_for_95pct", "max_length_for_all"; or "truncated_records": null and "unknown" (why)
+    data: Optional[dict] = None
 
     @property
     def releasable(self) -> bool:
@@ -82,7 +89,8 @@ class PrivacyReport:
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for key in ("note", "user_level", "release", "noise_schedule", "grad_sample_mode_reason", "accountant_method"):
+        for key in ("note", "user_level", "release", "noise_schedule", "grad_sample_mode_reason", "accountant_method",
+                    "sequence_level", "data"):
             if out[key] is None:
                 del out[key]
         return out
@@ -156,11 +164,29 @@ class PrivacyReport:
         sigma = (f"σ = {self.noise_multiplier:.4g}" if not self.noise_schedule else
                  f"σ = {self.noise_multiplier:.4g} → {self.noise_schedule['pieces_sigma_steps'][-1][0]:.4g} "
                  f"({self.noise_schedule['kind']} schedule, {len(self.noise_schedule['pieces_sigma_steps'])} pieces)")
+        seq = self.sequence_level
+        if seq:
+            eps2 = seq.get("group_epsilon")
+            secret = (f"; a sequence is {seq['tokens_per_sequence']:,} tokens, a record cut across 2 of them has "
+                      + (f"ε = {eps2:.3f}" if eps2 is not None else "an unbounded ε") + secret)
         return (f"(ε = {self.epsilon:.3f}, δ = {self.delta:g}) via {via}; "
                 f"{sigma}, q = {self.sample_rate:.4g}, steps = {self.steps}, "
                 f"C = {self.max_grad_norm:g}, clipping = {self.clipping}, "
-                + (f"N = {self.num_records:,} records " if self.num_records is not None else "N not released ")
+                + (f"N = {self.num_records:,} {'sequences' if seq else 'records'} " if self.num_records is not None
+                   else "N not released ")
                 + f"(unit: {self.privacy_unit}){secret}")
+
+    def details(self) -> list[str]:
+        """Lines that follow :meth:`summary` in ``dpllm report``: what one unit is (sequence level) and what
+        ``max_length`` cut off the training records."""
+        from dpllm import truncation
+
+        lines = []
+        if self.sequence_level and self.epsilon is not None:
+            lines.append("unit: " + sequence_unit_words(self.sequence_level, self.epsilon))
+        if self.data:
+            lines.append("data: " + truncation.describe(self.data))
+        return lines
 
     def as_ledger_privacy(self) -> dict[str, Any]:
         """The fields a ledger line records."""
@@ -170,6 +196,18 @@ class PrivacyReport:
         if self.user_level:
             out["user_level"] = self.user_level
         return out
+
+
+def sequence_unit_words(info: dict, epsilon: float) -> str:
+    """A report's ``sequence_level`` in plain words, the group's ε beside the unit's (``dpllm report``, the card)."""
+    t = info["tokens_per_sequence"]
+    eps2 = info.get("group_epsilon")
+    group = f"ε = {eps2:.3f}" if eps2 is not None else "ε unbounded at this δ"
+    return (f"one protected unit is one sequence of {t:,} consecutive tokens (a packed block of the training texts, "
+            f"not a record): ε = {epsilon:.3f} protects one sequence. A record of up to {t:,} tokens may be cut "
+            f"across 2 sequences and is protected as a group of 2 ({group} at δ = {info['group_delta']:g}, "
+            f"dpllm.privacy.sequence_level); a record of L tokens spans up to ⌈L/{t:,}⌉ + 1 sequences and is "
+            "protected less")
 
 
 NOT_RELEASABLE = ("this run used reproducible (seeded) noise (privacy.reproducible_noise: true): anyone with its "

@@ -10,7 +10,8 @@
     steps, saves    epsilon, now              (ε, δ) so far for the unit; the privacy fields of ledger lines
     finish          check_history, report     the accountant holds exactly the plan; the privacy report
 
-The unit is a record, or a user (``privacy_unit: user``): ULS samples users and clips each one's mean
+The unit is a record, a declared packed block of tokens (``privacy_unit: sequence``, DPTrainer only:
+:mod:`dpllm.privacy.sequence_level`), or a user (``privacy_unit: user``): ULS samples users and clips each one's mean
 gradient once; ELS samples records and states the user-level ε over the declared cap k by the mixture
 accounting; ``record`` keeps the record-level guarantee (a user's only by group privacy). Composition of
 earlier stages lives in :mod:`dpllm.privacy.composition`, the plan in :mod:`dpllm.privacy.plan`, users in
@@ -28,7 +29,7 @@ from typing import Optional
 from dpllm.checkpoint import library_versions
 from dpllm.config import ConfigError, RunConfig
 from dpllm.errors import DataError, TrainingError
-from dpllm.privacy import clipping, user_level
+from dpllm.privacy import clipping, sequence_level, user_level
 from dpllm.privacy.accounting import PrivacyPlanError, check_delta, method_note
 from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import make_private
@@ -58,6 +59,12 @@ class RunPrivacy:
         self.private = None  # dpllm.privacy.engine.PrivateTraining under DP, set by the trainer's setup_privacy
 
     # ---- the unit ------------------------------------------------------------------------------------
+
+    @property
+    def sequence_unit(self) -> bool:
+        """privacy_unit=sequence (DPTrainer): the unit is one packed block of max_length tokens (dpllm.privacy.
+        sequence_level); the accounting is record-level over the blocks."""
+        return self.cfg.data.privacy_unit == "sequence"
 
     @property
     def uls(self) -> bool:
@@ -141,6 +148,9 @@ class RunPrivacy:
         t, p = self.cfg.train, self.p
         self.lineage = lineage(source, private=trained, heldout=heldout, dp=self.dp,
                                declared_disjoint=self.cfg.data.earlier_stages_disjoint)
+        if self.dp and self.sequence_unit and self.lineage.history:
+            raise PrivacyPlanError("privacy_unit=sequence cannot compose with earlier private stages on the same "
+                                   "records (their ε is for another unit); start from a model that never saw them")
         if self.dp and self.user_unit and self.lineage.history:
             raise PrivacyPlanError("privacy_unit=user cannot yet compose with earlier private stages on the same "
                                    "records (their ε is record-level); start from a model that never saw them")
@@ -268,28 +278,35 @@ class RunPrivacy:
                                 "this is a dpllm bug (no checkpoint was written)")
 
     def report(self, *, num_records: int, steps: int, trained: set[str], adjustments: list[str],
-               base_model: dict, public_data: str) -> PrivacyReport:
+               base_model: dict, public_data: str, data_summary: Optional[dict] = None) -> PrivacyReport:
         """The privacy report: ε with everything needed to recompute it (``public_data``: which records were
-        declared public and by what rule, :func:`dpllm.data.split_rule`)."""
+        declared public and by what rule, :func:`dpllm.data.split_rule`; ``data_summary``: what ``max_length``
+        cut off the training records, :mod:`dpllm.truncation`)."""
         common = self._report_common(num_records=num_records, steps=steps, trained=trained, adjustments=adjustments,
                                      base_model=base_model, public_data=public_data)
+        common["data"] = data_summary
         if not self.dp:
             return PrivacyReport(**common)
         p, plan = self.p, self.plan
         eps, delta = self.epsilon()
+        history = [list(h) for h in self.private.history()]
         return PrivacyReport(
             **common, epsilon=eps, delta=delta, accountant=plan.accountant,
             accountant_method=(None if self.els and self.group_size > 1 else  # the mixture's: user_level says
                                method_note(history=self.private.history(), delta=delta, accountant=plan.accountant)),
-            privacy_unit="user" if self.user_unit and p.user_sampling != "record" else "record",
+            privacy_unit="sequence" if self.sequence_unit else
+            "user" if self.user_unit and p.user_sampling != "record" else "record",
             user_level=self.user_level_info(),
+            sequence_level=sequence_level.sequence_level_info(history=history, delta=delta,
+                                                              tokens=self.cfg.data.max_length)
+            if self.sequence_unit else None,
             target_epsilon=p.target_epsilon, noise_multiplier=plan.noise_multiplier,
             sample_rate=plan.sample_rate, expected_batch_size=plan.expected_batch_size,
             max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),
             grad_sample_mode=self.private.grad_sample_mode,
             grad_sample_mode_reason=self.private.grad_sample_mode_reason or None,
             poisson_sampling=True, secure_mode=p.secure_mode,
-            noise_secret=not p.reproducible_noise, history=[list(h) for h in self.private.history()],
+            noise_secret=not p.reproducible_noise, history=history,
             noise_schedule=({**plan.schedule, "pieces_sigma_steps": [[s, n] for s, _, n in plan.stage_history()]}
                             if plan.schedule else None),
             composition=("; ".join(self.lineage.notes) if self.lineage.notes else "single stage"),

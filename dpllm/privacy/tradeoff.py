@@ -216,6 +216,8 @@ def for_report(report, *, unit: str | None = None) -> Curve:
     user = report.user_level or {}
     unit = unit or report.privacy_unit
     sampling = user.get("sampling")
+    if unit == "sequence" and report.privacy_unit == "sequence":  # declared blocks: record-level over the blocks
+        return privacy_curve(history=history, unit="record")
     if unit == "record":
         if sampling == "uls":
             raise TradeoffError("this run sampled users (user_sampling: uls), so its accounting is per user; ask for "
@@ -238,6 +240,8 @@ def unit_words(report, data_format: str | None = None) -> tuple[str, str]:
     """(singular, plural) for one protected unit in plain language."""
     if report.privacy_unit == "user":
         return "person (user)", "people (users)"
+    if report.privacy_unit == "sequence":
+        return "sequence (a block of tokens)", "sequences (blocks of tokens)"
     if data_format in ("messages", "prompt_completion"):
         return "conversation", "conversations"
     if data_format == "text":

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 from torch.utils.data import Dataset
 
+from dpllm import truncation
 from dpllm.config import DataConfig
 from dpllm.errors import DataError
 from dpllm.sft.records import format_of, needs_template, parse
@@ -26,7 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def encode(record: dict, tokenizer, *, max_length: int, loss_on: str = "answer") -> dict:
-    """``{"input_ids", "labels", "answer_tokens"}`` of one record, truncated to ``max_length`` on the right.
+    """``{"input_ids", "labels", "answer_tokens", "full_length"}`` of one record, truncated to ``max_length`` on the
+    right (``full_length``: its token count before the cut).
 
     Each piece is tokenized on its own (no special tokens added; a plain prompt/completion gets the
     tokenizer's BOS in front when it adds one), so no token straddles the prompt/answer boundary.
@@ -41,11 +43,12 @@ def encode(record: dict, tokenizer, *, max_length: int, loss_on: str = "answer")
         t = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids += t
         answer += [is_answer] * len(t)
+    full = len(ids)
     ids, answer = ids[:max_length], answer[:max_length]
     input_ids = torch.tensor(ids, dtype=torch.long)
     mask = torch.tensor(answer, dtype=torch.bool)
     labels = input_ids.clone() if loss_on == "all" else input_ids.masked_fill(~mask, -100)
-    return {"input_ids": input_ids, "labels": labels, "answer_tokens": int(mask[1:].sum())}
+    return {"input_ids": input_ids, "labels": labels, "answer_tokens": int(mask[1:].sum()), "full_length": full}
 
 
 def answer_fits(records: Sequence[str], tokenizer, *, max_length: int) -> list[bool]:
@@ -95,11 +98,14 @@ class SFTRecords(Dataset):
     def __init__(self, records: Sequence[str], tokenizer, *, max_length: int, loss_on: str = "answer"):
         self.records = list(records)
         self.items = []
+        full = []
         for i, r in enumerate(self.records):
             enc = encode(parse(r), tokenizer, max_length=max_length, loss_on=loss_on)
             if enc["answer_tokens"] == 0:
                 raise DataError(f"record {i} has no answer token within max_length={max_length}; raise max_length")
             self.items.append({"input_ids": enc["input_ids"], "labels": enc["labels"]})
+            full.append(enc["full_length"])
+        self.truncation = truncation.summarize(full, max_length=max_length)  # what the cut removed (issue 49)
 
     def __len__(self) -> int:
         return len(self.items)

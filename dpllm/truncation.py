@@ -1,0 +1,74 @@
+"""How much of the training text ``max_length`` cut off (issue 49): one summary for the console, the privacy
+report (its ``data`` field), ``dpllm report`` and the model card.
+
+A record longer than ``max_length`` tokens trains on its first ``max_length`` tokens only; nothing past the cut
+reaches the model. The summary counts the records cut and the tokens lost, and says which ``max_length`` would keep
+95% of the records (or all of them) whole.
+
+    >>> s = summarize([10, 40, 100], max_length=32)
+    >>> s["truncated_records"], s["tokens_total"], s["tokens_kept"], s["tokens_lost_max"]
+    (2, 150, 74, 68)
+    >>> describe(summarize([3, 5], max_length=8))
+    'no training record was truncated: all 2 fit in max_length=8 tokens (the longest has 5)'
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Optional, Sequence
+
+PLANNED = "splitting long records into windows instead of cutting them is planned (issue 48)"
+
+
+def summarize(full_lengths: Sequence[int], *, max_length: int, estimated: int = 0) -> dict:
+    """The truncation summary of records with ``full_lengths`` tokens each (before the cut at ``max_length``).
+
+    Args:
+        full_lengths: every training record's token count, untruncated.
+        max_length: the cut.
+        estimated: how many of those counts were estimated (very long records are counted in pieces).
+
+    Returns:
+        ``{"max_length", "records", "truncated_records", "tokens_total", "tokens_kept", "tokens_lost_median",
+        "tokens_lost_max", "max_length_for_95pct", "max_length_for_all"}`` (plus ``"estimated_records"`` when
+        some counts were estimated): the ``max_length_for_*`` values keep that share of the records whole.
+    """
+    n = [int(x) for x in full_lengths]
+    lost = sorted(x - max_length for x in n if x > max_length)
+    ordered = sorted(n)
+    out = {"max_length": int(max_length), "records": len(n), "truncated_records": len(lost),
+           "tokens_total": sum(n), "tokens_kept": sum(min(x, max_length) for x in n),
+           "tokens_lost_median": statistics.median(lost) if lost else 0, "tokens_lost_max": lost[-1] if lost else 0,
+           "max_length_for_95pct": ordered[max(0, math.ceil(0.95 * len(n)) - 1)] if n else 0,
+           "max_length_for_all": ordered[-1] if n else 0}
+    if estimated:
+        out["estimated_records"] = int(estimated)
+    return out
+
+
+def unknown(max_length: int, why: str) -> dict:
+    """A summary for rows whose untruncated length dpllm cannot know (``why`` says what would tell it)."""
+    return {"max_length": int(max_length), "truncated_records": None, "unknown": why}
+
+
+def describe(s: Optional[dict]) -> str:
+    """The summary in one sentence for a person ('' for none): the counts, and the fix when records were cut."""
+    if not s:
+        return ""
+    if s.get("truncated_records") is None:
+        return f"whether max_length cut any record is unknown: {s.get('unknown', 'not recorded')}"
+    if not s["truncated_records"]:
+        return (f"no training record was truncated: all {s['records']:,} fit in max_length={s['max_length']} tokens "
+                f"(the longest has {s['max_length_for_all']:,})")
+    total, kept = s["tokens_total"], s["tokens_kept"]
+    approx = (f" ({s['estimated_records']:,} very long records counted approximately)"
+              if s.get("estimated_records") else "")
+    keep95 = (f"max_length={s['max_length_for_95pct']:,} keeps 95% of the records whole and "
+              if s["max_length"] < s["max_length_for_95pct"] < s["max_length_for_all"] else "")
+    return (f"{s['truncated_records']:,} of {s['records']:,} training records "
+            f"({100 * s['truncated_records'] / max(1, s['records']):.0f}%) are longer than max_length="
+            f"{s['max_length']} tokens and were cut to it: {total - kept:,} of {total:,} tokens "
+            f"({100 * (total - kept) / max(1, total):.0f}%) were never trained on (lost per cut record: median "
+            f"{s['tokens_lost_median']:,g}, max {s['tokens_lost_max']:,}){approx}. To train on them, raise max_length: "
+            f"{keep95}max_length={s['max_length_for_all']:,} keeps every record whole; {PLANNED}")
