@@ -186,15 +186,15 @@ def _peak_mib(ctx) -> tuple[float, str]:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "process_peak_rss_mib (whole process)"
 
 
-def _oom_types():
+def _is_oom(err: BaseException) -> bool:
+    """A CUDA out-of-memory error, also where a hook re-raised it as a plain RuntimeError."""
     import torch
 
-    return (torch.cuda.OutOfMemoryError,) if hasattr(torch.cuda, "OutOfMemoryError") else (RuntimeError,)
+    return isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in str(err).lower()
 
 
 # ---------------------------------------------------------------------------------------------- phase 1: engine
 def engine(ph: Phase, ctx: dict) -> None:
-    import torch
 
     cases = ENGINE_CASES[ctx["profile"]]
     seq = 512 if not ctx["smoke"] else 32
@@ -210,8 +210,9 @@ def engine(ph: Phase, ctx: dict) -> None:
         ph.rec["parts"].append(part)
         try:
             _engine_job(part, ctx, seq, share)
-        except _oom_types() as err:
-            part["error"] = f"out of memory at setup or the reference batch: {str(err)[:200]}"
+        except Exception as err:  # one job's failure leaves the others their time
+            what = "out of memory at setup or the reference batch" if _is_oom(err) else type(err).__name__
+            part["error"] = f"{what}: {str(err)[:300]}"
         finally:
             _free(ctx)
         ph.save()
@@ -221,8 +222,8 @@ def engine(ph: Phase, ctx: dict) -> None:
         if b and "step_s" in p and p["ref_batch"] == b["ref_batch"]:
             p["time_ratio_vs_nodp"] = p["step_s"] / b["step_s"]
             p["memory_ratio_vs_nodp"] = p["peak_memory_mib"] / b["peak_memory_mib"]
-    ph.rec["torch_profile"] = "not run (set PROFILE=1 and use scripts/profile_bk.py for the per-layer table)"
-    del torch
+    ph.rec["per_layer_profile"] = ("not in this window; scripts/profile_bk.py gives bk's time per rule and phase "
+                                   "(on CPU), the place to look where a ratio misses its target")
 
 
 def _engine_job(part: dict, ctx: dict, seq: int, share: float) -> None:
@@ -276,7 +277,9 @@ def _engine_job(part: dict, ctx: dict, seq: int, share: float) -> None:
             fits = b
             tried.append({"batch": b, "step_s": ts[-1], "tokens_per_s": b * seq / ts[-1],
                           "peak_memory_mib": _peak_mib(ctx)[0]})
-        except _oom_types() as err:
+        except Exception as err:
+            if not _is_oom(err):
+                raise
             tried.append({"batch": b, "oom": str(err)[:160]})
             part["search_stopped"] = f"out of memory at batch {b}"
             break

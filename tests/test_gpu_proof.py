@@ -143,3 +143,29 @@ def test_a_phase_that_overruns_its_limit_is_stopped_and_keeps_its_parts(tmp_path
     ctx = {"clock": gpu_proof.Clock(100.0), "out": tmp_path, "cuda": False}
     rec = gpu_proof.run_phase(2, "recipe", 5.5, slow, ctx)
     assert rec["status"] == "stopped" and rec["parts"] == [{"done": 1}]  # SIGALRM ended the sleep
+
+
+def test_random_init_builds_the_configs_model_without_weights(tmp_path):
+    """``model.random_init``: a directory with only config.json and a tokenizer gives that model, random weights
+    (what phase 2 runs the shipped 8B config on); quantized, it is refused with the fix."""
+    import torch
+    from transformers import LlamaConfig
+
+    from dpllm.config import ModelConfig
+    from dpllm.models import ModelError, byte_tokenizer, load_base
+
+    LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=2, vocab_size=300, max_position_embeddings=64).save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    cfg = ModelConfig(model_name_or_path=str(tmp_path), random_init=True, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    model, tok, source = load_base(cfg, 32)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.hidden_size == 32
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16 and source["kind"] == "pretrained"
+    assert model.get_input_embeddings().weight.float().std() > 0  # initialised, not empty
+    with pytest.raises(ModelError, match="random_init with quantization=nf4"):
+        load_base(ModelConfig(model_name_or_path=str(tmp_path), random_init=True, finetuning="lora",
+                              quantization="nf4"), 32)
+    with pytest.raises(OSError):  # without random_init: from_pretrained wants the weights
+        load_base(ModelConfig(model_name_or_path=str(tmp_path)), 32)
