@@ -195,7 +195,6 @@ def _is_oom(err: BaseException) -> bool:
 
 # ---------------------------------------------------------------------------------------------- phase 1: engine
 def engine(ph: Phase, ctx: dict) -> None:
-
     cases = ENGINE_CASES[ctx["profile"]]
     seq = 512 if not ctx["smoke"] else 32
     modes = ["nodp", "bk", "ghost"]
