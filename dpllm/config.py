@@ -50,6 +50,10 @@ class ModelConfig:
                                    "the QLoRA default), 'fp4', 'int8', or 'none'. The adapters train in torch_dtype "
                                    "(float32 by default) under DP as usual; only trainable parameters are clipped.")
     trust_remote_code: bool = _f(False, "Passed to from_pretrained.")
+    random_init: bool = _f(False, "BENCHMARKS ONLY: build the model from model_name_or_path's config.json with random "
+                                  "weights (on the GPU where there is one), reading no weights: to check that a config "
+                                  "fits in memory and time its steps before downloading the model "
+                                  "(scripts/gpu_proof.py). What it trains is no model of anything.")
     tiny_hidden_size: int = _f(64, "Hidden size of the tiny model built from a config.")
     tiny_num_layers: int = _f(2, "Layers of the tiny model.")
     tiny_num_heads: int = _f(4, "Attention heads of the tiny model.")

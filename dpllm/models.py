@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -172,14 +173,34 @@ def load_base(cfg: ModelConfig, max_length: int, *, on_meta: bool = False) -> tu
     except Exception as err:
         raise ModelError(f"no tokenizer at {where}: {err}; a model directory must include its tokenizer") from err
     if q != "none":
+        if cfg.random_init:
+            raise ModelError(f"random_init with quantization={q}: random weights are built unquantized only; "
+                             "set quantization: none")
         model = load_quantized(where, q, torch_dtype=cfg.torch_dtype, trust_remote_code=cfg.trust_remote_code)
     elif on_meta:
         model = _on_meta(where, cfg)
+    elif cfg.random_init:
+        model = _random_init(where, cfg)
     else:
         model = AutoModelForCausalLM.from_pretrained(
             where, dtype=_dtype(cfg.torch_dtype), trust_remote_code=cfg.trust_remote_code
         )
     return model, tok, source
+
+
+def _random_init(where: str, cfg: ModelConfig) -> nn.Module:
+    """The model of ``where``'s config.json with random weights (``random_init``), built directly on this process's
+    GPU where there is one: an 8B model takes about a second there, minutes on a CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
+    dtype = _dtype(cfg.torch_dtype)
+    dtype = torch.float32 if dtype == "auto" else dtype
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, trust_remote_code=cfg.trust_remote_code)
+    log.warning("model: %s built from its config with RANDOM weights (random_init: benchmarks only)", where)
+    return model
 
 
 def _on_meta(where: str, cfg: ModelConfig) -> nn.Module:

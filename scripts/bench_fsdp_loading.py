@@ -63,7 +63,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--hidden", type=int, default=1024)
@@ -72,7 +72,7 @@ def main() -> None:
     ap.add_argument("--saved-dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the checkpoint's dtype (Hub checkpoints are mostly bf16); dpllm trains in float32")
     ap.add_argument("--json", help="also write the rows here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     import torch
     import torch.multiprocessing as mp

@@ -64,6 +64,9 @@ SHAPES = {
     # CPU-sized real vocabularies (issue #26): GPT-2 small itself, and Llama 3's 128k vocabulary at width 256
     "gpt2-small": dict(arch="gpt2", n_embd=768, n_layer=12, n_head=12, n_positions=1024, vocab_size=50257,
                        tie_word_embeddings=True, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    # smoke tests (tests/test_scripts_smoke.py, scripts/gpu_proof.py --smoke): seconds on a CPU
+    "llama-tiny": dict(arch="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=2, vocab_size=512),
     "llama-128k": dict(arch="llama", hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
                        num_attention_heads=4, num_key_value_heads=4, vocab_size=128256, rope_theta=500000.0),
 }
@@ -311,7 +314,9 @@ def search_batch(args, step, vocab, device) -> int:
     return lo
 
 
-def main(argv=None) -> dict:
+def parser() -> argparse.ArgumentParser:
+    """The command line; :func:`options` gives its defaults to scripts that call :func:`build` and
+    :func:`make_step` directly, so an option added here reaches them too."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="tiny-llama", help="tiny-llama, tiny-gpt2 or a local HF model directory")
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="random-init shape built on --device")
@@ -341,6 +346,20 @@ def main(argv=None) -> dict:
                          "to nodp); peak memory still comes from one process per mode")
     ap.add_argument("--memory-steps", type=int, default=2, help="--interleave: steps of each memory process")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: run one mode
+    return ap
+
+
+def options(base=None, **overrides) -> argparse.Namespace:
+    """This script's options as :func:`build`, :func:`make_step` and :func:`random_batch` read them: the command
+    line's defaults, then the attributes of ``base`` (another script's namespace), then ``overrides``.
+
+    Other scripts build their namespace here rather than by hand: a hand-built one broke when ``--quantization``
+    was added (issue 49.9)."""
+    return argparse.Namespace(**{**vars(parser().parse_args([])), **vars(base or argparse.Namespace()), **overrides})
+
+
+def main(argv=None) -> dict:
+    ap = parser()
     args = ap.parse_args(argv)
     if args.quantization != "none" and args.finetuning != "lora":
         ap.error(f"--quantization {args.quantization} needs --finetuning lora (a quantized base cannot be trained)")

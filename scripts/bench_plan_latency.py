@@ -56,7 +56,7 @@ def run_case(args: list[str], *, pythonpath: str, limit_bytes: int, timeout: flo
             "stdout": stdout, "stderr_tail": stderr[-2000:]}
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     p.add_argument("--pythonpath", default=str(Path(__file__).resolve().parents[1]),
@@ -64,7 +64,7 @@ def main() -> None:
     p.add_argument("--limit-gb", type=float, default=4.0, help="address-space limit per plan (default 4 GB)")
     p.add_argument("--timeout", type=float, default=1200)
     p.add_argument("--out", help="write the results as JSON here")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     results = {}
     for name in a.cases.split(","):
         r = run_case(CASES[name], pythonpath=a.pythonpath, limit_bytes=int(a.limit_gb * 1e9), timeout=a.timeout)

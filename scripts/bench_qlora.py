@@ -104,6 +104,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--modes", default="nodp,bk", help="of scripts/bench_overhead.py's modes, nodp first")
     ap.add_argument("--out", default="runs/bench/qlora_cpu.json")
     ap.add_argument("--interleave", type=int, default=5, help="rounds of the one-process step-time comparison")
     args = ap.parse_args(argv)
@@ -113,7 +114,7 @@ def main(argv=None) -> dict:
     saved = Path(tmp.name)
     save_tiny(saved, args.hidden, args.layers, args.heads, args.seq)
     common = ["--model", str(saved), "--finetuning", "lora", "--seq", str(args.seq), "--batch", str(args.batch),
-              "--steps", str(args.steps), "--warmup", "2", "--modes", "nodp,bk"]
+              "--steps", str(args.steps), "--warmup", "2", "--modes", args.modes]
     out = {"setup": vars(args), "runs": {}}
     for q in ("none", "nf4"):
         res = bench([*common, "--quantization", q, "--out", str(Path(args.out).with_suffix(f".{q}.json"))])

@@ -58,7 +58,7 @@ def bench(name: str, n, d, y, n_boot: int, repeats: int, validate: bool = False)
           f"[{res.ci['alpha'][0]:.4f}, {res.ci['alpha'][1]:.4f}]" if res.ci else "", flush=True)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", type=int, nargs="*", default=[20, 240], help="synthetic table sizes (default 20 240)")
     p.add_argument("--n-boot", type=int, default=1000)
@@ -66,7 +66,7 @@ def main() -> None:
     p.add_argument("--table", help="a CSV with columns N, D, loss to time instead")
     p.add_argument("--validate", action="store_true", help="also time the fit with its extrapolation validation "
                    "(what `dpllm scaling fit` runs: up to 4 more fits of n_boot/5 resamples)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     tables = [(args.table, read_csv(args.table))] if args.table else [(f"synthetic {r}", table(r)) for r in args.rows]
     for name, data in tables:
         bench(name, *data, args.n_boot, args.repeats)

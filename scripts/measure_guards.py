@@ -22,7 +22,6 @@ import statistics
 import sys
 import time
 import warnings
-from argparse import Namespace
 from unittest import mock
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,7 +150,7 @@ def _sensitivity(make, mode, step_a, step_b):
     return round(float((updates[0] - updates[1]).norm()) / g.C, 3)
 
 
-def cost(rounds: int) -> None:
+def cost(rounds: int, hidden: int = 256, layers: int = 4, seq: int = 128) -> None:
     import bench_overhead as bo
     import torch
 
@@ -162,9 +161,8 @@ def cost(rounds: int) -> None:
     print(f"# threads {torch.get_num_threads()}, load {os.getloadavg()[0]:.2f}; CPU time per step, median of {rounds} "
           "interleaved rounds")
     for model_name, finetuning in [("tiny-llama", "full"), ("tiny-llama", "lora"), ("tiny-gpt2", "full")]:
-        args = Namespace(model=model_name, shape=None, finetuning=finetuning, lora_r=16, hidden=256, layers=4, heads=4,
-                         seq=128, batch=4, dtype="float32", autocast="no", gradient_checkpointing=False,
-                         chunked_loss=0, records_per_user=4)
+        args = bo.options(model=model_name, finetuning=finetuning, lora_r=16, hidden=hidden, layers=layers, heads=4,
+                          seq=seq, batch=4)
         device = torch.device("cpu")
         for mode in ("hooks", "ghost"):
             steps, calls, inside = {}, {}, [0.0]
@@ -254,11 +252,14 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--copies", type=int, default=1, help="rope: 8 × copies short records")
     ap.add_argument("--init", type=float, default=0.2, help="rope: the model's initializer_range")
+    ap.add_argument("--hidden", type=int, default=256, help="cost: the models' width")
+    ap.add_argument("--layers", type=int, default=4, help="cost: the models' depth")
+    ap.add_argument("--seq", type=int, default=128, help="cost: tokens per record")
     args = ap.parse_args(argv)
     if args.what == "rope":
         rope(args.copies, args.init)
     else:
-        toys() if args.what == "toys" else cost(args.rounds)
+        toys() if args.what == "toys" else cost(args.rounds, args.hidden, args.layers, args.seq)
 
 
 if __name__ == "__main__":

@@ -86,13 +86,13 @@ def table(path: str, cut: float, n_boot: int) -> dict:
     return res
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sweeps", type=int, default=10)
     p.add_argument("--n-boot", type=int, default=100)
     p.add_argument("--table", help="a CSV of a real sweep (see the module docstring)")
     p.add_argument("--cut", type=float, default=2e9, help="fit models up to this N, predict the larger (--table)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.table:
         table(args.table, args.cut, args.n_boot)
     else:
