@@ -13,12 +13,24 @@
 Under ``accelerate launch`` every process gets the signal at about the same time, but not at the same step;
 the loop asks all processes at each step boundary (one all-reduce of three numbers) so that all stop at
 the same step and write one checkpoint together.
+
+**A signal that reaches only the launcher.** With several processes (``--multi_gpu``, FSDP) accelerate runs
+torchrun's agent, which passes SIGINT and SIGTERM on to every worker. With one process it starts the worker
+with a plain ``subprocess.Popen`` and passes nothing on: a SIGTERM kills the launcher outright, a SIGINT ends
+it with a traceback, and the worker, left behind, would train to the end. So a worker started that way asks
+Linux (``prctl(PR_SET_PDEATHSIG)``) for a SIGTERM when its launcher ends, however it ends (SIGKILL included),
+and stops as for a scheduler's SIGTERM: at the end of the step, with a resumable checkpoint and one line. A
+launcher that ended while the worker was still starting is noticed when the handlers are installed, and the
+run stops at its first step boundary.
 """
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
+from pathlib import Path
 from typing import Optional
 
 #: exit status of a command stopped by each signal (the shell's convention, 128 + the signal number)
@@ -37,6 +49,8 @@ class StopRequests:
         self.requested: Optional[int] = None
         self.defer_term = False  # inside the loop, SIGTERM waits for the step boundary
         self._previous: dict[int, object] = {}
+        self._stopping = False  # a KeyboardInterrupt was raised: a later SIGTERM is only recorded
+        self._follows_launcher = False
 
     def install(self) -> "StopRequests":
         """Handle SIGINT and SIGTERM (main thread only; a signal inherited as ignored stays ignored)."""
@@ -48,18 +62,28 @@ class StopRequests:
                 continue
             self._previous[sig] = previous
             signal.signal(sig, self._handle)
+        if signal.SIGTERM in self._previous and started_alone_by_accelerate():
+            self._follows_launcher = _parent_death_signal(signal.SIGTERM)
+            if self._follows_launcher and not _parent_is_accelerate_launch():
+                self.requested = signal.SIGTERM  # the launcher ended before this process could follow it
         return self
 
     def uninstall(self) -> None:
         """Put the handlers back as they were."""
+        if self._follows_launcher:  # past this point the launcher's end must not kill a process that is leaving
+            _parent_death_signal(0)
+            self._follows_launcher = False
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
         self.requested = signal.SIGTERM if signal.SIGTERM in (signum, self.requested) else signum
-        if signum == signal.SIGTERM and self.defer_term:
+        if signum == signal.SIGTERM and (self.defer_term or self._stopping):
+            # a SIGTERM while a Ctrl-C is already unwinding (the launcher ending right after it, say) would
+            # replace the interruption, which knows where the run stopped, by a bare one
             return
+        self._stopping = True
         raise KeyboardInterrupt
 
     def __enter__(self) -> "StopRequests":
@@ -67,6 +91,37 @@ class StopRequests:
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
+
+
+def started_alone_by_accelerate() -> bool:
+    """Whether ``accelerate launch`` started this process with its single-process launcher (no torchrun agent).
+
+    Every accelerate launcher sets ``ACCELERATE_MIXED_PRECISION``; torchrun's agent (``--multi_gpu``, FSDP)
+    also sets ``TORCHELASTIC_RUN_ID``, and forwards signals itself.
+    """
+    return "ACCELERATE_MIXED_PRECISION" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """Ask Linux to send ``signum`` (0: nothing) when the parent process ends; False where that is not possible."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, signum, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def _parent_is_accelerate_launch() -> bool:
+    """Whether the parent process is still accelerate's launcher (an orphan's parent is init or a subreaper)."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True  # cannot tell: assume the launcher is there
+    return os.getppid() != 1 and any(b"accelerate" in a for a in argv)  # `accelerate launch`, `-m accelerate...`
 
 
 def signal_name(signum: Optional[int]) -> str:

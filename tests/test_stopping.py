@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dpllm import ledger
 from tests.helpers import load_recipe
 
@@ -110,3 +112,57 @@ def test_a_signal_started_ignored_stays_ignored():
         assert signal.getsignal(signal.SIGTERM) is term
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# A stand-in for accelerate's single-process launcher (accelerate/commands/launch.py, simple_launcher): Popen, wait,
+# nothing forwarded. Its command line names accelerate, as the real one's does.
+_LAUNCHER = "import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', sys.argv[1]])\np.wait()\n"
+_WORKER = """
+import os, signal, sys, time
+from dpllm.stopping import StopRequests
+with StopRequests() as stops:
+    stops.defer_term = True  # as in the training loop: SIGTERM waits for the step boundary
+    print(os.getpid(), flush=True)
+    deadline = time.time() + 30
+    while stops.requested is None and time.time() < deadline:
+        time.sleep(0.01)
+print(signal.Signals(stops.requested).name if stops.requested else "not stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_worker_started_alone_by_accelerate_stops_when_its_launcher_is_signalled(sig):
+    """accelerate's single-process launcher forwards no signal and dies of SIGTERM (or a traceback after SIGINT):
+    its worker gets a SIGTERM instead of training on as an orphan, whatever ended the launcher."""
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "no", "PYTHONPATH": ROOT}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _WORKER, "accelerate", "launch"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                preexec_fn=_default_signals, start_new_session=True)
+    try:
+        worker = int(launcher.stdout.readline())
+        launcher.send_signal(sig)
+        out, _ = launcher.communicate(timeout=60)  # EOF once the worker, too, has closed its end
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode != 0 and out.strip() == "SIGTERM", (worker, out)
+
+
+def test_a_worker_whose_launcher_ended_during_start_up_stops_at_the_first_step(monkeypatch):
+    """The launcher ended before the worker could ask to follow it: the stop is requested when it installs."""
+    import dpllm.stopping as stopping
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(stopping, "_parent_death_signal", lambda signum: True)
+    monkeypatch.setattr(stopping, "_parent_is_accelerate_launch", lambda: False)
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        with stopping.StopRequests() as stops:
+            assert stops.requested == signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")  # run with python directly: nothing to follow
+    with stopping.StopRequests() as stops:
+        assert stops.requested is None
