@@ -14,6 +14,8 @@ Every ``save_every`` steps and at the end, ``RUN_DIR/checkpoints/step-XXXXXX/`` 
     trainer_state.json                step, tokens seen, metrics.jsonl position, the accountant's
                                       history, the privacy plan, ε at this step
     dpllm_config.yaml                 the run's config (a resume with another config is refused)
+    sha256sums.json                   every other file's size and sha256, written last: a resume checks
+                                      them before it reads anything (:mod:`dpllm.checksums`)
 
 Under FSDP2 no process gathers the model: every process writes its own shards of the weights and
 optimizer state and its own (secret) random state, beside rank 0's scheduler, trainer state and config
@@ -44,7 +46,7 @@ import numpy as np
 import torch
 import yaml
 
-from dpllm import ledger
+from dpllm import checksums, ledger
 from dpllm import sharded_checkpoint as sc
 from dpllm.checkpoint import CheckpointError, unwrap
 from dpllm.config import CLI_OPTIONS, ConfigError, OptionNames, RunConfig
@@ -106,7 +108,47 @@ def resolve(cfg: RunConfig, *, names: OptionNames = CLI_OPTIONS) -> Optional[Pat
     if not (ckpt / "trainer_state.json").is_file():
         raise ConfigError(f"resume_from={t.resume_from}: {ckpt} is not a complete resumable checkpoint "
                           "(no trainer_state.json)")
+    check_intact(ckpt, run_dir, names=names)
     return ckpt
+
+
+def _damage(ckpt: Path, run_dir: Path) -> Optional[str]:
+    """What is damaged in ``ckpt`` (None: intact, or written before checksums and without a ledger line)."""
+    if checksums.has_sums(ckpt):
+        return checksums.damage(ckpt)
+    try:  # an older checkpoint: the ledger's checkpoint_sha256 of its newest line
+        digests = [e.get("checkpoint_sha256") for e in ledger.read(run_dir)
+                   if e.get("kind") == "checkpoint" and e.get("checkpoint") == ckpt.relative_to(run_dir).as_posix()]
+    except (ledger.LedgerError, ValueError):
+        digests = []
+    if not digests:
+        log.warning("%s has no checksums and no ledger line: it cannot be checked before it is loaded", ckpt)
+        return None
+    if ledger.dir_sha256(ckpt) != digests[-1]:
+        return "its files do not match the checkpoint_sha256 of its line in privacy_ledger.jsonl"
+    return None
+
+
+def check_intact(ckpt: Path, run_dir: Path, *, names: OptionNames = CLI_OPTIONS) -> None:
+    """Refuse a checkpoint whose files changed since it was written, before any of it is read.
+
+    Raises:
+        ConfigError: one line naming the damaged checkpoint and what differs, and the newest earlier checkpoint
+            of the run that is intact (and how to resume from it), or that none is left.
+    """
+    what = _damage(ckpt, run_dir)
+    if what is None:
+        return
+    step = int(ckpt.name.rsplit("-", 1)[-1]) if ckpt.name.startswith("step-") else None
+    earlier = sorted((p for p in (run_dir / CHECKPOINTS).glob("step-*") if p.is_dir() and p != ckpt
+                      and (step is None or p.name < ckpt.name) and (p / "trainer_state.json").is_file()), reverse=True)
+    intact = next((p for p in earlier if _damage(p, run_dir) is None), None)
+    if intact is not None:
+        how = names.resume.replace("latest", str(intact)).replace("True", repr(str(intact)))
+        advice = f"resume from the earlier intact checkpoint {intact} instead ({how})"
+    else:
+        advice = f"no earlier intact checkpoint is left; start over with {names.overwrite}"
+    raise ConfigError(f"cannot resume from {ckpt}: it was damaged after it was written ({what}); {advice}")
 
 
 def _flat(d: dict) -> dict:
@@ -284,6 +326,7 @@ def _save_run_state(tmp: Path, *, scheduler, config_yaml: str, trainer_state: di
     (tmp / "dpllm_config.yaml").write_text(config_yaml)
     write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "world_size": world.size,
                                                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    checksums.write(tmp)  # last: it covers every file, and the rename makes it appear with them
 
 
 def _publish(run_dir: Path, target: Path, *, step: int, privacy: dict) -> None:

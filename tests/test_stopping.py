@@ -166,3 +166,42 @@ def test_a_worker_whose_launcher_ended_during_start_up_stops_at_the_first_step(m
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")  # run with python directly: nothing to follow
     with stopping.StopRequests() as stops:
         assert stops.requested is None
+
+
+def test_sigterm_to_a_single_process_accelerate_launch_checkpoints_and_the_worker_exits_143(tmp_path):
+    """The README's command, `accelerate launch recipes/finetune_llm.py ...` (one process, no torchrun agent),
+    SIGTERM to the launcher only (as Kubernetes or `kill PID` sends it): the worker finishes its step, writes a
+    resumable checkpoint, prints one line and exits 143, instead of training on as an orphan."""
+    import ctypes
+
+    out = tmp_path / "run"
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    cmd = [accelerate, "launch", os.path.join(ROOT, "recipes", "finetune_llm.py"), *FAST, "--max_steps", "200",
+           "--log_every", "1", "--output_dir", str(out)]
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: the orphaned worker's exit status comes here
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                preexec_fn=_default_signals, start_new_session=True)
+    try:
+        metrics, deadline = out / "metrics.jsonl", time.time() + 180  # a liveness guard for a loaded machine
+        while not (metrics.is_file() and '"split": "train"' in metrics.read_text()):
+            assert time.time() < deadline and launcher.poll() is None, "training never started"
+            time.sleep(0.1)
+        worker = int(open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()[0])
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)  # EOF once the worker has closed its end too
+        _, status = os.waitpid(worker, 0)
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's process group: an orphaned worker included
+        except ProcessLookupError:
+            pass
+    assert launcher.returncode == -signal.SIGTERM and os.waitstatus_to_exitcode(status) == 143, err[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM at step "), err[-3000:]
+    step = int(lines[0].split("at step ", 1)[1].split(" ", 1)[0])
+    ckpt = out / "checkpoints" / f"step-{step:06d}"
+    assert 0 < step < 200 and f"the last resumable checkpoint is {ckpt} (step {step})" in lines[0]
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == step
+    assert ledger.read(out)[-1]["checkpoint"] == f"checkpoints/step-{step:06d}"
