@@ -108,7 +108,8 @@ def resolve(cfg: RunConfig, *, names: OptionNames = CLI_OPTIONS) -> Optional[Pat
     if not (ckpt / "trainer_state.json").is_file():
         raise ConfigError(f"resume_from={t.resume_from}: {ckpt} is not a complete resumable checkpoint "
                           "(no trainer_state.json)")
-    check_intact(ckpt, run_dir, names=names)
+    if finished_summary(run_dir) is None:  # a finished run reads nothing of it: its summary is the answer
+        check_intact(ckpt, run_dir, names=names)
     return ckpt
 
 

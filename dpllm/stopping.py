@@ -21,17 +21,22 @@ it with a traceback, and the worker, left behind, would train to the end. So a w
 Linux (``prctl(PR_SET_PDEATHSIG)``) for a SIGTERM when its launcher ends, however it ends (SIGKILL included),
 and stops as for a scheduler's SIGTERM: at the end of the step, with a resumable checkpoint and one line. A
 launcher that ended while the worker was still starting is noticed when the handlers are installed, and the
-run stops at its first step boundary.
+run stops at its first step boundary. One case stays out of reach: the launcher as pid 1 of a container
+(``docker stop``, Kubernetes) is sent SIGTERM, and the kernel drops a signal that pid 1 has no handler for;
+the worker warns at start (run one process as ``python SCRIPT`` there).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
 import threading
 from pathlib import Path
 from typing import Optional
+
+log = logging.getLogger(__name__)
 
 #: exit status of a command stopped by each signal (the shell's convention, 128 + the signal number)
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -66,6 +71,11 @@ class StopRequests:
             self._follows_launcher = _parent_death_signal(signal.SIGTERM)
             if self._follows_launcher and not _parent_is_accelerate_launch():
                 self.requested = signal.SIGTERM  # the launcher ended before this process could follow it
+            elif os.getppid() == 1:  # pid 1 of a container: the kernel drops every signal it has no handler for
+                log.warning("accelerate launch runs as pid 1 with one process: it ignores SIGTERM (docker stop, "
+                            "Kubernetes), so none reaches this run and no checkpoint is written when the container "
+                            "is stopped; start one process as `python SCRIPT ...` (exec form) instead, or launch "
+                            "with --multi_gpu (torchrun passes SIGTERM on)")
         return self
 
     def uninstall(self) -> None:
@@ -121,7 +131,8 @@ def _parent_is_accelerate_launch() -> bool:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return True  # cannot tell: assume the launcher is there
-    return os.getppid() != 1 and any(b"accelerate" in a for a in argv)  # `accelerate launch`, `-m accelerate...`
+    # not the pid: in a container the launcher is often pid 1 itself
+    return any(b"accelerate" in a for a in argv)  # `accelerate launch`, `python -m accelerate.commands.launch`
 
 
 def signal_name(signum: Optional[int]) -> str:

@@ -181,6 +181,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_an_intact_earlier_on
 
     out = tmp_path / "run"
     run(out, "--max_steps", "4")
+    (out / "run_summary.json").unlink()  # as if killed after its last checkpoint: a resume would load it
     two, four = out / "checkpoints" / "step-000002", out / "checkpoints" / "step-000004"
     _overwrite(four / "model.safetensors", 8, b"\xff" * 8)  # the JSON header's first bytes
     capsys.readouterr()
@@ -210,6 +211,7 @@ def test_a_checkpoint_from_before_checksums_is_checked_against_its_ledger_line(t
     out = tmp_path / "run"
     monkeypatch.setattr(checksums, "write", lambda directory: None)
     run(out, "--max_steps", "2")
+    (out / "run_summary.json").unlink()
     ckpt = out / "checkpoints" / "step-000002"
     assert not checksums.has_sums(ckpt)
     _overwrite(ckpt / "optimizer.pt", -8, b"\x00" * 8)

@@ -205,3 +205,23 @@ def test_sigterm_to_a_single_process_accelerate_launch_checkpoints_and_the_worke
     assert 0 < step < 200 and f"the last resumable checkpoint is {ckpt} (step {step})" in lines[0]
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == step
     assert ledger.read(out)[-1]["checkpoint"] == f"checkpoints/step-{step:06d}"
+
+
+def test_a_worker_under_accelerate_launch_as_pid_1_warns_that_sigterm_cannot_reach_it(monkeypatch, caplog):
+    """In a container whose pid 1 is `accelerate launch` (one process), the kernel drops the SIGTERM that docker
+    stop or Kubernetes sends it: the worker says so at start, with what to run instead."""
+    import dpllm.stopping as stopping
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(stopping, "_parent_death_signal", lambda signum: True)
+    monkeypatch.setattr(stopping, "_parent_is_accelerate_launch", lambda: True)
+    monkeypatch.setattr(stopping.os, "getppid", lambda: 1)
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        with stopping.StopRequests() as stops:
+            assert stops.requested is None
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert "accelerate launch runs as pid 1 with one process: it ignores SIGTERM" in caplog.text
+    assert "start one process as `python SCRIPT ...`" in caplog.text
