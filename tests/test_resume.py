@@ -218,3 +218,24 @@ def test_a_checkpoint_from_before_checksums_is_checked_against_its_ledger_line(t
     with pytest.raises(ConfigError, match=r"damaged after it was written \(its files do not match the "
                                           r"checkpoint_sha256 of its line in privacy_ledger.jsonl\); no earlier"):
         run(out, "--max_steps", "2", "--resume_from", "latest")
+
+
+def test_a_damaged_checkpoint_names_the_fix_a_dptrainer_user_types(tmp_path):
+    """Under DPTrainer the advice is its own argument, not the recipe's flag; a damaged earlier checkpoint is
+    skipped for the newest intact one."""
+    from dpllm import checksums, resume
+    from dpllm.config import TRAINER_OPTIONS
+
+    steps = [tmp_path / "checkpoints" / f"step-00000{i}" for i in (2, 4, 6)]
+    for ckpt in steps:
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text("{}")
+        (ckpt / "optimizer.pt").write_bytes(b"state")
+        checksums.write(ckpt)
+    (steps[2] / "optimizer.pt").unlink()
+    (steps[1] / "optimizer.pt").write_bytes(b"stale")
+    with pytest.raises(ConfigError) as err:
+        resume.check_intact(steps[2], tmp_path, names=TRAINER_OPTIONS)
+    assert str(err.value) == (f"cannot resume from {steps[2]}: it was damaged after it was written (optimizer.pt is "
+                              f"missing); resume from the earlier intact checkpoint {steps[0]} instead "
+                              f"(trainer.train(resume_from_checkpoint='{steps[0]}'))")
