@@ -19,11 +19,10 @@ torchrun's agent, which passes SIGINT and SIGTERM on to every worker. With one p
 with a plain ``subprocess.Popen`` and passes nothing on: a SIGTERM kills the launcher outright, a SIGINT ends
 it with a traceback, and the worker, left behind, would train to the end. So a worker started that way asks
 Linux (``prctl(PR_SET_PDEATHSIG)``) for a SIGTERM when its launcher ends, however it ends (SIGKILL included),
-and stops as for a scheduler's SIGTERM: at the end of the step, with a resumable checkpoint and one line. A
-launcher that ended while the worker was still starting is noticed when the handlers are installed, and the
-run stops at its first step boundary. One case stays out of reach: the launcher as pid 1 of a container
-(``docker stop``, Kubernetes) is sent SIGTERM, and the kernel drops a signal that pid 1 has no handler for;
-the worker warns at start (run one process as ``python SCRIPT`` there).
+and stops as for a scheduler's SIGTERM: at the end of the step, with a resumable checkpoint and one line. The
+recipe asks first thing, before torch is imported (:func:`follow_launcher`). One case stays out of reach: the
+launcher as pid 1 of a container (``docker stop``, Kubernetes) is sent SIGTERM, and the kernel drops a signal
+that pid 1 has no handler for; the worker warns at start (run one process as ``python SCRIPT`` there).
 """
 
 from __future__ import annotations
@@ -67,11 +66,9 @@ class StopRequests:
                 continue
             self._previous[sig] = previous
             signal.signal(sig, self._handle)
-        if signal.SIGTERM in self._previous and started_alone_by_accelerate():
-            self._follows_launcher = _parent_death_signal(signal.SIGTERM)
-            if self._follows_launcher and not _parent_is_accelerate_launch():
-                self.requested = signal.SIGTERM  # the launcher ended before this process could follow it
-            elif os.getppid() == 1:  # pid 1 of a container: the kernel drops every signal it has no handler for
+        if signal.SIGTERM in self._previous and follow_launcher():
+            self._follows_launcher = True
+            if os.getppid() == 1:  # pid 1 of a container: the kernel drops every signal it has no handler for
                 log.warning("accelerate launch runs as pid 1 with one process: it ignores SIGTERM (docker stop, "
                             "Kubernetes), so none reaches this run and no checkpoint is written when the container "
                             "is stopped; start one process as `python SCRIPT ...` (exec form) instead, or launch "
@@ -103,13 +100,21 @@ class StopRequests:
         self.uninstall()
 
 
-def started_alone_by_accelerate() -> bool:
-    """Whether ``accelerate launch`` started this process with its single-process launcher (no torchrun agent).
+def follow_launcher() -> bool:
+    """Under accelerate's single-process launcher, ask Linux for a SIGTERM to this process when the launcher ends.
 
-    Every accelerate launcher sets ``ACCELERATE_MIXED_PRECISION``; torchrun's agent (``--multi_gpu``, FSDP)
-    also sets ``TORCHELASTIC_RUN_ID``, and forwards signals itself.
+    Nothing elsewhere: torchrun's agent (``--multi_gpu``, FSDP; it sets ``TORCHELASTIC_RUN_ID``) passes signals
+    on itself, and a process whose parent is not accelerate (``python SCRIPT`` from a shell that exports
+    accelerate's variables) has no launcher to follow. Call it as early as possible: a launcher that ends before
+    it leaves its worker training alone. Until the handlers of :class:`StopRequests` are installed the SIGTERM
+    ends the process at once (nothing of a run is written yet).
+
+    Returns:
+        True when this process now follows its launcher.
     """
-    return "ACCELERATE_MIXED_PRECISION" in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return False  # every accelerate launcher sets the first; only torchrun's agent the second
+    return _parent_is_accelerate_launch() and _parent_death_signal(signal.SIGTERM)
 
 
 def _parent_death_signal(signum: int) -> bool:
@@ -126,13 +131,12 @@ def _parent_death_signal(signum: int) -> bool:
 
 
 def _parent_is_accelerate_launch() -> bool:
-    """Whether the parent process is still accelerate's launcher (an orphan's parent is init or a subreaper)."""
+    """Whether the parent process is accelerate's launcher (`accelerate launch`, `python -m accelerate...`)."""
     try:
         argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
     except OSError:
-        return True  # cannot tell: assume the launcher is there
-    # not the pid: in a container the launcher is often pid 1 itself
-    return any(b"accelerate" in a for a in argv)  # `accelerate launch`, `python -m accelerate.commands.launch`
+        return False
+    return any(b"accelerate" in a for a in argv)
 
 
 def signal_name(signum: Optional[int]) -> str:

@@ -42,7 +42,7 @@ import sys
 # Only light modules at the top: --help, a mistyped option or path is answered before torch is imported.
 from dpllm.config import check_paths, parse_config
 from dpllm.logs import setup_logging
-from dpllm.stopping import EXIT_CODES
+from dpllm.stopping import EXIT_CODES, follow_launcher
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -112,4 +112,5 @@ def finish(code: int) -> int:
 
 
 if __name__ == "__main__":
+    follow_launcher()  # one process under `accelerate launch`: stop when the launcher ends (dpllm.stopping)
     sys.exit(finish(cli()))

@@ -149,23 +149,21 @@ def test_a_worker_started_alone_by_accelerate_stops_when_its_launcher_is_signall
     assert launcher.returncode != 0 and out.strip() == "SIGTERM", (worker, out)
 
 
-def test_a_worker_whose_launcher_ended_during_start_up_stops_at_the_first_step(monkeypatch):
-    """The launcher ended before the worker could ask to follow it: the stop is requested when it installs."""
+def test_only_a_worker_of_accelerates_single_process_launcher_follows_its_launcher(monkeypatch):
+    """A shell that exports accelerate's variables is no launcher (a run from it must not stop when the shell
+    ends), and torchrun's agent passes signals on itself: neither is followed."""
     import dpllm.stopping as stopping
 
+    asked = []
+    monkeypatch.setattr(stopping, "_parent_death_signal", lambda signum: asked.append(signum) or True)
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    monkeypatch.setattr(stopping, "_parent_death_signal", lambda signum: True)
-    monkeypatch.setattr(stopping, "_parent_is_accelerate_launch", lambda: False)
-    term = signal.getsignal(signal.SIGTERM)
-    try:
-        with stopping.StopRequests() as stops:
-            assert stops.requested == signal.SIGTERM
-    finally:
-        signal.signal(signal.SIGTERM, term)
-    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION")  # run with python directly: nothing to follow
-    with stopping.StopRequests() as stops:
-        assert stops.requested is None
+    assert not stopping.follow_launcher() and not asked  # this test's parent is no accelerate
+    monkeypatch.setattr(stopping, "_parent_is_accelerate_launch", lambda: True)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert not stopping.follow_launcher() and not asked
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert stopping.follow_launcher() and asked == [signal.SIGTERM]
 
 
 def test_sigterm_to_a_single_process_accelerate_launch_checkpoints_and_the_worker_exits_143(tmp_path):
