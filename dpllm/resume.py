@@ -52,6 +52,7 @@ from dpllm.checkpoint import CheckpointError, unwrap
 from dpllm.config import CLI_OPTIONS, ConfigError, OptionNames, RunConfig
 from dpllm.distributed import World, barrier, gather_objects, is_sharded, reshard
 from dpllm.io import atomic_directory, read_jsonl, write_json_atomic, write_text_atomic
+from dpllm.stopping import program_of  # noqa: F401 (where it lived; the recipe reads it before torch is imported)
 
 log = logging.getLogger(__name__)
 
@@ -534,21 +535,6 @@ def resume_argv(argv: list[str]) -> list[str]:
         out.append(argv[i])
         i += 1
     return out + ["--resume_from", "latest"]
-
-
-def program_of(script: str) -> str:
-    """How ``script`` was started, as a person retypes it: ``python SCRIPT``, or under ``accelerate launch``
-    the launcher's own options (read from the parent process on Linux; else a placeholder for them)."""
-    import shlex
-
-    if "WORLD_SIZE" not in os.environ and "ACCELERATE_MIXED_PRECISION" not in os.environ:
-        return f"python {shlex.quote(script)}"
-    try:
-        parent = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
-        start = parent.index("launch")
-        return shlex.join(["accelerate", *parent[start: parent.index(script, start) + 1]])
-    except (OSError, ValueError, UnicodeDecodeError):
-        return f"accelerate launch [your launch options] {shlex.quote(script)}"
 
 
 def interrupted_message(err: Interrupted, *, program: str, argv: list[str]) -> str:

@@ -139,6 +139,24 @@ def _parent_is_accelerate_launch() -> bool:
     return any(b"accelerate" in a for a in argv)
 
 
+def program_of(script: str) -> str:
+    """How ``script`` was started, as a person retypes it: ``python SCRIPT``, or under ``accelerate launch``
+    the launcher's own options (read from the parent process on Linux; else a placeholder for them).
+
+    Read it at start: a worker whose single-process launcher was signalled outlives it (:func:`follow_launcher`).
+    """
+    import shlex
+
+    if "WORLD_SIZE" not in os.environ and "ACCELERATE_MIXED_PRECISION" not in os.environ:
+        return f"python {shlex.quote(script)}"
+    try:
+        parent = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+        start = parent.index("launch")
+        return shlex.join(["accelerate", *parent[start: parent.index(script, start) + 1]])
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"accelerate launch [your launch options] {shlex.quote(script)}"
+
+
 def signal_name(signum: Optional[int]) -> str:
     """``"SIGTERM"`` for 15, and so on; Ctrl-C's SIGINT when no signal was recorded."""
     return signal.Signals(signum or signal.SIGINT).name

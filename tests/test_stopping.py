@@ -201,6 +201,7 @@ def test_sigterm_to_a_single_process_accelerate_launch_checkpoints_and_the_worke
     step = int(lines[0].split("at step ", 1)[1].split(" ", 1)[0])
     ckpt = out / "checkpoints" / f"step-{step:06d}"
     assert 0 < step < 200 and f"the last resumable checkpoint is {ckpt} (step {step})" in lines[0]
+    assert f"resume with: accelerate launch {cmd[2]} " in lines[0]  # read while the launcher was there
     assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == step
     assert ledger.read(out)[-1]["checkpoint"] == f"checkpoints/step-{step:06d}"
 
