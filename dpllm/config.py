@@ -136,8 +136,8 @@ class DataConfig:
                                 "answer's either way.")
     chat_template: Optional[str] = _f(None, "Jinja chat template (text or a file) rendering messages, or 'simple' "
                                             "(dpllm's built-in one); default: the tokenizer's own.")
-    num_generations: int = _f(4, "messages / prompt_completion: greedy answers to this many held-out prompts, printed "
-                                 "and saved to OUTPUT_DIR/generations.jsonl at the end (0: none).")
+    num_generations: int = _f(4, "messages / prompt_completion: greedy answers to this many held-out prompts, saved "
+                                 "to OUTPUT_DIR/generations.jsonl at the end (private: never printed; 0: none).")
 
 
 @dataclass

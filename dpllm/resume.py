@@ -14,6 +14,8 @@ Every ``save_every`` steps and at the end, ``RUN_DIR/checkpoints/step-XXXXXX/`` 
     trainer_state.json                step, tokens seen, metrics.jsonl position, the accountant's
                                       history, the privacy plan, ε at this step
     dpllm_config.yaml                 the run's config (a resume with another config is refused)
+    sha256sums.json                   every other file's size and sha256, written last: a resume checks
+                                      them before it reads anything (:mod:`dpllm.checksums`)
 
 Under FSDP2 no process gathers the model: every process writes its own shards of the weights and
 optimizer state and its own (secret) random state, beside rank 0's scheduler, trainer state and config
@@ -44,12 +46,13 @@ import numpy as np
 import torch
 import yaml
 
-from dpllm import ledger
+from dpllm import checksums, ledger
 from dpllm import sharded_checkpoint as sc
 from dpllm.checkpoint import CheckpointError, unwrap
 from dpllm.config import CLI_OPTIONS, ConfigError, OptionNames, RunConfig
 from dpllm.distributed import World, barrier, gather_objects, is_sharded, reshard
 from dpllm.io import atomic_directory, read_jsonl, write_json_atomic, write_text_atomic
+from dpllm.stopping import program_of  # noqa: F401 (where it lived; the recipe reads it before torch is imported)
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +109,48 @@ def resolve(cfg: RunConfig, *, names: OptionNames = CLI_OPTIONS) -> Optional[Pat
     if not (ckpt / "trainer_state.json").is_file():
         raise ConfigError(f"resume_from={t.resume_from}: {ckpt} is not a complete resumable checkpoint "
                           "(no trainer_state.json)")
+    if finished_summary(run_dir) is None:  # a finished run reads nothing of it: its summary is the answer
+        check_intact(ckpt, run_dir, names=names)
     return ckpt
+
+
+def _damage(ckpt: Path, run_dir: Path) -> Optional[str]:
+    """What is damaged in ``ckpt`` (None: intact, or written before checksums and without a ledger line)."""
+    if checksums.has_sums(ckpt):
+        return checksums.damage(ckpt)
+    try:  # an older checkpoint: the ledger's checkpoint_sha256 of its newest line
+        digests = [e.get("checkpoint_sha256") for e in ledger.read(run_dir)
+                   if e.get("kind") == "checkpoint" and e.get("checkpoint") == ckpt.relative_to(run_dir).as_posix()]
+    except (ledger.LedgerError, ValueError):
+        digests = []
+    if not digests:
+        log.warning("%s has no checksums and no ledger line: it cannot be checked before it is loaded", ckpt)
+        return None
+    if ledger.dir_sha256(ckpt) != digests[-1]:
+        return "its files do not match the checkpoint_sha256 of its line in privacy_ledger.jsonl"
+    return None
+
+
+def check_intact(ckpt: Path, run_dir: Path, *, names: OptionNames = CLI_OPTIONS) -> None:
+    """Refuse a checkpoint whose files changed since it was written, before any of it is read.
+
+    Raises:
+        ConfigError: one line naming the damaged checkpoint and what differs, and the newest earlier checkpoint
+            of the run that is intact (and how to resume from it), or that none is left.
+    """
+    what = _damage(ckpt, run_dir)
+    if what is None:
+        return
+    step = int(ckpt.name.rsplit("-", 1)[-1]) if ckpt.name.startswith("step-") else None
+    earlier = sorted((p for p in (run_dir / CHECKPOINTS).glob("step-*") if p.is_dir() and p != ckpt
+                      and (step is None or p.name < ckpt.name) and (p / "trainer_state.json").is_file()), reverse=True)
+    intact = next((p for p in earlier if _damage(p, run_dir) is None), None)
+    if intact is not None:
+        how = names.resume.replace("latest", str(intact)).replace("True", repr(str(intact)))
+        advice = f"resume from the earlier intact checkpoint {intact} instead ({how})"
+    else:
+        advice = f"no earlier intact checkpoint is left; start over with {names.overwrite}"
+    raise ConfigError(f"cannot resume from {ckpt}: it was damaged after it was written ({what}); {advice}")
 
 
 def _flat(d: dict) -> dict:
@@ -284,6 +328,7 @@ def _save_run_state(tmp: Path, *, scheduler, config_yaml: str, trainer_state: di
     (tmp / "dpllm_config.yaml").write_text(config_yaml)
     write_json_atomic(tmp / "trainer_state.json", {**trainer_state, "world_size": world.size,
                                                    "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    checksums.write(tmp)  # last: it covers every file, and the rename makes it appear with them
 
 
 def _publish(run_dir: Path, target: Path, *, step: int, privacy: dict) -> None:
@@ -496,21 +541,6 @@ def resume_argv(argv: list[str]) -> list[str]:
         out.append(argv[i])
         i += 1
     return out + ["--resume_from", "latest"]
-
-
-def program_of(script: str) -> str:
-    """How ``script`` was started, as a person retypes it: ``python SCRIPT``, or under ``accelerate launch``
-    the launcher's own options (read from the parent process on Linux; else a placeholder for them)."""
-    import shlex
-
-    if "WORLD_SIZE" not in os.environ and "ACCELERATE_MIXED_PRECISION" not in os.environ:
-        return f"python {shlex.quote(script)}"
-    try:
-        parent = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
-        start = parent.index("launch")
-        return shlex.join(["accelerate", *parent[start: parent.index(script, start) + 1]])
-    except (OSError, ValueError, UnicodeDecodeError):
-        return f"accelerate launch [your launch options] {shlex.quote(script)}"
 
 
 def interrupted_message(err: Interrupted, *, program: str, argv: list[str]) -> str:

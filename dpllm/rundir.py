@@ -224,16 +224,19 @@ def describe(out: Path, cfg: RunConfig, data, *, user_unit: bool, names: OptionN
 
 
 def write_generations(out: Path, model, tokenizer, records: list[str]) -> None:
-    """SFT: greedy answers to the prompts of held-out ``records``, printed and saved in ``generations.jsonl``
-    (rank 0; held-out prompts are private data, so the file stays in the run directory). Nothing when there is
-    no record, or under FSDP (no process holds the whole model)."""
+    """SFT: greedy answers to the prompts of held-out ``records``, saved in ``generations.jsonl`` (rank 0).
+
+    Held-out prompts and their reference answers are private records (the DP guarantee does not cover them, and a
+    greedy answer may repeat its prompt), so their text stays in the run directory: the console gets one
+    ``[private]`` line with the file's name, never the text. Nothing when there is no record, or under FSDP (no
+    process holds the whole model).
+    """
     if not records or is_sharded(model):
         return
     rows = generate_answers(model, tokenizer, records)
     write_text_atomic(out / "generations.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
-    for r in rows:
-        log.info("held-out prompt %r\n  reference: %r\n  generated: %r", r["prompt"][-120:], r["reference"][:120],
-                 r["generated"][:120])
+    log.info("[private] greedy answers to %d held-out prompt(s), beside their references: %s", len(rows),
+             out / "generations.jsonl")
 
 
 def shard_final_weights(out: Path, model, world: World) -> Optional[Path]:

@@ -13,13 +13,29 @@
 Under ``accelerate launch`` every process gets the signal at about the same time, but not at the same step;
 the loop asks all processes at each step boundary (one all-reduce of three numbers) so that all stop at
 the same step and write one checkpoint together.
+
+**A signal that reaches only the launcher.** With several processes (``--multi_gpu``, FSDP) accelerate runs
+torchrun's agent, which passes SIGINT and SIGTERM on to every worker. With one process it starts the worker
+with a plain ``subprocess.Popen`` and passes nothing on: a SIGTERM kills the launcher outright, a SIGINT ends
+it with a traceback, and the worker, left behind, would train to the end. So a worker started that way asks
+Linux (``prctl(PR_SET_PDEATHSIG)``) for a SIGTERM when its launcher ends, however it ends (SIGKILL included),
+and stops as for a scheduler's SIGTERM: at the end of the step, with a resumable checkpoint and one line. The
+recipe asks first thing, before torch is imported (:func:`follow_launcher`). One case stays out of reach: the
+launcher as pid 1 of a container (``docker stop``, Kubernetes) is sent SIGTERM, and the kernel drops a signal
+that pid 1 has no handler for; the worker warns at start (run one process as ``python SCRIPT`` there).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
+import sys
 import threading
+from pathlib import Path
 from typing import Optional
+
+log = logging.getLogger(__name__)
 
 #: exit status of a command stopped by each signal (the shell's convention, 128 + the signal number)
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -37,6 +53,8 @@ class StopRequests:
         self.requested: Optional[int] = None
         self.defer_term = False  # inside the loop, SIGTERM waits for the step boundary
         self._previous: dict[int, object] = {}
+        self._stopping = False  # a KeyboardInterrupt was raised: a later SIGTERM is only recorded
+        self._follows_launcher = False
 
     def install(self) -> "StopRequests":
         """Handle SIGINT and SIGTERM (main thread only; a signal inherited as ignored stays ignored)."""
@@ -48,18 +66,31 @@ class StopRequests:
                 continue
             self._previous[sig] = previous
             signal.signal(sig, self._handle)
+        if signal.SIGTERM in self._previous and follow_launcher():
+            self._follows_launcher = True
+            if os.getppid() == 1:  # pid 1 of a container: the kernel drops every signal it has no handler for
+                log.warning("accelerate launch runs as pid 1 with one process: it ignores SIGTERM (docker stop, "
+                            "Kubernetes), so none reaches this run and no checkpoint is written when the container "
+                            "is stopped; start one process as `python SCRIPT ...` (exec form) instead, or launch "
+                            "with --multi_gpu (torchrun passes SIGTERM on)")
         return self
 
     def uninstall(self) -> None:
         """Put the handlers back as they were."""
+        if self._follows_launcher:  # past this point the launcher's end must not kill a process that is leaving
+            _parent_death_signal(0)
+            self._follows_launcher = False
         for sig, previous in self._previous.items():
             signal.signal(sig, previous)
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
         self.requested = signal.SIGTERM if signal.SIGTERM in (signum, self.requested) else signum
-        if signum == signal.SIGTERM and self.defer_term:
+        if signum == signal.SIGTERM and (self.defer_term or self._stopping):
+            # a SIGTERM while a Ctrl-C is already unwinding (the launcher ending right after it, say) would
+            # replace the interruption, which knows where the run stopped, by a bare one
             return
+        self._stopping = True
         raise KeyboardInterrupt
 
     def __enter__(self) -> "StopRequests":
@@ -67,6 +98,63 @@ class StopRequests:
 
     def __exit__(self, *exc) -> None:
         self.uninstall()
+
+
+def follow_launcher() -> bool:
+    """Under accelerate's single-process launcher, ask Linux for a SIGTERM to this process when the launcher ends.
+
+    Nothing elsewhere: torchrun's agent (``--multi_gpu``, FSDP; it sets ``TORCHELASTIC_RUN_ID``) passes signals
+    on itself, and a process whose parent is not accelerate (``python SCRIPT`` from a shell that exports
+    accelerate's variables) has no launcher to follow. Call it as early as possible: a launcher that ends before
+    it leaves its worker training alone. Until the handlers of :class:`StopRequests` are installed the SIGTERM
+    ends the process at once (nothing of a run is written yet).
+
+    Returns:
+        True when this process now follows its launcher.
+    """
+    if "ACCELERATE_MIXED_PRECISION" not in os.environ or "TORCHELASTIC_RUN_ID" in os.environ:
+        return False  # every accelerate launcher sets the first; only torchrun's agent the second
+    return _parent_is_accelerate_launch() and _parent_death_signal(signal.SIGTERM)
+
+
+def _parent_death_signal(signum: int) -> bool:
+    """Ask Linux to send ``signum`` (0: nothing) when the parent process ends; False where that is not possible."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(1, signum, 0, 0, 0) == 0  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return False
+
+
+def _parent_is_accelerate_launch() -> bool:
+    """Whether the parent process is accelerate's launcher (`accelerate launch`, `python -m accelerate...`)."""
+    try:
+        argv = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(b"accelerate" in a for a in argv)
+
+
+def program_of(script: str) -> str:
+    """How ``script`` was started, as a person retypes it: ``python SCRIPT``, or under ``accelerate launch``
+    the launcher's own options (read from the parent process on Linux; else a placeholder for them).
+
+    Read it at start: a worker whose single-process launcher was signalled outlives it (:func:`follow_launcher`).
+    """
+    import shlex
+
+    if "WORLD_SIZE" not in os.environ and "ACCELERATE_MIXED_PRECISION" not in os.environ:
+        return f"python {shlex.quote(script)}"
+    try:
+        parent = [a.decode() for a in Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0") if a]
+        start = parent.index("launch")
+        return shlex.join(["accelerate", *parent[start: parent.index(script, start) + 1]])
+    except (OSError, ValueError, UnicodeDecodeError):
+        return f"accelerate launch [your launch options] {shlex.quote(script)}"
 
 
 def signal_name(signum: Optional[int]) -> str:

@@ -42,7 +42,7 @@ import sys
 # Only light modules at the top: --help, a mistyped option or path is answered before torch is imported.
 from dpllm.config import check_paths, parse_config
 from dpllm.logs import setup_logging
-from dpllm.stopping import EXIT_CODES
+from dpllm.stopping import EXIT_CODES, follow_launcher, program_of
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -66,9 +66,10 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-def interrupted(err: KeyboardInterrupt, argv: list[str]) -> None:
-    """After Ctrl-C or SIGTERM, one line (from the first process only): where to resume from, and the command."""
-    from dpllm.resume import Interrupted, interrupted_message, program_of
+def interrupted(err: KeyboardInterrupt, argv: list[str], program: str) -> None:
+    """After Ctrl-C or SIGTERM, one line (from the first process only): where to resume from, and the command
+    (``program``, how the script was started)."""
+    from dpllm.resume import Interrupted, interrupted_message
 
     main_process = err.main if isinstance(err, Interrupted) else int(os.environ.get("RANK", "0")) == 0
     if not main_process:
@@ -76,17 +77,18 @@ def interrupted(err: KeyboardInterrupt, argv: list[str]) -> None:
     if not isinstance(err, Interrupted):
         print("error: interrupted outside training (nothing of a run was lost)", file=sys.stderr)
         return
-    print(f"error: {interrupted_message(err, program=program_of(sys.argv[0]), argv=argv)}", file=sys.stderr)
+    print(f"error: {interrupted_message(err, program=program, argv=argv)}", file=sys.stderr)
 
 
 def cli(argv: list[str] | None = None) -> int:
     """``main`` with the exit codes of a command: 0 done, 2 bad input (one line saying what to change), 1 failed,
     130 interrupted by Ctrl-C, 143 stopped by SIGTERM (a scheduler's preemption: a resumable checkpoint is written
     at the end of the current step); both print one line saying where to resume from."""
+    program = program_of(sys.argv[0])  # now: a launcher that is signalled ends before its worker (dpllm.stopping)
     try:
         main(argv)
     except KeyboardInterrupt as err:
-        interrupted(err, list(sys.argv[1:] if argv is None else argv))
+        interrupted(err, list(sys.argv[1:] if argv is None else argv), program)
         return EXIT_CODES.get(getattr(err, "signal", None), 130)
     except ValueError as err:  # config, data, model and privacy-plan errors all say what to change
         print(f"error: {err}", file=sys.stderr)
@@ -112,4 +114,5 @@ def finish(code: int) -> int:
 
 
 if __name__ == "__main__":
+    follow_launcher()  # one process under `accelerate launch`: stop when the launcher ends (dpllm.stopping)
     sys.exit(finish(cli()))

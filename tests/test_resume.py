@@ -164,3 +164,78 @@ def test_staged_run_survives_a_crash(tmp_path, monkeypatch):
                                                                       accountant="rdp"))
     result = ledger.verify(tmp_path / "stage2")
     assert result.ok and "previous stage" in result.message, result.message
+
+
+def _overwrite(path, offset, data):
+    with open(path, "r+b") as fh:
+        fh.seek(offset if offset >= 0 else path.stat().st_size + offset)
+        fh.write(data)
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_an_intact_earlier_one(tmp_path, capsys, monkeypatch):
+    """A damaged safetensors header, or tensor bytes changed in place (which would load and end in a NaN loss),
+    is refused before anything of the checkpoint is read: one line names the checkpoint, the file, and the newest
+    earlier checkpoint that is intact (or says none is left)."""
+    from dpllm import resume
+    from tests.helpers import load_recipe
+
+    out = tmp_path / "run"
+    run(out, "--max_steps", "4")
+    (out / "run_summary.json").unlink()  # as if killed after its last checkpoint: a resume would load it
+    two, four = out / "checkpoints" / "step-000002", out / "checkpoints" / "step-000004"
+    _overwrite(four / "model.safetensors", 8, b"\xff" * 8)  # the JSON header's first bytes
+    capsys.readouterr()
+    code = load_recipe("finetune_llm").cli(["--output_dir", str(out), *RUN, "--max_steps", "4",
+                                            "--resume_from", "latest"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.strip() == (f"error: cannot resume from {four}: it was damaged after it was written (model.safetensors "
+                           "does not match the sha256 recorded when the checkpoint was written); resume from the "
+                           f"earlier intact checkpoint {two} instead (--resume_from {two})")
+
+    def never(*args, **kwargs):
+        raise AssertionError("a damaged checkpoint was read")
+
+    monkeypatch.setattr(resume, "load", never)
+    _overwrite(two / "model.safetensors", -4, b"\x00\x00\xc0\x7f")  # a float32 NaN in place of the last weight
+    with pytest.raises(ConfigError, match=rf"^cannot resume from {two}: .*model.safetensors does not match.*; "
+                                          "no earlier intact checkpoint is left; start over with "
+                                          "--overwrite_output_dir true$"):
+        run(out, "--max_steps", "4", "--resume_from", str(two))
+
+
+def test_a_checkpoint_from_before_checksums_is_checked_against_its_ledger_line(tmp_path, monkeypatch):
+    """Checkpoints written before sha256sums.json existed are checked against the ledger's checkpoint_sha256."""
+    from dpllm import checksums
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(checksums, "write", lambda directory: None)
+    run(out, "--max_steps", "2")
+    (out / "run_summary.json").unlink()
+    ckpt = out / "checkpoints" / "step-000002"
+    assert not checksums.has_sums(ckpt)
+    _overwrite(ckpt / "optimizer.pt", -8, b"\x00" * 8)
+    with pytest.raises(ConfigError, match=r"damaged after it was written \(its files do not match the "
+                                          r"checkpoint_sha256 of its line in privacy_ledger.jsonl\); no earlier"):
+        run(out, "--max_steps", "2", "--resume_from", "latest")
+
+
+def test_a_damaged_checkpoint_names_the_fix_a_dptrainer_user_types(tmp_path):
+    """Under DPTrainer the advice is its own argument, not the recipe's flag; a damaged earlier checkpoint is
+    skipped for the newest intact one."""
+    from dpllm import checksums, resume
+    from dpllm.config import TRAINER_OPTIONS
+
+    steps = [tmp_path / "checkpoints" / f"step-00000{i}" for i in (2, 4, 6)]
+    for ckpt in steps:
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text("{}")
+        (ckpt / "optimizer.pt").write_bytes(b"state")
+        checksums.write(ckpt)
+    (steps[2] / "optimizer.pt").unlink()
+    (steps[1] / "optimizer.pt").write_bytes(b"stale")
+    with pytest.raises(ConfigError) as err:
+        resume.check_intact(steps[2], tmp_path, names=TRAINER_OPTIONS)
+    assert str(err.value) == (f"cannot resume from {steps[2]}: it was damaged after it was written (optimizer.pt is "
+                              f"missing); resume from the earlier intact checkpoint {steps[0]} instead "
+                              f"(trainer.train(resume_from_checkpoint='{steps[0]}'))")

@@ -360,3 +360,20 @@ def test_user_level_chat_run(tmp_path):
     assert report["privacy_unit"] == "user" and report["user_level"]["num_users"] == len(splits["users"]["train"])
     assert splits["sft"]["format"] == "messages" and len(splits["train"]) == 2 * len(splits["users"]["train"])
     assert not (tmp_path / "users" / "generations.jsonl").exists()
+
+
+def test_held_out_prompts_and_references_stay_in_the_run_directory(tmp_path, caplog, capsys):
+    """Held-out prompts and reference answers are private records (issue 49, item 5): generations.jsonl holds
+    them, the console gets one [private] line naming the file and none of their text."""
+    from dpllm import rundir
+
+    model, tok = tiny_model()
+    held_out = {"prompt": "Patient 4711 reports chest pain since", "completion": " Tuesday; her ECG was normal."}
+    caplog.set_level(logging.DEBUG)
+    rundir.write_generations(tmp_path, model, tok, [json.dumps(held_out)])
+    shown = caplog.text + "".join(capsys.readouterr())
+    row = json.loads((tmp_path / "generations.jsonl").read_text())
+    assert row["prompt"] == held_out["prompt"] and row["reference"] == held_out["completion"]
+    assert "4711" not in shown and "ECG" not in shown
+    assert caplog.messages == [f"[private] greedy answers to 1 held-out prompt(s), beside their references: "
+                               f"{tmp_path / 'generations.jsonl'}"]

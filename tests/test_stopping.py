@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from dpllm import ledger
 from tests.helpers import load_recipe
 
@@ -110,3 +112,115 @@ def test_a_signal_started_ignored_stays_ignored():
         assert signal.getsignal(signal.SIGTERM) is term
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# A stand-in for accelerate's single-process launcher (accelerate/commands/launch.py, simple_launcher): Popen, wait,
+# nothing forwarded. Its command line names accelerate, as the real one's does.
+_LAUNCHER = "import subprocess, sys\np = subprocess.Popen([sys.executable, '-c', sys.argv[1]])\np.wait()\n"
+_WORKER = """
+import os, signal, sys, time
+from dpllm.stopping import StopRequests
+with StopRequests() as stops:
+    stops.defer_term = True  # as in the training loop: SIGTERM waits for the step boundary
+    print(os.getpid(), flush=True)
+    deadline = time.time() + 30
+    while stops.requested is None and time.time() < deadline:
+        time.sleep(0.01)
+print(signal.Signals(stops.requested).name if stops.requested else "not stopped", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_worker_started_alone_by_accelerate_stops_when_its_launcher_is_signalled(sig):
+    """accelerate's single-process launcher forwards no signal and dies of SIGTERM (or a traceback after SIGINT):
+    its worker gets a SIGTERM instead of training on as an orphan, whatever ended the launcher."""
+    env = {**os.environ, "ACCELERATE_MIXED_PRECISION": "no", "PYTHONPATH": ROOT}
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, _WORKER, "accelerate", "launch"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                preexec_fn=_default_signals, start_new_session=True)
+    try:
+        worker = int(launcher.stdout.readline())
+        launcher.send_signal(sig)
+        out, _ = launcher.communicate(timeout=60)  # EOF once the worker, too, has closed its end
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+    assert launcher.returncode != 0 and out.strip() == "SIGTERM", (worker, out)
+
+
+def test_only_a_worker_of_accelerates_single_process_launcher_follows_its_launcher(monkeypatch):
+    """A shell that exports accelerate's variables is no launcher (a run from it must not stop when the shell
+    ends), and torchrun's agent passes signals on itself: neither is followed."""
+    import dpllm.stopping as stopping
+
+    asked = []
+    monkeypatch.setattr(stopping, "_parent_death_signal", lambda signum: asked.append(signum) or True)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert not stopping.follow_launcher() and not asked  # this test's parent is no accelerate
+    monkeypatch.setattr(stopping, "_parent_is_accelerate_launch", lambda: True)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    assert not stopping.follow_launcher() and not asked
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert stopping.follow_launcher() and asked == [signal.SIGTERM]
+
+
+def test_sigterm_to_a_single_process_accelerate_launch_checkpoints_and_the_worker_exits_143(tmp_path):
+    """The README's command, `accelerate launch recipes/finetune_llm.py ...` (one process, no torchrun agent),
+    SIGTERM to the launcher only (as Kubernetes or `kill PID` sends it): the worker finishes its step, writes a
+    resumable checkpoint, prints one line and exits 143, instead of training on as an orphan."""
+    import ctypes
+
+    out = tmp_path / "run"
+    accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+    cmd = [accelerate, "launch", os.path.join(ROOT, "recipes", "finetune_llm.py"), *FAST, "--max_steps", "200",
+           "--log_every", "1", "--output_dir", str(out)]
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: the orphaned worker's exit status comes here
+    launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                preexec_fn=_default_signals, start_new_session=True)
+    try:
+        metrics, deadline = out / "metrics.jsonl", time.time() + 180  # a liveness guard for a loaded machine
+        while not (metrics.is_file() and '"split": "train"' in metrics.read_text()):
+            assert time.time() < deadline and launcher.poll() is None, "training never started"
+            time.sleep(0.1)
+        worker = int(open(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read().split()[0])
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=120)  # EOF once the worker has closed its end too
+        _, status = os.waitpid(worker, 0)
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
+        try:
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher's process group: an orphaned worker included
+        except ProcessLookupError:
+            pass
+    assert launcher.returncode == -signal.SIGTERM and os.waitstatus_to_exitcode(status) == 143, err[-3000:]
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM at step "), err[-3000:]
+    step = int(lines[0].split("at step ", 1)[1].split(" ", 1)[0])
+    ckpt = out / "checkpoints" / f"step-{step:06d}"
+    assert 0 < step < 200 and f"the last resumable checkpoint is {ckpt} (step {step})" in lines[0]
+    assert f"resume with: accelerate launch {cmd[2]} " in lines[0]  # read while the launcher was there
+    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == step
+    assert ledger.read(out)[-1]["checkpoint"] == f"checkpoints/step-{step:06d}"
+
+
+def test_a_worker_under_accelerate_launch_as_pid_1_warns_that_sigterm_cannot_reach_it(monkeypatch, caplog):
+    """In a container whose pid 1 is `accelerate launch` (one process), the kernel drops the SIGTERM that docker
+    stop or Kubernetes sends it: the worker says so at start, with what to run instead."""
+    import dpllm.stopping as stopping
+
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setattr(stopping, "_parent_death_signal", lambda signum: True)
+    monkeypatch.setattr(stopping, "_parent_is_accelerate_launch", lambda: True)
+    monkeypatch.setattr(stopping.os, "getppid", lambda: 1)
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        with stopping.StopRequests() as stops:
+            assert stops.requested is None
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert "accelerate launch runs as pid 1 with one process: it ignores SIGTERM" in caplog.text
+    assert "start one process as `python SCRIPT ...`" in caplog.text

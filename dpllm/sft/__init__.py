@@ -19,7 +19,7 @@ The map, in the order a run uses it; three modules, one per job, each with its o
       prepare_tokenizer   the chat template: ``data.chat_template``, else the tokenizer's own, else (the tiny
                           byte tokenizer only) :data:`SIMPLE_TEMPLATE`; none at all is a one-line error
       segments            a record → [(text, is_answer)], rendered by the template (messages) or concatenated
-      generate_answers    greedy answers to a few held-out prompts, printed and saved (``generations.jsonl``)
+      generate_answers    greedy answers to a few held-out prompts, saved (``generations.jsonl``, private)
     masking.py  masking to the answer
       encode              segments → input_ids and labels: -100 on every prompt token (``loss_on: answer``),
                           or on none (``loss_on: all``); truncated to ``max_length`` on the right
