@@ -15,6 +15,38 @@ from torch import nn
 from dpllm.errors import QLORA_EXTRA, ModelError
 
 
+def hide_unused_bitsandbytes(quantization: str, model_name_or_path: str) -> bool:
+    """Make bitsandbytes unimportable in this process when the run will not use it; True when hidden.
+
+    peft and transformers import bitsandbytes whenever it is installed, and it logs about its optional GPU kernels
+    on import: noise in every non-quantized run. A ``None`` entry in ``sys.modules`` makes ``import`` fail and
+    ``find_spec`` answer None, so they take their path for an environment without it. For a command's process
+    only (a recipe that runs one configuration), never a library call: it lasts as long as the process.
+
+    Args:
+        quantization: the run's ``model.quantization``.
+        model_name_or_path: the run's model; a run directory or checkpoint of a QLoRA run loads its base
+            quantized again (:func:`dpllm.checkpoint.load_model`), so bitsandbytes stays importable then.
+    """
+    import sys
+    from pathlib import Path
+
+    import yaml
+
+    if quantization not in (None, "none") or "bitsandbytes" in sys.modules:
+        return False
+    path = Path(str(model_name_or_path)).expanduser()
+    for cfg in (path / "dpllm_config.yaml", path / "checkpoint" / "dpllm_config.yaml"):
+        try:
+            if cfg.is_file() and ((yaml.safe_load(cfg.read_text()) or {}).get("model") or {}).get(
+                    "quantization") not in (None, "none"):
+                return False
+        except (OSError, yaml.YAMLError):
+            return False  # unreadable: leave the loader its own error
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    return True
+
+
 def _dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}[name]
 
