@@ -324,9 +324,9 @@ def recorded(report, *, where: str | Path = "the bundle") -> list[Item]:
 
     items = (report.release or {}).get("compliance")
     if not items:
-        raise ReportError(f"{where} is a release bundle exported before dpllm recorded its compliance checklist in "
-                          "it, and a bundle holds none of the checklist's evidence; check the private run directory "
-                          "it came from (dpllm report RUN_DIR --compliance) or export it again")
+        raise ReportError(f"{where} is a release bundle that recorded no compliance checklist (exported before dpllm "
+                          "recorded it, or a synthetic data release), and a bundle holds none of the checklist's "
+                          "evidence; check the private run directory it came from, or export it again")
     return [Item(it["name"], it["requirement"], it["status"], it["evidence"]) for it in items]
 
 

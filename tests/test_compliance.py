@@ -252,3 +252,17 @@ def test_bundle_files_are_readable_by_others(runs, tmp_path):
     assert set(modes.values()) == {oct(0o755), oct(0o644)} and modes["."] == oct(0o755), modes
     assert all(v == oct(0o755 if (bundle / k).is_dir() else 0o644) for k, v in modes.items()), modes
     assert (run / "checkpoint" / "adapter_config.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_bundle_without_a_recorded_checklist_is_one_line(runs, tmp_path, capsys):
+    from dpllm.export import export
+
+    one, _ = runs
+    bundle = export(one, tmp_path / "bundle")
+    path = bundle / "privacy_report.json"
+    data = json.loads(path.read_text())
+    del data["release"]["compliance"]  # as a bundle exported before the checklist was recorded
+    path.write_text(json.dumps(data))
+    assert compliance.cli_main([str(bundle), "--compliance"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "recorded no compliance checklist" in err and "export it again" in err
