@@ -93,9 +93,16 @@ def test_bitsandbytes_stays_for_a_run_that_quantizes_or_starts_from_a_qlora_run(
     qlora = tmp_path / "qlora_run" / "checkpoint"
     qlora.mkdir(parents=True)
     (qlora / "dpllm_config.yaml").write_text("model:\n  quantization: nf4\n")
+    prequantized = tmp_path / "prequantized"  # a model saved quantized: transformers needs bitsandbytes to load it
+    prequantized.mkdir()
+    (prequantized / "config.json").write_text('{"quantization_config": {"load_in_4bit": true}}')
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text('{"model_type": "llama"}')
+    cases = [("nf4", "tiny-llama"), ("none", str(qlora.parent)), ("none", str(qlora)), ("none", str(prequantized)),
+             ("none", "org/not-in-the-cache"), ("none", str(plain))]  # the last one alone is hidden
     code = ("import sys; from dpllm.quantization import hide_unused_bitsandbytes as h; "
-            f"print(h('nf4', 'tiny-llama'), h('none', {str(qlora.parent)!r}), h('none', {str(qlora)!r}), "
-            "h('none', 'tiny-llama'), sys.modules['bitsandbytes'])")
+            f"print(*(h(q, m) for q, m in {cases!r}), sys.modules['bitsandbytes'])")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=Path(__file__).resolve().parents[1])
-    assert r.stdout.split() == ["False", "False", "False", "True", "None"], r.stderr[-2000:]
+    assert r.stdout.split() == ["False"] * 5 + ["True", "None"], r.stderr[-2000:]
