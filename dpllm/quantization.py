@@ -15,7 +15,7 @@ from torch import nn
 from dpllm.errors import QLORA_EXTRA, ModelError
 
 
-def _known_unquantized(where: str) -> bool:
+def known_unquantized(where: str) -> bool:
     """Whether the model ``where`` names is known to load without bitsandbytes: a tiny model; a local directory
     (a run, its checkpoint, a model) whose ``dpllm_config.yaml`` and ``config.json`` say no quantization; a Hub id
     whose cached ``config.json`` has no ``quantization_config``. Unknown (a Hub id not cached yet, a file that
@@ -30,7 +30,8 @@ def _known_unquantized(where: str) -> bool:
     path = Path(str(where)).expanduser()
     try:
         if path.is_dir():
-            dirs = [d for d in (path, path / "checkpoint") if d.is_dir()]
+            dirs = [d for d in (path, path / "checkpoint", path / "base_model", path / "checkpoint" / "base_model")
+                    if d.is_dir()]
             runs = [d / "dpllm_config.yaml" for d in dirs if (d / "dpllm_config.yaml").is_file()]
             models = [d / "config.json" for d in dirs if (d / "config.json").is_file()]
             if not runs and not models:
@@ -58,13 +59,13 @@ def hide_unused_bitsandbytes(quantization: str, model_name_or_path: str) -> bool
     Args:
         quantization: the run's ``model.quantization``.
         model_name_or_path: the run's model; hidden only when it is known to load without bitsandbytes
-            (:func:`_known_unquantized`: not a QLoRA run's checkpoint, not a pre-quantized model).
+            (:func:`known_unquantized`: not a QLoRA run's checkpoint, not a pre-quantized model).
     """
     import sys
 
     if quantization not in (None, "none") or "bitsandbytes" in sys.modules:
         return False
-    if not _known_unquantized(str(model_name_or_path)):
+    if not known_unquantized(str(model_name_or_path)):
         return False
     sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
     return True

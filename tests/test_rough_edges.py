@@ -44,6 +44,7 @@ def tiny_run(tmp_path_factory):
                         "--output_dir", str(out)], capture_output=True, text=True, timeout=600,
                        cwd=Path(__file__).resolve().parents[1], env=env)
     assert "exit 0" in r.stdout, r.stderr[-3000:]
+    r.run_dir = out
     return r
 
 
@@ -106,3 +107,18 @@ def test_bitsandbytes_stays_for_a_run_that_quantizes_or_starts_from_a_qlora_run(
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                        cwd=Path(__file__).resolve().parents[1])
     assert r.stdout.split() == ["False"] * 5 + ["True", "None"], r.stderr[-2000:]
+
+
+def test_an_audit_of_a_non_quantized_run_never_imports_bitsandbytes(tiny_run, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import runpy, sys\nsys.argv = ['mia', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('mia', run_name='__main__')\n"
+            "except SystemExit as exit_:\n    print('exit', exit_.code, 'bitsandbytes imported:', "
+            "sys.modules.get('bitsandbytes') is not None)\n")
+    r = subprocess.run([sys.executable, "-c", code, "audit", "--checkpoint", str(tiny_run.run_dir), "--attacks", "loss",
+                        "--n-bootstrap", "20", "--no-progress", "--out", str(tmp_path / "audit")], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert "exit 0 bitsandbytes imported: False" in r.stdout, r.stderr[-3000:]
