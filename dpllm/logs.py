@@ -19,6 +19,19 @@ KNOWN_WARNINGS = (
 )
 
 
+# Deprecations inside third-party code that a user cannot act on (FutureWarning only, matched by message):
+KNOWN_DEPRECATIONS = (
+    ".*is_gradient_checkpointing.*is deprecated",  # transformers 5 renamed the property; peft reads the old name
+)
+
+
+def silence_known_deprecations() -> None:
+    """Hide :data:`KNOWN_DEPRECATIONS` for the rest of the process: for a command's entry point (a process of its
+    own), never a library call. Every other warning still shows."""
+    for message in KNOWN_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+
+
 @contextmanager
 def known_warnings_silenced() -> Iterator[None]:
     """Hide :data:`KNOWN_WARNINGS` inside the block; every other warning still shows."""

@@ -325,7 +325,12 @@ def main(argv: list[str] | None = None, *, command: bool = False) -> int:
     process-wide setting such as hiding an unused bitsandbytes is safe)."""
     args = build_parser().parse_args(argv)
     if command:
+        import warnings
+
         _hide_unused_bitsandbytes(args)
+        # transformers 5 renamed the property peft reads on every load (dpllm.logs.KNOWN_DEPRECATIONS, which the
+        # audits' layer does not import): nothing a user can act on
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
     try:
         return {"audit": cmd_audit, "canaries": cmd_canaries, "whitebox": cmd_whitebox,
                 "lira": cmd_lira}[args.command](args)

@@ -53,9 +53,11 @@ def main(argv: list[str] | None = None, *, command: bool = False) -> dict:
     cfg = parse_config(argv)  # options and config file checked ...
     check_paths(cfg)  # ... and data / model paths and output_dir: all before torch is imported
     if command:  # this process runs one configuration: bitsandbytes' import-time log is noise when it is unused
+        from dpllm.logs import silence_known_deprecations
         from dpllm.quantization import hide_unused_bitsandbytes
 
         hide_unused_bitsandbytes(cfg.model.quantization, cfg.model.model_name_or_path)
+        silence_known_deprecations()
     from dpllm.privacy.report import PrivacyReport
     from dpllm.train import train
 
