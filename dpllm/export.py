@@ -32,7 +32,10 @@ steps, and the model card says so.
 It refuses a run whose ledger does not verify, a run whose noise was not secret
 (``privacy.reproducible_noise: true``), and a non-private run unless ``--allow-non-private`` is given
 (the card then says plainly that there is no DP guarantee). Those checks are :func:`check_releasable`, which
-``dpllm synthesize`` (:mod:`dpllm.synthetic`) makes too.
+``dpllm synthesize`` (:mod:`dpllm.synthetic`) makes too. ``dpllm export`` also refuses a run with a compliance item
+not met (:mod:`dpllm.compliance`) unless ``--accept-unmet ITEM`` accepts each; the checklist it computes is recorded
+in the bundle (``release.compliance``) and rendered on the card, the one verdict ``dpllm report BUNDLE
+--compliance`` prints too.
 """
 
 from __future__ import annotations
@@ -464,7 +467,9 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
         raise ExportError(str(err)) from None
     released = release_report(report, declare_public=declare_public)
     items = compliance.check(run_dir, verified=verified)
-    refusal = None if accept_unmet is None else unmet_items(items, accept=accept_unmet)
+    # --allow-non-private already accepted the one item a run without DP cannot meet
+    accepted = [*(accept_unmet or ()), *(["differential_privacy"] if allow_non_private else [])]
+    refusal = None if accept_unmet is None else unmet_items(items, accept=accepted)
     if refusal:
         raise ExportError(f"refusing to export {run_dir}: {refusal}")
     # The one verdict the card and `dpllm report BUNDLE --compliance` both render (dpllm.compliance).
