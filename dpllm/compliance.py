@@ -30,6 +30,13 @@ mia_audit                   ``RUN/audit`` holds a membership audit (``python -m 
                             audit, if any, found no privacy bug
 ==========================  ==================================================================================
 
+**One verdict everywhere.** :func:`check` computes the checklist once, on the private run directory (given its
+``checkpoint/``, it checks the run directory that holds it). ``dpllm export`` records the public view of that result
+(:func:`public_items`) in the bundle's ``privacy_report.json`` (``release.compliance``, with the ledger's head hash),
+and both the bundle's model card and ``dpllm report BUNDLE --compliance`` render that record: a bundle holds none of
+the private evidence, so nothing is recomputed from it. A command an item recommends is written in backticks and
+names its real target, a run directory (a bundle's items recommend none).
+
 The release bundle's model card (:func:`public_table`) replaces the evidence of the items decided on private files
 (the ledger's contents, earlier stages' names and composition) by a pointer to the private run directory, and for
 the membership audit, whose verdict is a function of the members' scores, shows only that the final model was
@@ -67,6 +74,9 @@ class Item:
     public: tuple | None = field(default=None, repr=False, compare=False)
 
 
+# Every item, in the order check() returns them (the names --json prints and dpllm export --accept-unmet takes).
+ITEM_NAMES = ("differential_privacy", "epsilon_fixed", "single_epoch", "dp_gradient_checkpointing", "epsilon_logged",
+              "noise_secret", "sensitivity_tiers", "data_sovereignty", "mia_audit")
 # Items whose evidence is computed from private files; the model card shows their status only.
 PRIVATE_EVIDENCE = ("epsilon_logged", "sensitivity_tiers", "mia_audit")
 
@@ -184,12 +194,15 @@ def _audit(run_dir: Path, report) -> Item:
     found = [p for p in (audit / "mia_report.json", audit / "embedding_report.json") if p.is_file()]
     if not found:
         return Item("mia_audit", req, NOT_MET, f"{audit.name}/: no mia_report.json or embedding_report.json; run "
-                                               f"python -m mia audit --checkpoint {run_dir}")
+                                               f"`python -m mia audit --checkpoint {run_dir}`",
+                    public=(NOT_MET, "no membership audit of the final model was in the private run directory when "
+                                     "this bundle was exported"))
     ckpt = run_dir / "checkpoint"
     newest = max((p.stat().st_mtime for p in ckpt.rglob("*") if p.is_file()), default=0.0)
     stale = [p.name for p in found if p.stat().st_mtime < newest]
     if stale:
-        return Item("mia_audit", req, NOT_MET, f"audit/{stale[0]} is older than checkpoint/ (audit the final model)")
+        return Item("mia_audit", req, NOT_MET, f"audit/{stale[0]} is older than checkpoint/ (audit the final model: "
+                                               f"`python -m mia audit --checkpoint {run_dir}`)")
     attacks = {}
     for p in found:
         data = json.loads(p.read_text())
@@ -232,22 +245,36 @@ def _audit(run_dir: Path, report) -> Item:
                                   "is computed on the training records and stays there, its result included")))
 
 
+def run_dir_of(path: str | Path) -> Path:
+    """The run directory ``path`` names: itself, or the run holding it when it is a run's ``checkpoint/``."""
+    from dpllm import ledger
+
+    path = Path(path)
+    parent = path.parent
+    if path.name == "checkpoint" and (parent / ledger.LEDGER).is_file() and not (path / ledger.LEDGER).exists():
+        return parent
+    return path
+
+
 def check(run_dir: str | Path, *, verified=None) -> list[Item]:
-    """Every checklist item for a finished run directory.
+    """Every checklist item for a finished run directory, or the items a release bundle recorded (:func:`recorded`).
 
     Args:
-        run_dir: the run directory.
+        run_dir: the run directory (or its ``checkpoint/``), or a bundle ``dpllm export`` wrote.
         verified: its :func:`dpllm.ledger.verify` result when the caller has it (``dpllm export`` does);
             verified here otherwise.
 
     Raises:
-        dpllm.privacy.report.ReportError: no readable privacy report (not a finished dpllm run).
+        dpllm.privacy.report.ReportError: no readable privacy report (not a finished dpllm run), or a bundle that
+            recorded no checklist.
     """
     from dpllm import ledger
     from dpllm.privacy.report import PrivacyReport
 
-    run_dir = Path(run_dir)
+    run_dir = run_dir_of(run_dir)
     report = PrivacyReport.read(run_dir)
+    if report.release is not None:
+        return recorded(report, where=run_dir)
     try:
         entries = ledger.read(run_dir)
     except ledger.LedgerError:
@@ -273,13 +300,34 @@ def format_table(items: list[Item]) -> str:
     return "\n".join(lines)
 
 
+def public_items(items: list[Item]) -> list[Item]:
+    """The items as a release shows them: the evidence of :data:`PRIVATE_EVIDENCE` items replaced, and an item's
+    :attr:`Item.public` view (status and evidence) where its status itself is private (the audit's result). No
+    evidence names a command: the bundle's reader has no run directory to run it on."""
+    return [Item(it.name, it.requirement, *it.public) if it.public else
+            Item(it.name, it.requirement, it.status, "checked on the private run directory when this bundle was "
+                 "exported") if it.name in PRIVATE_EVIDENCE else it for it in items]
+
+
 def public_table(items: list[Item]) -> str:
-    """:func:`format_table` with the evidence of :data:`PRIVATE_EVIDENCE` items replaced (for a release), and an
-    item's :attr:`Item.public` view (status and evidence) where its status itself is private (the audit's result)."""
-    shown = [Item(it.name, it.requirement, *it.public) if it.public else
-             Item(it.name, it.requirement, it.status, "checked on the private run directory (dpllm report "
-                  "--compliance)") if it.name in PRIVATE_EVIDENCE else it for it in items]
-    return format_table(shown)
+    """:func:`format_table` of :func:`public_items` (for a release)."""
+    return format_table(public_items(items))
+
+
+def recorded(report, *, where: str | Path = "the bundle") -> list[Item]:
+    """The checklist a release bundle's report recorded at export (``release.compliance``), as :class:`Item` s.
+
+    Raises:
+        dpllm.privacy.report.ReportError: the bundle recorded none (exported before dpllm recorded it).
+    """
+    from dpllm.privacy.report import ReportError
+
+    items = (report.release or {}).get("compliance")
+    if not items:
+        raise ReportError(f"{where} is a release bundle that recorded no compliance checklist (exported before dpllm "
+                          "recorded it, or a synthetic data release), and a bundle holds none of the checklist's "
+                          "evidence; check the private run directory it came from, or export it again")
+    return [Item(it["name"], it["requirement"], it["status"], it["evidence"]) for it in items]
 
 
 def to_json(items: list[Item]) -> list[dict]:
@@ -333,11 +381,19 @@ def cli_main(argv: list[str]) -> int:
         print(f"dpllm report: {err}", file=sys.stderr)
         return 1
     if "--compliance" in flags:
-        items = check(paths[0])
+        try:
+            items = check(paths[0])
+        except ReportError as err:
+            print(f"dpllm report: {err}", file=sys.stderr)
+            return 1
         if "--json" in flags:
             print(json.dumps(to_json(items), indent=2))
         else:
-            print(f"Compliance checklist for {paths[0]} ({report.summary()})\n")
+            release = report.release
+            print(f"Compliance checklist for {paths[0]} ({report.summary()})"
+                  + ("" if release is None else ", as dpllm export recorded it from the private run directory"
+                     + (f"; privacy ledger head {release['ledger_head']}" if release.get("ledger_head") else ""))
+                  + "\n")
             print(format_table(items))
         return 1 if any(it.status == NOT_MET for it in items) else 0
     print(report.summary())

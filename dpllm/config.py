@@ -235,8 +235,51 @@ def _field_owner() -> dict[str, str]:
     return owner
 
 
+def did_you_mean(name: str, known, *, prefix: str = "") -> str:
+    """``"; did you mean PREFIXclose?"`` for the known name closest to a mistyped ``name`` (difflib), else ``""``."""
+    import difflib
+
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
+
+
+_BOOL_WORDS = ("true", "false", "yes", "no", "t", "f", "y", "n", "1", "0")  # HfArgumentParser's string_to_bool
+
+
+def _type_problem(value: Any, hint: Any) -> Optional[str]:
+    """Why a YAML value cannot be the option's type (the parser would refuse it naming the command-line flag,
+    after 60 lines of usage), or None."""
+    import typing
+
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    kind = next((a for a in args if a is not type(None)), hint) if args else hint
+    if value is None:
+        return None if optional else f"expected {kind.__name__}, got null"
+    ok = {bool: lambda v: isinstance(v, bool) or (isinstance(v, str) and v.lower() in _BOOL_WORDS),
+          int: lambda v: (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+          or (isinstance(v, str) and _parses(int, v)),
+          float: lambda v: (isinstance(v, (int, float)) and not isinstance(v, bool))
+          or (isinstance(v, str) and _parses(float, v)),
+          str: lambda v: isinstance(v, (str, int, float)) and not isinstance(v, bool)}.get(kind)
+    if ok is None or ok(value):
+        return None
+    return f"expected {kind.__name__}, got {value!r}"
+
+
+def _parses(kind: type, text: str) -> bool:
+    try:
+        kind(text)
+    except ValueError:
+        return False
+    return True
+
+
 def flatten_yaml(data: dict, *, source: str = "config") -> dict[str, Any]:
-    """Flatten a sectioned (or flat) YAML mapping to option names, refusing unknown keys."""
+    """Flatten a sectioned (or flat) YAML mapping to option names, refusing unknown keys (with the closest known
+    one) and values of the wrong type (``file.yaml: data.max_length: expected int, got 'long'``)."""
+    import typing
+
     owner = _field_owner()
     flat: dict[str, Any] = {}
     for key, value in (data or {}).items():
@@ -245,15 +288,22 @@ def flatten_yaml(data: dict, *, source: str = "config") -> dict[str, Any]:
                 raise ConfigError(f"{source}: section '{key}' must be a mapping, got {value!r}")
             for sub, sub_value in value.items():
                 if owner.get(sub) != key:
-                    hint = f" (it belongs in section '{owner[sub]}')" if sub in owner else ""
+                    hint = (f" (it belongs in section '{owner[sub]}')" if sub in owner else
+                            did_you_mean(str(sub), [k for k, o in owner.items() if o == key], prefix=f"{key}.")
+                            or did_you_mean(str(sub), owner))
                     raise ConfigError(f"{source}: unknown key '{key}.{sub}'{hint}")
                 flat[sub] = sub_value
         elif key in owner:
             flat[key] = value
         else:
             raise ConfigError(
-                f"{source}: unknown key '{key}'; sections are {', '.join(SECTIONS)} and options are listed by --help"
+                f"{source}: unknown key '{key}'{did_you_mean(str(key), [*SECTIONS, *owner])}; sections are "
+                f"{', '.join(SECTIONS)} and options are listed by --help"
             )
+    for name, value in flat.items():
+        problem = _type_problem(value, typing.get_type_hints(SECTIONS[owner[name]])[name])
+        if problem:
+            raise ConfigError(f"{source}: {owner[name]}.{name}: {problem}")
     return flat
 
 
@@ -311,6 +361,11 @@ def parse_config(argv: Optional[list[str]] = None) -> RunConfig:
         defaults = flatten_yaml(yaml.safe_load(path.read_text()) or {}, source=str(path))
     argv = _undot(argv)
     parser = build_parser(defaults)
+    known = parser._option_string_actions  # every flag, --no_X of a boolean included
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag.startswith("--") and len(flag) > 2 and flag not in known:
+            raise ConfigError(f"unknown option {flag}{did_you_mean(flag, known)}; options are listed by --help")
     try:
         parsed = parser.parse_args_into_dataclasses(args=argv)
     except ValueError as err:  # HfArgumentParser's "arguments are not used" message
@@ -351,7 +406,8 @@ def _undot(argv: list[str]) -> list[str]:
             name, _, rest = arg[2:].partition("=")
             section, _, key = name.partition(".")
             if owner.get(key) != section:
-                raise ConfigError(f"unknown option --{name}; options are listed by --help")
+                near = did_you_mean(name, [f"{o}.{k}" for k, o in owner.items()], prefix="--")
+                raise ConfigError(f"unknown option --{name}{near}; options are listed by --help")
             arg = f"--{key}" + (f"={rest}" if rest else "")
         out.append(arg)
     return out

@@ -32,7 +32,10 @@ steps, and the model card says so.
 It refuses a run whose ledger does not verify, a run whose noise was not secret
 (``privacy.reproducible_noise: true``), and a non-private run unless ``--allow-non-private`` is given
 (the card then says plainly that there is no DP guarantee). Those checks are :func:`check_releasable`, which
-``dpllm synthesize`` (:mod:`dpllm.synthetic`) makes too.
+``dpllm synthesize`` (:mod:`dpllm.synthetic`) makes too. ``dpllm export`` also refuses a run with a compliance item
+not met (:mod:`dpllm.compliance`) unless ``--accept-unmet ITEM`` accepts each; the checklist it computes is recorded
+in the bundle (``release.compliance``) and rendered on the card, the one verdict ``dpllm report BUNDLE
+--compliance`` prints too.
 """
 
 from __future__ import annotations
@@ -166,17 +169,61 @@ def declared_record_kind(run_dir: Path) -> str | None:
     return kind if kind in ("messages", "prompt_completion", "text") else None
 
 
-def compliance_section(run_dir: Path, *, verified=None) -> str:
+def published_head(run_dir: Path, verified) -> str | None:
+    """The ledger's head hash for the card, or None when publishing it could tell something about the records.
+
+    Every line hashes private facts (counts, content digests of checkpoints holding the private report), some of
+    them guessable by an attacker who knows all records but one; a chain whose first line holds a secret random
+    ``salt`` (:func:`dpllm.ledger.append`, since issue 49) makes every hash after it a hiding commitment, so only
+    such a head is published.
+    """
+    from dpllm import ledger
+
+    entries = ledger.read(run_dir)
+    return verified.head if verified.ok and entries and entries[0].get("salt") else None
+
+
+def compliance_section(source, *, verified=None) -> str:
     """The model card's compliance checklist (:mod:`dpllm.compliance`): every item's status; the evidence only where
-    it is a public parameter (items decided on private files say so instead)."""
+    it is a public parameter (items decided on private files say so instead).
+
+    Args:
+        source: the released report (:func:`release_report` with ``release.compliance`` recorded by
+            :func:`export`), rendered as recorded (what ``dpllm report BUNDLE --compliance`` prints); or a run
+            directory, checked here.
+        verified: with a run directory, its :func:`dpllm.ledger.verify` result when the caller has it.
+    """
     from dpllm import compliance
 
-    items = compliance.check(run_dir, verified=verified)
+    if isinstance(source, PrivacyReport):
+        items, release = compliance.recorded(source), source.release or {}
+    else:
+        items, release = compliance.public_items(compliance.check(source, verified=verified)), {}
+    unmet = [it.name for it in items if it.status == compliance.NOT_MET]
+    head = release.get("ledger_head")
     return ("\n## Compliance checklist\n\nChecked by `dpllm report --compliance` on the private run directory when "
             "this bundle was exported. The status of the items decided on private files (the ledger, earlier stages) "
             "is one bit each about the private run, released by the publisher's choice; the membership audit's result "
             "is computed on the training records and is not released, only that the final model was audited.\n\n"
-            + compliance.public_table(items) + "\n")
+            + compliance.format_table(items) + "\n"
+            + (f"\nNot met when this bundle was exported, released by the publisher's choice: {', '.join(unmet)}.\n"
+               if unmet else "")
+            + ("" if not release else
+               f"\nPrivacy ledger head (the hash of the ledger's last line; keep it with this release record): "
+               f"`{head}`.\n" if head else "\nPrivacy ledger head: not published (this run's ledger has no secret "
+               "salt, so its hashes could be tested against guesses about the records).\n"))
+
+
+def unmet_items(items, *, accept: Sequence[str]) -> str | None:
+    """The refusal for checklist items not met and not in ``accept`` (``--accept-unmet``), or None."""
+    from dpllm import compliance
+
+    unmet = [it for it in items if it.status == compliance.NOT_MET and it.name not in accept]
+    if not unmet:
+        return None
+    return ("compliance item(s) not met: " + "; ".join(f"{it.name} ({it.evidence})" for it in unmet)
+            + ". Fix them, or pass " + " ".join(f"--accept-unmet {it.name}" for it in unmet)
+            + " to release anyway (the model card then lists them as not met)")
 
 
 def record_unit(report: PrivacyReport, record_kind: str | None = None) -> str:
@@ -406,7 +453,7 @@ def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, wh
 
 def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = False,
            declare_public: Sequence[str] = (), base_model: Optional[str] = None,
-           license: Optional[str] = None) -> Path:
+           license: Optional[str] = None, accept_unmet: Optional[Sequence[str]] = None) -> Path:
     """Write the release bundle of ``run_dir`` to ``out`` (atomically).
 
     Args:
@@ -417,13 +464,16 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
         base_model: the base model's public Hub id, for the card's metadata when the run loaded it from a local
             path (:func:`dpllm.hub.public_base_model`; a Hub id the run loaded is named without it).
         license: the card's ``license`` (a Hub license id such as ``apache-2.0``); none when not given.
+        accept_unmet: the compliance items (:mod:`dpllm.compliance` names) the publisher releases unmet; any
+            other item not met is refused (``dpllm export`` passes ``--accept-unmet``). None: no refusal (the
+            card lists every item not met either way).
 
     Raises:
         ExportError: no finished run, a ledger that fails to verify, seeded noise, a non-private run
-            (without ``allow_non_private``), an unknown fact, a base model given as a path, or an ``out`` that
-            is not empty or lies inside the run directory.
+            (without ``allow_non_private``), an unknown fact, a base model given as a path, an ``out`` that
+            is not empty or lies inside the run directory, or a compliance item not met and not accepted.
     """
-    from dpllm import hub
+    from dpllm import compliance, hub
 
     run_dir, out = Path(run_dir), Path(out)
     ckpt = run_dir / "checkpoint"
@@ -440,21 +490,32 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
     except hub.PushError as err:
         raise ExportError(str(err)) from None
     released = release_report(report, declare_public=declare_public)
+    items = compliance.check(run_dir, verified=verified)
+    # --allow-non-private already accepted the one item a run without DP cannot meet
+    accepted = [*(accept_unmet or ()), *(["differential_privacy"] if allow_non_private else [])]
+    refusal = None if accept_unmet is None else unmet_items(items, accept=accepted)
+    if refusal:
+        raise ExportError(f"refusing to export {run_dir}: {refusal}")
+    # The one verdict the card and `dpllm report BUNDLE --compliance` both render (dpllm.compliance).
+    released.release.update(compliance=compliance.to_json(compliance.public_items(items)),
+                            ledger_head=published_head(run_dir, verified))
     lora = (ckpt / "adapter_config.json").is_file()
     has_base = (ckpt / "base_model").is_dir()
     with atomic_directory(out) as tmp:
+        # copyfile, not copy2: a file gets the mode of any file written under the umask (0644 under 022) rather
+        # than the owner-only mode of the private run it came from; a release is for others to read.
         for f in _released_files(ckpt):
-            shutil.copy2(f, tmp / f.name)
+            shutil.copyfile(f, tmp / f.name)
         if lora:
             _strip_local_base(tmp / "adapter_config.json")
         if has_base:
             (tmp / "base_model").mkdir()
             for f in _released_files(ckpt / "base_model"):
-                shutil.copy2(f, tmp / "base_model" / f.name)
+                shutil.copyfile(f, tmp / "base_model" / f.name)
         released.write(tmp / "privacy_report.json")
         body = (model_card(released, lora=lora, has_base=has_base, record_kind=declared_record_kind(run_dir))
                 + qlora_section(released, ckpt, has_base=has_base)
-                + compliance_section(run_dir, verified=verified))
+                + compliance_section(released))
         meta = hub.model_card_data(released, lora=lora, base_model=base_name, license=license)
         write_text_atomic(tmp / "README.md", hub.card_text(meta, body))
     return out
@@ -462,6 +523,8 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
 
 def cli_main(argv: list[str]) -> int:
     """``dpllm export RUN_DIR --out DIR [--allow-non-private] [--declare-public FACT ...]``; 0, or 1 when refused."""
+    from dpllm import compliance
+
     ap = argparse.ArgumentParser(prog="dpllm export", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="a finished dpllm run directory")
     ap.add_argument("--out", required=True, help="new directory for the release bundle")
@@ -478,6 +541,10 @@ def cli_main(argv: list[str]) -> int:
                     help="after exporting, upload exactly the bundle to this Hugging Face Hub model repository "
                          "(needs HF_TOKEN or `hf auth login`)")
     ap.add_argument("--private", action="store_true", help="with --push-to-hub: create the repository private")
+    ap.add_argument("--accept-unmet", action="append", default=[], metavar="ITEM", choices=compliance.ITEM_NAMES,
+                    help="release although this compliance item (a name `dpllm report RUN_DIR --compliance --json` "
+                         "prints, e.g. mia_audit) is not met (repeatable); without it export refuses a run with an "
+                         "item not met. The model card lists the items not met either way")
     try:
         args = ap.parse_args(argv)
     except SystemExit as exit_:
@@ -491,11 +558,16 @@ def cli_main(argv: list[str]) -> int:
         if args.push_to_hub:  # before anything is written: a missing token is fixed and the command rerun as is
             hub.require_token()
         path = export(args.run_dir, args.out, allow_non_private=args.allow_non_private,
-                      declare_public=args.declare_public, base_model=args.base_model, license=args.license)
+                      declare_public=args.declare_public, base_model=args.base_model, license=args.license,
+                      accept_unmet=args.accept_unmet)
     except (ExportError, hub.PushError) as err:
         print(f"dpllm export: {err}", file=sys.stderr)
         return 1
     print(f"exported {args.run_dir} -> {path}: " + ", ".join(sorted(p.name for p in path.iterdir())))
+    accepted = [it.name for it in compliance.recorded(PrivacyReport.read(path)) if it.status == compliance.NOT_MET]
+    if accepted:
+        print(f"dpllm export: released with compliance item(s) not met (--accept-unmet): {', '.join(accepted)}; "
+              "the model card lists them", file=sys.stderr)
     if args.push_to_hub:
         try:
             pushed = hub.push_folder(path, args.push_to_hub, private=args.private, repo_type="model",

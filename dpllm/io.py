@@ -183,7 +183,9 @@ def read_jsonl(path: str | Path, *, skip_blank: bool = True) -> list[dict]:
             try:
                 row = json.loads(text)
             except json.JSONDecodeError as err:
-                raise JsonlError(f"{path}:{i}: not valid JSON ({err.msg} at column {err.colno})") from None
+                # json's "Unterminated string starting at" already ends with "at"
+                where = "column" if err.msg.endswith(" at") else "at column"
+                raise JsonlError(f"{path}:{i}: not valid JSON ({err.msg} {where} {err.colno})") from None
             if not isinstance(row, dict):
                 raise JsonlError(f"{path}:{i}: expected a JSON object, got {type(row).__name__}")
             rows.append(row)

@@ -26,6 +26,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -125,6 +126,8 @@ def append(run_dir: str | Path, *, kind: str, step: int, privacy: dict, checkpoi
     entry["checkpoint"] = checkpoint
     entry["checkpoint_sha256"] = dir_sha256(run_dir / checkpoint) if checkpoint else None
     entry.update(extra)
+    if kind == "stage":  # a secret the chain hashes first: its hashes then commit to the lines without revealing
+        entry["salt"] = secrets.token_hex(32)  # them, so a release may publish the head (dpllm.export)
     entry["time"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     entry["prev_hash"] = entries[-1]["hash"] if entries else GENESIS
     entry["hash"] = line_hash(entry)

@@ -15,6 +15,62 @@ from torch import nn
 from dpllm.errors import QLORA_EXTRA, ModelError
 
 
+def known_unquantized(where: str) -> bool:
+    """Whether the model ``where`` names is known to load without bitsandbytes: a tiny model; a local directory
+    (a run, its checkpoint, a model) whose ``dpllm_config.yaml`` and ``config.json`` say no quantization; a Hub id
+    whose cached ``config.json`` has no ``quantization_config``. Unknown (a Hub id not cached yet, a file that
+    cannot be read) is False."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    if where in ("tiny-llama", "tiny-gpt2"):  # dpllm.models.TINY_MODELS, built from a config (a layer above)
+        return True
+    path = Path(str(where)).expanduser()
+    try:
+        if path.is_dir():
+            dirs = [d for d in (path, path / "checkpoint", path / "base_model", path / "checkpoint" / "base_model")
+                    if d.is_dir()]
+            runs = [d / "dpllm_config.yaml" for d in dirs if (d / "dpllm_config.yaml").is_file()]
+            models = [d / "config.json" for d in dirs if (d / "config.json").is_file()]
+            if not runs and not models:
+                return False
+            if any(((yaml.safe_load(f.read_text()) or {}).get("model") or {}).get("quantization") not in (None, "none")
+                   for f in runs):
+                return False  # a QLoRA run: its base is loaded quantized again (dpllm.checkpoint.load_model)
+            return not any("quantization_config" in json.loads(f.read_text()) for f in models)
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(str(where), "config.json")
+        return isinstance(cached, str) and "quantization_config" not in json.loads(Path(cached).read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+
+
+def hide_unused_bitsandbytes(quantization: str, model_name_or_path: str) -> bool:
+    """Make bitsandbytes unimportable in this process when the run will not use it; True when hidden.
+
+    peft and transformers import bitsandbytes whenever it is installed, and it logs about its optional GPU kernels
+    on import: noise in every non-quantized run. A ``None`` entry in ``sys.modules`` makes ``import`` fail and
+    ``find_spec`` answer None, so they take their path for an environment without it. For a command's process
+    only (a recipe that runs one configuration), never a library call: it lasts as long as the process.
+
+    Args:
+        quantization: the run's ``model.quantization``.
+        model_name_or_path: the run's model; hidden only when it is known to load without bitsandbytes
+            (:func:`known_unquantized`: not a QLoRA run's checkpoint, not a pre-quantized model).
+    """
+    import sys
+
+    if quantization not in (None, "none") or "bitsandbytes" in sys.modules:
+        return False
+    if not known_unquantized(str(model_name_or_path)):
+        return False
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
+    return True
+
+
 def _dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}[name]
 

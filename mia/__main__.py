@@ -310,9 +310,29 @@ def cmd_lira(args) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code."""
+def _hide_unused_bitsandbytes(args) -> None:
+    """No bitsandbytes import (peft's, and the log bitsandbytes prints on it) when every model the command loads
+    is known to load without it (:func:`dpllm.quantization.known_unquantized`; whitebox trains a tiny model)."""
+    from dpllm.quantization import hide_unused_bitsandbytes, known_unquantized
+
+    models = [getattr(args, "checkpoint", None) or getattr(args, "run", None) or "tiny-llama"]
+    if getattr(args, "reference", None) not in (None, "base"):
+        models.append(args.reference)
+    if all(known_unquantized(str(m)) for m in models):
+        hide_unused_bitsandbytes("none", "tiny-llama")
+
+
+def main(argv: list[str] | None = None, *, command: bool = False) -> int:
+    """Entry point; returns the exit code. ``command``: run as ``python -m mia`` (a process of its own, where a
+    process-wide setting such as hiding an unused bitsandbytes is safe)."""
     args = build_parser().parse_args(argv)
+    if command:
+        import warnings
+
+        _hide_unused_bitsandbytes(args)
+        # transformers 5 renamed the property peft reads on every load (dpllm.logs.KNOWN_DEPRECATIONS, which the
+        # audits' layer does not import): nothing a user can act on
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
     try:
         return {"audit": cmd_audit, "canaries": cmd_canaries, "whitebox": cmd_whitebox,
                 "lira": cmd_lira}[args.command](args)
@@ -322,4 +342,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(command=True))

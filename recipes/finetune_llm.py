@@ -45,12 +45,19 @@ from dpllm.logs import setup_logging
 from dpllm.stopping import EXIT_CODES, follow_launcher, program_of
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, command: bool = False) -> dict:
     """Train as configured; print the privacy report and where the (private) held-out loss is. Returns the run
-    summary."""
+    summary. ``command``: run as ``python recipes/finetune_llm.py`` (a process of its own, so process-wide settings
+    such as :func:`dpllm.quantization.hide_unused_bitsandbytes` are safe; never in a caller's process)."""
     setup_logging()
     cfg = parse_config(argv)  # options and config file checked ...
     check_paths(cfg)  # ... and data / model paths and output_dir: all before torch is imported
+    if command:  # this process runs one configuration: bitsandbytes' import-time log is noise when it is unused
+        from dpllm.logs import silence_known_deprecations
+        from dpllm.quantization import hide_unused_bitsandbytes
+
+        hide_unused_bitsandbytes(cfg.model.quantization, cfg.model.model_name_or_path)
+        silence_known_deprecations()
     from dpllm.privacy.report import PrivacyReport
     from dpllm.train import train
 
@@ -80,13 +87,13 @@ def interrupted(err: KeyboardInterrupt, argv: list[str], program: str) -> None:
     print(f"error: {interrupted_message(err, program=program, argv=argv)}", file=sys.stderr)
 
 
-def cli(argv: list[str] | None = None) -> int:
+def cli(argv: list[str] | None = None, *, command: bool = False) -> int:
     """``main`` with the exit codes of a command: 0 done, 2 bad input (one line saying what to change), 1 failed,
     130 interrupted by Ctrl-C, 143 stopped by SIGTERM (a scheduler's preemption: a resumable checkpoint is written
     at the end of the current step); both print one line saying where to resume from."""
     program = program_of(sys.argv[0])  # now: a launcher that is signalled ends before its worker (dpllm.stopping)
     try:
-        main(argv)
+        main(argv, command=command)
     except KeyboardInterrupt as err:
         interrupted(err, list(sys.argv[1:] if argv is None else argv), program)
         return EXIT_CODES.get(getattr(err, "signal", None), 130)
@@ -115,4 +122,4 @@ def finish(code: int) -> int:
 
 if __name__ == "__main__":
     follow_launcher()  # one process under `accelerate launch`: stop when the launcher ends (dpllm.stopping)
-    sys.exit(finish(cli()))
+    sys.exit(finish(cli(command=True)))

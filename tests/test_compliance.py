@@ -151,3 +151,118 @@ def test_export_puts_the_checklist_in_the_model_card(runs, tmp_path):
     card = (export(one, tmp_path / "bundle") / "README.md").read_text()
     assert "## Compliance checklist" in card and "| single-epoch training" in card
     assert "checked on the private run directory" in card and "privacy_ledger.jsonl: verifies" not in card
+
+
+def _commands(text: str) -> list[list[str]]:
+    """Every command ``text`` recommends: each backticked span that starts with ``python -m mia`` or ``dpllm``."""
+    import re
+    import shlex
+
+    found = [shlex.split(c) for c in re.findall(r"`((?:python -m mia|dpllm) [^`]*)`", text)]
+    # An unquoted mention would be a command this test cannot tell from prose: every mia command is backticked.
+    assert text.count("python -m mia") == sum(c[:3] == ["python", "-m", "mia"] for c in found), text
+    return found
+
+
+def _check_command(cmd: list[str]) -> None:
+    """Parse ``cmd`` with the real parser of the command it names and check its target is of the kind it takes."""
+    from mia.__main__ import build_parser
+    from mia.audit import is_run_dir
+
+    if cmd[:3] == ["python", "-m", "mia"]:
+        args = build_parser().parse_args(cmd[3:])
+        assert args.command == "audit" and (is_run_dir(args.checkpoint) or (args.members and args.nonmembers)), cmd
+    else:
+        assert cmd[:2] == ["dpllm", "report"], cmd
+        args = compliance._report_parser().parse_args(cmd[2:])
+        assert (Path(args.run_dir) / "privacy_report.json").is_file(), cmd
+
+
+def _report(target, *flags, capsys):
+    code = compliance.cli_main([str(target), "--compliance", *flags])
+    out = capsys.readouterr().out
+    return code, out
+
+
+def _card_statuses(card: str) -> dict:
+    table = card.split("## Compliance checklist", 1)[1]
+    rows = [r.split(" | ") for r in table.splitlines() if r.startswith("| ") and not r.startswith("| item")]
+    return {r[0].strip("| "): r[1].strip("*") for r in rows}
+
+
+def test_bundle_card_and_report_agree_and_every_recommended_command_runs(runs, tmp_path, capsys):
+    from dpllm import ledger
+    from dpllm.export import export
+
+    one, _ = runs
+    bundle = export(one, tmp_path / "bundle")
+    card = (bundle / "README.md").read_text()
+    code, out = _report(bundle, "--json", capsys=capsys)
+    items = json.loads(out)
+    assert [i["name"] for i in items] == list(compliance.ITEM_NAMES)
+    # One verdict: the card's table and `dpllm report BUNDLE --compliance` agree item by item.
+    assert _card_statuses(card) == {i["requirement"]: i["status"] for i in items}
+    assert code == 1 and [i["name"] for i in items if i["status"] == compliance.NOT_MET] == ["mia_audit"]
+    assert {i["name"]: i["status"] for i in items}["epsilon_logged"] == compliance.MET
+    code, text = _report(bundle, capsys=capsys)
+    assert compliance.format_table(compliance.check(bundle)) in card  # the very table the card renders
+    # The ledger head the docs tell users to record is on the card (and in the report), from a salted chain.
+    head = ledger.head(one)
+    assert ledger.read(one)[0]["salt"] and f"`{head}`" in card and f"privacy ledger head {head}" in text
+    # Every command either output recommends is valid for its input: the audit names the run directory.
+    for target in (one, one / "checkpoint", bundle):
+        _, text = _report(target, capsys=capsys)
+        for cmd in _commands(text):
+            _check_command(cmd)
+    _, text = _report(one, capsys=capsys)
+    assert _commands(text) == [["python", "-m", "mia", "audit", "--checkpoint", str(one)]]
+    # A run's checkpoint/ is checked as the run it belongs to.
+    assert _status(one / "checkpoint") == _status(one)
+
+
+def test_export_refuses_unmet_items_unless_accepted(runs, tmp_path, capsys):
+    from dpllm.cli import main as dpllm_main
+
+    one, _ = runs
+    assert dpllm_main(["export", str(one), "--out", str(tmp_path / "b")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "mia_audit" in err and "--accept-unmet mia_audit" in err
+    assert f"`python -m mia audit --checkpoint {one}`" in err and not (tmp_path / "b").exists()
+    assert dpllm_main(["export", str(one), "--out", str(tmp_path / "b"), "--accept-unmet", "mia_audit"]) == 0
+    assert "not met (--accept-unmet): mia_audit" in capsys.readouterr().err
+    card = (tmp_path / "b" / "README.md").read_text()
+    assert "Not met when this bundle was exported, released by the publisher's choice: mia_audit." in card
+    assert dpllm_main(["export", str(one), "--out", str(tmp_path / "c"), "--accept-unmet", "mia_audti"]) == 2
+
+
+def test_bundle_files_are_readable_by_others(runs, tmp_path):
+    from dpllm.export import export
+
+    one, _ = runs
+    run = tmp_path / "run"
+    shutil.copytree(one, run)
+    for p in (run / "checkpoint").rglob("*"):
+        os.chmod(p, 0o700 if p.is_dir() else 0o600)  # an owner-only run directory stays so; its release does not
+    old = os.umask(0o022)
+    try:
+        bundle = export(run, tmp_path / "bundle")
+    finally:
+        os.umask(old)
+    modes = {p.relative_to(bundle).as_posix(): oct(p.stat().st_mode & 0o777) for p in [bundle, *bundle.rglob("*")]}
+    assert set(modes.values()) == {oct(0o755), oct(0o644)} and modes["."] == oct(0o755), modes
+    assert all(v == oct(0o755 if (bundle / k).is_dir() else 0o644) for k, v in modes.items()), modes
+    assert (run / "checkpoint" / "adapter_config.json").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_bundle_without_a_recorded_checklist_is_one_line(runs, tmp_path, capsys):
+    from dpllm.export import export
+
+    one, _ = runs
+    bundle = export(one, tmp_path / "bundle")
+    path = bundle / "privacy_report.json"
+    data = json.loads(path.read_text())
+    del data["release"]["compliance"]  # as a bundle exported before the checklist was recorded
+    path.write_text(json.dumps(data))
+    assert compliance.cli_main([str(bundle), "--compliance"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "recorded no compliance checklist" in err and "export it again" in err

@@ -107,3 +107,39 @@ def test_round_trip_through_saved_yaml():
     cfg = parse_config(["--max_steps", "5", "--lora_r", "4"])
     again = config_from_dict(yaml.safe_load(cfg.to_yaml()))
     assert again == cfg
+
+
+def test_a_yaml_type_error_is_one_line_naming_the_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  max_length: long\n")
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--config", str(path)])
+    assert str(err.value) == f"{path}: data.max_length: expected int, got 'long'"
+    path.write_text("train:\n  learning_rate: [1]\n")
+    with pytest.raises(ConfigError, match=r"train.learning_rate: expected float, got \[1\]"):
+        parse_config(["--config", str(path)])
+    # What the parser converts stays accepted: PyYAML reads 1e-5 as a string, "true" is a boolean word.
+    path.write_text("train:\n  learning_rate: 1e-5\n  max_steps: '7'\n"
+                    "privacy:\n  enabled: 'true'\n  target_epsilon: 3\n")
+    cfg = parse_config(["--config", str(path)])
+    assert (cfg.train.learning_rate, cfg.train.max_steps, cfg.privacy.enabled) == (1e-5, 7, True)
+    # The same through the recipe: one line on stderr, no usage block.
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  max_length: long\n")
+    r = subprocess.run([sys.executable, "recipes/finetune_llm.py", "--config", str(bad)], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2 and r.stderr == f"error: {bad}: data.max_length: expected int, got 'long'\n", r.stderr
+
+
+def test_mistyped_keys_and_options_get_a_suggestion(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": {"max_stepz": 7}}))
+    with pytest.raises(ConfigError, match=r"unknown key 'train.max_stepz'; did you mean train.max_steps\?"):
+        parse_config(["--config", str(path)])
+    path.write_text(yaml.safe_dump({"privcy": {"target_epsilon": 7}}))
+    with pytest.raises(ConfigError, match=r"unknown key 'privcy'; did you mean privacy\?"):
+        parse_config(["--config", str(path)])
+    with pytest.raises(ConfigError, match=r"unknown option --learning_rat; did you mean --learning_rate\?"):
+        parse_config(["--learning_rat", "1"])
+    with pytest.raises(ConfigError, match=r"unknown option --train.max_stepz; did you mean --train.max_steps\?"):
+        parse_config(["--train.max_stepz", "1"])

@@ -121,6 +121,7 @@ def _launch(out, *launch_args, extra=()):
 def _finish(proc):
     stdout, stderr = proc.communicate(timeout=600)
     assert proc.returncode == 0, stderr[-4000:]
+    proc.stderr_text = stderr  # for a test of what the processes logged
     return stdout
 
 
@@ -139,6 +140,8 @@ def test_one_and_two_processes_train_the_same_run(tmp_path):
     _finish(one)
     out2 = _finish(two)
     assert "privacy: (ε = " in out2
+    # Each line once: only the first process logs below ERROR (dpllm.logs.setup_logging).
+    assert out2.count("privacy: (ε = ") == 1 and two.stderr_text.count("INFO dpllm.privacy.run: privacy: σ=") == 1
     r1, r2 = (json.loads((tmp_path / n / "privacy_report.json").read_text()) for n in ("one", "two"))
     for key in ("steps", "epsilon", "noise_multiplier", "sample_rate", "logical_batch_size", "expected_batch_size",
                 "history", "num_records"):

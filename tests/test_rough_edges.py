@@ -1,0 +1,126 @@
+"""Rough edges a new user met (issue 49, item 7): messages that read right, and commands without log noise."""
+
+import pytest
+
+from dpllm.io import JsonlError, read_jsonl
+
+
+def test_an_unterminated_string_reads_once_at(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "cut')  # the file ends inside a string
+    with pytest.raises(JsonlError) as err:
+        read_jsonl(path)
+    assert str(err.value) == f"{path}:2: not valid JSON (Unterminated string starting at column 10)"
+    path.write_text('{"text" "x"}\n')
+    with pytest.raises(JsonlError, match=r"d.jsonl:1: not valid JSON \(Expecting ':' delimiter at column 9\)"):
+        read_jsonl(path)
+
+
+# Runs the recipe as its command does (``python recipes/finetune_llm.py``), then says which modules it imported.
+_RUN = """
+import runpy, sys
+sys.argv = ["recipes/finetune_llm.py", *sys.argv[1:]]
+try:
+    runpy.run_path("recipes/finetune_llm.py", run_name="__main__")
+except SystemExit as exit_:
+    print("exit", exit_.code, "bitsandbytes imported:", sys.modules.get("bitsandbytes") is not None)
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """A 3-step tiny LoRA run with a progress bar, a held-out eval line while the bar runs and a checkpoint at
+    every step (each save would draw transformers' shard bar)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path_factory.mktemp("rough") / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    r = subprocess.run([sys.executable, "-c", _RUN, "--max_records", "40", "--max_length", "32", "--tiny_hidden_size",
+                        "32", "--logical_batch_size", "16", "--physical_batch_size", "16", "--eval_every", "1",
+                        "--save_every", "1", "--max_steps", "3", "--target_epsilon", "8", "--progress", "true",
+                        "--output_dir", str(out)], capture_output=True, text=True, timeout=600,
+                       cwd=Path(__file__).resolve().parents[1], env=env)
+    assert "exit 0" in r.stdout, r.stderr[-3000:]
+    r.run_dir = out
+    return r
+
+
+def test_a_non_quantized_run_never_imports_bitsandbytes(tiny_run):
+    assert "bitsandbytes imported: False" in tiny_run.stdout
+    assert "bitsandbytes" not in tiny_run.stderr and "kernels" not in tiny_run.stderr
+    assert "Warning" not in tiny_run.stderr, tiny_run.stderr[-3000:]
+
+
+def test_log_lines_start_their_own_line_and_saves_draw_no_bar(tiny_run):
+    import re
+
+    err = tiny_run.stderr
+    assert "dp-train" in err  # the bar was drawn
+    assert "Writing model shards" not in err and "\x1b[A" not in err
+    # A bar redraws with a carriage return; every log line must begin a line or follow one (never "…]09:15:49 INFO").
+    fragments = re.split(r"[\r\n]", err)
+    logged = [f for f in fragments if re.search(r"\d\d:\d\d:\d\d (INFO|WARNING|ERROR) ", f)]
+    assert len(logged) >= 5 and all(re.match(r"\d\d:\d\d:\d\d (INFO|WARNING|ERROR) ", f) for f in logged), logged
+
+
+def test_other_processes_log_errors_only_with_their_rank(monkeypatch):
+    import logging
+
+    from dpllm import logs
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        root.handlers.clear()
+        monkeypatch.setenv("RANK", "1")
+        logs.setup_logging()
+        assert root.level == logging.ERROR and "[rank 1]" in root.handlers[0].formatter._fmt
+        root.handlers.clear()
+        monkeypatch.setenv("RANK", "0")
+        logs.setup_logging()
+        assert root.level == logging.INFO and "rank" not in root.handlers[0].formatter._fmt
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+
+
+def test_bitsandbytes_stays_for_a_run_that_quantizes_or_starts_from_a_qlora_run(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    qlora = tmp_path / "qlora_run" / "checkpoint"
+    qlora.mkdir(parents=True)
+    (qlora / "dpllm_config.yaml").write_text("model:\n  quantization: nf4\n")
+    prequantized = tmp_path / "prequantized"  # a model saved quantized: transformers needs bitsandbytes to load it
+    prequantized.mkdir()
+    (prequantized / "config.json").write_text('{"quantization_config": {"load_in_4bit": true}}')
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text('{"model_type": "llama"}')
+    cases = [("nf4", "tiny-llama"), ("none", str(qlora.parent)), ("none", str(qlora)), ("none", str(prequantized)),
+             ("none", "org/not-in-the-cache"), ("none", str(plain))]  # the last one alone is hidden
+    code = ("import sys; from dpllm.quantization import hide_unused_bitsandbytes as h; "
+            f"print(*(h(q, m) for q, m in {cases!r}), sys.modules['bitsandbytes'])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.stdout.split() == ["False"] * 5 + ["True", "None"], r.stderr[-2000:]
+
+
+def test_an_audit_of_a_non_quantized_run_never_imports_bitsandbytes(tiny_run, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import runpy, sys\nsys.argv = ['mia', *sys.argv[1:]]\n"
+            "try:\n    runpy.run_module('mia', run_name='__main__')\n"
+            "except SystemExit as exit_:\n    print('exit', exit_.code, 'bitsandbytes imported:', "
+            "sys.modules.get('bitsandbytes') is not None)\n")
+    r = subprocess.run([sys.executable, "-c", code, "audit", "--checkpoint", str(tiny_run.run_dir), "--attacks", "loss",
+                        "--n-bootstrap", "20", "--no-progress", "--out", str(tmp_path / "audit")], capture_output=True,
+                       text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert "exit 0 bitsandbytes imported: False" in r.stdout, r.stderr[-3000:]
+    assert "Warning" not in r.stderr, r.stderr[-3000:]  # transformers' is_gradient_checkpointing FutureWarning
