@@ -151,3 +151,44 @@ def test_export_puts_the_checklist_in_the_model_card(runs, tmp_path):
     card = (export(one, tmp_path / "bundle") / "README.md").read_text()
     assert "## Compliance checklist" in card and "| single-epoch training" in card
     assert "checked on the private run directory" in card and "privacy_ledger.jsonl: verifies" not in card
+
+
+def _audited(run, tmp_path, *, tpr_at_0_1: float):
+    """A copy of ``run`` with a loss audit of its final model (written after it), on 20,000 members and as many
+    non-members, whose TPR at FPR 0.1% is ``tpr_at_0_1``: 1.0 is far above any ε-DP bound beyond sampling error."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "audit").mkdir()
+    loss = {"auc": 0.5, "n_members": 20000, "n_nonmembers": 20000, "tpr@fpr=0.001": tpr_at_0_1}
+    (copy / "audit" / "mia_report.json").write_text(json.dumps({"attacks": {"loss": loss}}))
+    return copy
+
+
+def test_a_failed_audit_blocks_export_unless_forced_and_the_card_says_so(runs, tmp_path, capsys):
+    """Issue 46, item 7a: an audit measuring more than ε allows did not stop `dpllm export`. It is refused now,
+    and exported only with --allow-failed-audit, whose card and released report say it was."""
+    from huggingface_hub import ModelCard
+
+    from dpllm.cli import main as dpllm_main
+    from dpllm.export import ExportError, export
+
+    run = _audited(runs[0], tmp_path, tpr_at_0_1=1.0)
+    assert _status(run)["mia_audit"] == compliance.NOT_MET
+    with pytest.raises(ExportError, match=r"membership audit of the final model \(audit/mia_report.json, attack "
+                                          r"loss\) measured tpr@fpr=0.001 above.*--allow-failed-audit"):
+        export(run, tmp_path / "bundle")
+    assert not (tmp_path / "bundle").exists()
+    assert dpllm_main(["export", str(run), "--out", str(tmp_path / "bundle")]) == 1
+    assert "--allow-failed-audit" in capsys.readouterr().err and not (tmp_path / "bundle").exists()
+    assert dpllm_main(["export", str(run), "--out", str(tmp_path / "bundle"), "--allow-failed-audit"]) == 0
+    card = (tmp_path / "bundle" / "README.md").read_text()
+    assert "**Exported despite a failed audit:** the membership audit of the final model" in card
+    released = json.loads((tmp_path / "bundle" / "privacy_report.json").read_text())["release"]
+    assert released["exported_despite_failed_audit"].startswith("the membership audit of the final model")
+    meta = ModelCard.load(tmp_path / "bundle" / "README.md").data.to_dict()["differential_privacy"]
+    assert meta["exported_despite_failed_audit"] == released["exported_despite_failed_audit"]
+    assert "1.0000" not in card  # the measured value is a statistic of the members: not released
+    # an audit within the bound exports without the flag, and the card says nothing of the kind
+    passed = _audited(runs[0], tmp_path / "ok", tpr_at_0_1=0.0)
+    card = (export(passed, tmp_path / "ok_bundle") / "README.md").read_text()
+    assert "failed audit" not in card

@@ -22,6 +22,8 @@ from typing import Any, Optional
 from dpllm.io import write_json_atomic
 
 FILENAME = "privacy_report.json"
+# How a stage's ``public_data`` (dpllm.data.split_rule) begins when its public split was records of the private file
+SIMULATED_PUBLIC = "SIMULATED"
 
 
 class ReportError(ValueError):
@@ -76,6 +78,13 @@ class PrivacyReport:
     def releasable(self) -> bool:
         """A private run whose noise was secret; a non-private run is never 'releasable under DP'."""
         return bool(self.enabled and self.noise_secret)
+
+    def study_stages(self) -> list[str]:
+        """The stages (names) whose public split was simulated from the private file (``public_fraction`` with
+        ``simulate_public_from_private``, :func:`dpllm.data.split_rule`): a study, whose non-private training on
+        those records no ε covers, so its model is no release."""
+        return [str(s.get("name")) for s in self.stages
+                if str(s.get("public_data") or "").startswith(SIMULATED_PUBLIC)]
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
