@@ -21,7 +21,8 @@ noise_secret                noise and Poisson sampling drew from OS entropy (not
 sensitivity_tiers           every earlier non-private stage trained on records proven disjoint from this
                             stage's private set (by content hash, at training time), and every earlier private
                             stage is composed or proven disjoint; not applicable for a single stage; never met
-                            by a study (a stage whose public split was simulated from the private file)
+                            by a study (a stage trained without DP on a public split simulated from the file a
+                            private stage protects)
 data_sovereignty            manual: where the data lives is outside the run directory
 mia_audit                   ``RUN/audit`` holds a membership audit (``python -m mia audit``, loss or embedding
                             interface) of this run's final checkpoint, newer than it, in which no attack's AUC,
@@ -168,9 +169,10 @@ def _tiers(report) -> Item:
     study = report.study_stages()
     if study:  # its "public" records are private ones, trained on without DP: no tier separates them
         return Item("sensitivity_tiers", req, NOT_MET,
-                    f"privacy_report.json: stage(s) {', '.join(repr(s) for s in study)} drew the public split from "
-                    "the private file (simulate_public_from_private: a study); the records trained on without DP "
-                    "are private records no ε covers; put public data in data.public_dataset and retrain")
+                    f"privacy_report.json: stage(s) {', '.join(repr(s) for s in study)} trained without DP on a "
+                    "public split drawn from a private stage's file (simulate_public_from_private: a study); a "
+                    "record of that file lands there unprotected by any ε; put public data in data.public_dataset "
+                    "and retrain")
     earlier = report.stages[:-1]
     if not earlier:
         return Item("sensitivity_tiers", req, NA, "privacy_report.json: stages has one stage (no earlier stage "

@@ -397,11 +397,11 @@ def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, wh
     if not report.enabled and not allow_non_private:
         raise ExportError(f"refusing to {what} {run_dir}: it was trained without DP; pass --allow-non-private to "
                           "release it anyway (the card will say there is no DP guarantee)")
-    study = report.study_stages() or (["this stage"] if _simulates_public(run_dir) else [])
+    study = report.study_stages()
     if study:
-        raise ExportError(f"refusing to {what} {run_dir}: it is a study run: stage(s) {', '.join(study)} drew the "
-                          "public split from the private file (data.simulate_public_from_private: true), and no ε "
-                          "covers private records trained on without DP; retrain with real public data in "
+        raise ExportError(f"refusing to {what} {run_dir}: it is a study run: stage(s) {', '.join(study)} trained "
+                          "without DP on a public split drawn from the private file (data.simulate_public_from_private:"
+                          " true), and no ε covers a record that lands there; retrain with real public data in "
                           "data.public_dataset to release")
     checked = verified if verified is not None else ledger.verify(run_dir)
     if not checked.ok:
@@ -412,17 +412,6 @@ def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, wh
                           "accounted ε; find the cause, or pass --allow-failed-audit to release it anyway (the card "
                           "will say it was exported despite a failed audit)")
     return report
-
-
-def _simulates_public(run_dir: Path) -> bool:
-    """The run's own config simulates public data from the private file (for reports without ``public_data``)."""
-    import yaml
-
-    try:
-        data = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data") or {}
-    except (OSError, yaml.YAMLError, AttributeError):
-        return False
-    return bool(data.get("simulate_public_from_private")) and float(data.get("public_fraction") or 0) > 0
 
 
 def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = False,

@@ -155,18 +155,19 @@ def test_resuming_from_another_run_is_refused(runs, tmp_path):
     the same directory holding another checkpoint, is refused; the same run resumes."""
     from dpllm import hub, ledger
     from dpllm.synthetic.card import release_folder
-    from dpllm.synthetic.generate import source_path
 
     out = tmp_path / "s.jsonl"
     synthesize(runs / "nodp", num=4, out=out, allow_non_private=True, **GEN)
     before, card = out.read_bytes(), (tmp_path / "s.card.json").read_text()
-    source = json.loads(source_path(out).read_text())
-    assert source["run_dir"] == str((runs / "nodp").resolve())
-    assert source["checkpoint_sha256"] == ledger.dir_sha256(runs / "nodp" / "checkpoint")
     with pytest.raises(SynthesisError, match=r"holds 4 records sampled from another model \(run .*nodp vs .*dp; "
                                              r"checkpoint sha256 \w{12} vs \w{12}\).*pick a new --out"):
         synthesize(runs / "dp", num=8, out=out, **GEN)
     assert out.read_bytes() == before and (tmp_path / "s.card.json").read_text() == card  # nothing written
+    from dpllm.synthetic.generate import source_path
+
+    source = json.loads(source_path(out).read_text())
+    assert source["run_dir"] == str((runs / "nodp").resolve())
+    assert source["checkpoint_sha256"] == ledger.dir_sha256(runs / "nodp" / "checkpoint")
     synthesize(runs / "nodp", num=8, out=out, allow_non_private=True, **GEN)  # the same run resumes
     assert len(read_jsonl(out)) == 8 and out.read_bytes().startswith(before)
 
