@@ -178,8 +178,6 @@ def test_a_failed_audit_blocks_export_unless_forced_and_the_card_says_so(runs, t
                                           r"loss\) measured tpr@fpr=0.001 above.*--allow-failed-audit"):
         export(run, tmp_path / "bundle")
     assert not (tmp_path / "bundle").exists()
-    assert dpllm_main(["export", str(run), "--out", str(tmp_path / "bundle")]) == 1
-    assert "--allow-failed-audit" in capsys.readouterr().err and not (tmp_path / "bundle").exists()
     assert dpllm_main(["export", str(run), "--out", str(tmp_path / "bundle"), "--allow-failed-audit"]) == 0
     card = (tmp_path / "bundle" / "README.md").read_text()
     assert "**Exported despite a failed audit:** the membership audit of the final model" in card
@@ -188,7 +186,7 @@ def test_a_failed_audit_blocks_export_unless_forced_and_the_card_says_so(runs, t
     meta = ModelCard.load(tmp_path / "bundle" / "README.md").data.to_dict()["differential_privacy"]
     assert meta["exported_despite_failed_audit"] == released["exported_despite_failed_audit"]
     assert "1.0000" not in card  # the measured value is a statistic of the members: not released
-    # an audit within the bound exports without the flag, and the card says nothing of the kind
-    passed = _audited(runs[0], tmp_path / "ok", tpr_at_0_1=0.0)
-    card = (export(passed, tmp_path / "ok_bundle") / "README.md").read_text()
-    assert "failed audit" not in card
+    # an audit within the bound blocks nothing
+    path = run / "audit" / "mia_report.json"
+    path.write_text(path.read_text().replace('"tpr@fpr=0.001": 1.0', '"tpr@fpr=0.001": 0.0'))
+    assert compliance.failed_audit(run) is None and _status(run)["mia_audit"] == compliance.MET

@@ -209,7 +209,7 @@ def test_cli_writes_file_card_and_private_report(runs, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     names = sorted(p.name for p in out.parent.iterdir())
     assert names == ["synth.card.json", "synth.card.md", "synth.jsonl", "synth.report.json", "synth.report.md",
-                     "synth.report.png"]
+                     "synth.report.png", "synth.source.json"]
     rep = json.loads((out.parent / "synth.report.json").read_text())
     assert rep["leakage"]["n"] == 8 and rep["leakage"]["canaries"]["canaries"] == 4
     assert "downstream_accuracy" in rep["fidelity"]["synthetic"] and rep["fidelity"]["embedder"].startswith("lsa")
