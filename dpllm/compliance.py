@@ -20,7 +20,9 @@ epsilon_logged              the ledger verifies (hash chain, ε recomputed on ev
 noise_secret                noise and Poisson sampling drew from OS entropy (not ``reproducible_noise``)
 sensitivity_tiers           every earlier non-private stage trained on records proven disjoint from this
                             stage's private set (by content hash, at training time), and every earlier private
-                            stage is composed or proven disjoint; not applicable for a single stage
+                            stage is composed or proven disjoint; not applicable for a single stage; never met
+                            by a study (a stage trained without DP on a public split simulated from the file a
+                            private stage protects)
 data_sovereignty            manual: where the data lives is outside the run directory
 mia_audit                   ``RUN/audit`` holds a membership audit (``python -m mia audit``, loss or embedding
                             interface) of this run's final checkpoint, newer than it, in which no attack's AUC,
@@ -72,6 +74,9 @@ class Item:
     # (status, evidence) the model card shows instead, for an item whose status itself is a function of private
     # records (the audit's pass/fail); not part of the JSON output
     public: tuple | None = field(default=None, repr=False, compare=False)
+    # why the item's evidence shows the guarantee broken (a failed membership audit), in one line for a release
+    # refusal; None when it does not (an item can be not met without that: no audit yet, a stale one)
+    failure: str | None = field(default=None, repr=False, compare=False)
 
 
 # Every item, in the order check() returns them (the names --json prints and dpllm export --accept-unmet takes).
@@ -171,6 +176,13 @@ def _noise_secret(report) -> Item:
 
 def _tiers(report) -> Item:
     req = "data segmented by sensitivity tier (public stages disjoint from private data)"
+    study = report.study_stages()
+    if study:  # its "public" records are private ones, trained on without DP: no tier separates them
+        return Item("sensitivity_tiers", req, NOT_MET,
+                    f"privacy_report.json: stage(s) {', '.join(repr(s) for s in study)} trained without DP on a "
+                    "public split drawn from a private stage's file (simulate_public_from_private: a study); a "
+                    "record of that file lands there unprotected by any ε; put public data in data.public_dataset "
+                    "and retrain")
     earlier = report.stages[:-1]
     if not earlier:
         return Item("sensitivity_tiers", req, NA, "privacy_report.json: stages has one stage (no earlier stage "
@@ -215,7 +227,7 @@ def _audit(run_dir: Path, report) -> Item:
             curve = tradeoff.for_report(report, unit="user" if report.user_level else "record")
         except tradeoff.TradeoffError as err:
             ev += f"; no bound to compare with ({err})"
-    bad = []
+    bad, failure = [], None
     if curve is not None:
         checked = tradeoff.check_audit(attacks, curve)
         b = checked["bounds"]
@@ -231,18 +243,37 @@ def _audit(run_dir: Path, report) -> Item:
             ev += (f"; {name} {metric} = {measured:.4f} exceeds what the mechanism allows ({allowed:.4f}) beyond "
                    f"sampling error ({checked['confidence']:.0%} confidence over all {len(attacks)} attack(s)): the "
                    "implementation does not deliver the accounted guarantee (a bug)")
+            # the release's words: which attack and bound, not the measured value (a statistic of the members)
+            failure = (f"the membership audit of the final model (audit/{name.replace(':', ', attack ')}) measured "
+                       f"{metric} above the most any attack can reach against this run's mechanism ({allowed:.4f}), "
+                       "beyond sampling error")
         else:
             ev += f" (no measured value above its bound beyond sampling error, {checked['confidence']:.0%} confidence)"
     canary = audit / "canary_report.json"
     bug = canary.is_file() and json.loads(canary.read_text()).get("privacy_bug")
     if canary.is_file():
         ev += f"; audit/canary_report.json: privacy_bug = {bool(bug)}"
+    if bug and failure is None:
+        failure = "the canary audit (audit/canary_report.json) found a privacy bug"
     # The verdict compares statistics of the members with the bound: a bit about the private records. The card says
     # that the final model was audited and where the private report lives, never what it found.
     where = ", ".join("audit/" + p.name for p in found + ([canary] if canary.is_file() else []))
     return Item("mia_audit", req, NOT_MET if (bug or bad) else MET, ev,
                 public=(AUDITED, (f"the final model was audited; the report ({where} in the private run directory) "
-                                  "is computed on the training records and stays there, its result included")))
+                                  "is computed on the training records and stays there, its result included")),
+                failure=failure)
+
+
+def failed_audit(run_dir: str | Path) -> str | None:
+    """Why the run's membership audit of its final model shows the guarantee broken (an attack above what the
+    mechanism allows, or a canary audit's privacy bug), in one line; None when it does not or there is none.
+
+    ``dpllm export`` and ``dpllm synthesize`` refuse such a run unless the publisher overrides it.
+    """
+    from dpllm.privacy.report import PrivacyReport
+
+    run_dir = Path(run_dir)
+    return _audit(run_dir, PrivacyReport.read(run_dir)).failure
 
 
 def run_dir_of(path: str | Path) -> Path:

@@ -30,12 +30,14 @@ record of a multiple of B) would publish another q; the guarantee is for neighbo
 steps, and the model card says so.
 
 It refuses a run whose ledger does not verify, a run whose noise was not secret
-(``privacy.reproducible_noise: true``), and a non-private run unless ``--allow-non-private`` is given
-(the card then says plainly that there is no DP guarantee). Those checks are :func:`check_releasable`, which
-``dpllm synthesize`` (:mod:`dpllm.synthetic`) makes too. ``dpllm export`` also refuses a run with a compliance item
-not met (:mod:`dpllm.compliance`) unless ``--accept-unmet ITEM`` accepts each; the checklist it computes is recorded
-in the bundle (``release.compliance``) and rendered on the card, the one verdict ``dpllm report BUNDLE
---compliance`` prints too.
+(``privacy.reproducible_noise: true``), a study run (a public split simulated from the private file:
+``data.simulate_public_from_private``; no ε covers what it trained on without DP), a run whose membership
+audit found more than its ε allows unless ``--allow-failed-audit`` is given (the card then says so first),
+and a non-private run unless ``--allow-non-private`` is given (the card then says plainly that there is no
+DP guarantee). Those checks are :func:`check_releasable`, which ``dpllm synthesize`` (:mod:`dpllm.synthetic`)
+makes too. ``dpllm export`` also refuses a run with a compliance item not met (:mod:`dpllm.compliance`) unless
+``--accept-unmet ITEM`` accepts each; the checklist it computes is recorded in the bundle
+(``release.compliance``) and rendered on the card, the one verdict ``dpllm report BUNDLE --compliance`` prints too.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_siz
                    "model_adjustments", "versions", "noise_schedule", "sequence_level")
 # Not "note" (free text, could say anything) and not "warnings": they quote data-dependent counts (records removed as
 # duplicates, the expected batch q·N, a logical batch capped at N) for the operator, who reads them in the private run.
-RELEASED_STAGE_FIELDS = ("name", "enabled", "train_on", "steps", "history")
+# A stage's name is its output directory's (it may name the data: "runs/patients_2024"): released as "stage i".
+RELEASED_STAGE_FIELDS = ("enabled", "train_on", "steps", "history")
 # user_level: the declared cap and how ε became user-level; never counts of users or records
 RELEASED_USER_FIELDS = ("unit", "sampling", "max_records_per_user", "group_size", "users_per_batch", "group_privacy",
                         "record_epsilon", "record_delta", "user_epsilon", "user_delta")
@@ -72,7 +75,9 @@ PUBLIC_FACTS = {"num_records": "N, the number of records the last stage trained 
                 "dataset": "the dataset's name or local path, per stage",
                 "truncation": "how many training records max_length cut, and how many tokens they lost"}
 WITHHELD = ("exact record and user counts (unless declared public), content digests of the training set, per-user "
-            "statistics, local paths, un-noised losses, the member list and the generators' state")
+            "statistics, local paths, the stages' names (their output directories) and the data sets' names or Hub "
+            "ids (unless declared public), un-noised losses, the member list and the generators' state")
+PRIVATE_DATASET = "private data set"  # what a release says for a data set not built in and not declared public
 
 
 class ExportError(ValueError):
@@ -100,13 +105,20 @@ def neighbouring_relation(report: PrivacyReport) -> str:
 def _dataset_name(name, *, public: bool):
     from dpllm.data import BUILTIN
 
-    if name is None or public or name in BUILTIN or not looks_local(str(name)):
-        return name  # a built-in corpus or a Hub id is public; a local path only when declared so
-    return "a local file (name withheld)"
+    # a built-in corpus is public; a local path or a Hub id only when declared so (a Hub data set may be private,
+    # and its id can name the people in it: "acme/patients-2024")
+    if name is None or public or name in BUILTIN:
+        return name
+    return PRIVATE_DATASET
 
 
-def release_report(report: PrivacyReport, *, declare_public: Sequence[str] = ()) -> PrivacyReport:
+def release_report(report: PrivacyReport, *, declare_public: Sequence[str] = (),
+                   failed_audit: Optional[str] = None) -> PrivacyReport:
     """The report a bundle carries: only :data:`RELEASED_FIELDS` (and the declared :data:`PUBLIC_FACTS`).
+
+    Stages are named by their place ("stage 1", ...), never by their output directory; a data set by
+    :data:`PRIVATE_DATASET` unless built in or declared public. ``failed_audit`` (the publisher exported
+    despite a failed membership audit, :func:`dpllm.compliance.failed_audit`) goes into ``release``.
 
     Raises:
         ExportError: a fact that is not one of :data:`PUBLIC_FACTS`, or ``num_users`` for a record-level run.
@@ -120,9 +132,9 @@ def release_report(report: PrivacyReport, *, declare_public: Sequence[str] = ())
         raise ExportError("--declare-public num_users: this run has no users (privacy_unit: record)")
     data = {k: private[k] for k in RELEASED_FIELDS if k in private}
     data["num_records"] = report.num_records if "num_records" in declare_public else None
-    data["stages"] = [dict({k: s[k] for k in RELEASED_STAGE_FIELDS if k in s},
+    data["stages"] = [dict(name=f"stage {i}", **{k: s[k] for k in RELEASED_STAGE_FIELDS if k in s},
                            dataset=_dataset_name(s.get("dataset"), public="dataset" in declare_public))
-                      for s in report.stages]
+                      for i, s in enumerate(report.stages, start=1)]
     if report.user_level:
         user = {k: v for k, v in report.user_level.items() if k in RELEASED_USER_FIELDS}
         if "num_users" in declare_public:
@@ -141,6 +153,8 @@ def release_report(report: PrivacyReport, *, declare_public: Sequence[str] = ())
         data["data"] = report.data
     data["release"] = {"neighbouring_relation": neighbouring_relation(report) if report.enabled else None,
                        "declared_public": sorted(set(declare_public)), "withheld": WITHHELD}
+    if failed_audit:
+        data["release"]["exported_despite_failed_audit"] = failed_audit
     return PrivacyReport.from_dict(data)
 
 
@@ -338,7 +352,11 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind
             params = reading + params
     else:
         guarantee, params = "**No differential-privacy guarantee**: this model was trained without DP.", ""
-    stages = "\n".join(f"- `{s.get('name')}`: {'DP' if s.get('enabled') else 'no DP'}, `{s.get('dataset')}` "
+    if release.get("exported_despite_failed_audit"):
+        guarantee = (f"**Exported despite a failed audit:** {release['exported_despite_failed_audit']}. The publisher "
+                     "released it anyway (`dpllm export --allow-failed-audit`): the implementation may not deliver "
+                     "the guarantee below, so do not rely on it.\n\n" + guarantee)
+    stages = "\n".join(f"- {s.get('name')}: {'DP' if s.get('enabled') else 'no DP'}, {s.get('dataset')} "
                        f"({s.get('train_on')} split), {s.get('steps')} steps" for s in report.stages)
     if lora:
         base = "AutoModelForCausalLM.from_pretrained(\"THIS_DIR/base_model\")" if has_base else (
@@ -413,7 +431,7 @@ model = PeftModel.from_pretrained(base, "THIS_DIR")
 
 
 def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, what: str = "export",
-                     verified=None) -> PrivacyReport:
+                     verified=None, allow_failed_audit: bool = False) -> PrivacyReport:
     """The checks every release path makes (``dpllm export``, ``dpllm synthesize``) before anything leaves the run.
 
     Args:
@@ -422,15 +440,19 @@ def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, wh
         what: the verb used in the refusal message.
         verified: the run's :func:`dpllm.ledger.verify` result, when the caller has it already (verifying hashes
             every checkpoint file, gigabytes for a large model); computed here otherwise.
+        allow_failed_audit: accept a run whose membership audit shows the guarantee broken
+            (:func:`dpllm.compliance.failed_audit`; the release must then say so).
 
     Returns:
         The run's privacy report.
 
     Raises:
         ExportError: no finished run, seeded noise (or a report that does not say the noise was secret), a
-            non-private run without ``allow_non_private``, or a ledger that does not verify.
+            non-private run without ``allow_non_private``, a study run (a public split simulated from the
+            private file), a failed membership audit without ``allow_failed_audit``, or a ledger that does not
+            verify.
     """
-    from dpllm import ledger
+    from dpllm import compliance, ledger
 
     run_dir = Path(run_dir)
     if not (run_dir / "checkpoint").is_dir():
@@ -445,15 +467,27 @@ def check_releasable(run_dir: str | Path, *, allow_non_private: bool = False, wh
     if not report.enabled and not allow_non_private:
         raise ExportError(f"refusing to {what} {run_dir}: it was trained without DP; pass --allow-non-private to "
                           "release it anyway (the card will say there is no DP guarantee)")
+    study = report.study_stages()
+    if study:
+        raise ExportError(f"refusing to {what} {run_dir}: it is a study run: stage(s) {', '.join(study)} trained "
+                          "without DP on a public split drawn from the private file (data.simulate_public_from_private:"
+                          " true), and no ε covers a record that lands there; retrain with real public data in "
+                          "data.public_dataset to release")
     checked = verified if verified is not None else ledger.verify(run_dir)
     if not checked.ok:
         raise ExportError(f"refusing to {what} {run_dir}: its privacy ledger does not verify ({checked.message})")
+    failed = compliance.failed_audit(run_dir)
+    if failed and not allow_failed_audit:
+        raise ExportError(f"refusing to {what} {run_dir}: {failed}, so the implementation may not deliver the "
+                          "accounted ε; find the cause, or pass --allow-failed-audit to release it anyway (the card "
+                          "will say it was exported despite a failed audit)")
     return report
 
 
 def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = False,
            declare_public: Sequence[str] = (), base_model: Optional[str] = None,
-           license: Optional[str] = None, accept_unmet: Optional[Sequence[str]] = None) -> Path:
+           license: Optional[str] = None, accept_unmet: Optional[Sequence[str]] = None,
+           allow_failed_audit: bool = False) -> Path:
     """Write the release bundle of ``run_dir`` to ``out`` (atomically).
 
     Args:
@@ -467,10 +501,13 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
         accept_unmet: the compliance items (:mod:`dpllm.compliance` names) the publisher releases unmet; any
             other item not met is refused (``dpllm export`` passes ``--accept-unmet``). None: no refusal (the
             card lists every item not met either way).
+        allow_failed_audit: export a run whose membership audit shows the guarantee broken; the card and
+            ``release.exported_despite_failed_audit`` say so (and the ``mia_audit`` item counts as accepted).
 
     Raises:
         ExportError: no finished run, a ledger that fails to verify, seeded noise, a non-private run
-            (without ``allow_non_private``), an unknown fact, a base model given as a path, an ``out`` that
+            (without ``allow_non_private``), a study run, a failed membership audit (without
+            ``allow_failed_audit``), an unknown fact, a base model given as a path, an ``out`` that
             is not empty or lies inside the run directory, or a compliance item not met and not accepted.
     """
     from dpllm import compliance, hub
@@ -480,7 +517,8 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
     from dpllm import ledger
 
     verified = ledger.verify(run_dir)  # once, for the release checks and the card's checklist
-    report = check_releasable(run_dir, allow_non_private=allow_non_private, verified=verified)
+    report = check_releasable(run_dir, allow_non_private=allow_non_private, verified=verified,
+                              allow_failed_audit=allow_failed_audit)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not empty; pick a new directory")
     if out.resolve() == run_dir.resolve() or run_dir.resolve() in out.resolve().parents:
@@ -489,10 +527,12 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
         base_name = hub.public_base_model(report.base_model, base_model)
     except hub.PushError as err:
         raise ExportError(str(err)) from None
-    released = release_report(report, declare_public=declare_public)
+    released = release_report(report, declare_public=declare_public,
+                              failed_audit=compliance.failed_audit(run_dir) if allow_failed_audit else None)
     items = compliance.check(run_dir, verified=verified)
-    # --allow-non-private already accepted the one item a run without DP cannot meet
-    accepted = [*(accept_unmet or ()), *(["differential_privacy"] if allow_non_private else [])]
+    # --allow-non-private and --allow-failed-audit already accepted the one item each stands for
+    accepted = [*(accept_unmet or ()), *(["differential_privacy"] if allow_non_private else []),
+                *(["mia_audit"] if allow_failed_audit else [])]
     refusal = None if accept_unmet is None else unmet_items(items, accept=accepted)
     if refusal:
         raise ExportError(f"refusing to export {run_dir}: {refusal}")
@@ -529,6 +569,9 @@ def cli_main(argv: list[str]) -> int:
     ap.add_argument("run_dir", help="a finished dpllm run directory")
     ap.add_argument("--out", required=True, help="new directory for the release bundle")
     ap.add_argument("--allow-non-private", action="store_true", help="export a run trained without DP")
+    ap.add_argument("--allow-failed-audit", action="store_true",
+                    help="export a run whose membership audit (RUN/audit) found more than its ε allows; the card "
+                         "then says it was exported despite a failed audit")
     ap.add_argument("--declare-public", action="append", default=[], choices=sorted(PUBLIC_FACTS), metavar="FACT",
                     help="release this fact exactly, declaring it public (repeatable): "
                          + "; ".join(f"{k}: {v}" for k, v in PUBLIC_FACTS.items())
@@ -559,7 +602,7 @@ def cli_main(argv: list[str]) -> int:
             hub.require_token()
         path = export(args.run_dir, args.out, allow_non_private=args.allow_non_private,
                       declare_public=args.declare_public, base_model=args.base_model, license=args.license,
-                      accept_unmet=args.accept_unmet)
+                      accept_unmet=args.accept_unmet, allow_failed_audit=args.allow_failed_audit)
     except (ExportError, hub.PushError) as err:
         print(f"dpllm export: {err}", file=sys.stderr)
         return 1

@@ -32,7 +32,7 @@ TAGS = ("differential-privacy", "dp-sgd", "dpllm")
 PRIVATE_NAMES = ("splits.json", "privacy_ledger.jsonl", "metrics.jsonl", "config.yaml", "dpllm_config.yaml",
                  "canaries.json", "records.jsonl", "generations.jsonl", "run_summary.json", ".dpllm_run", ".lock",
                  "rng_state.pt")
-PRIVATE_PATTERNS = ("*.report.json", "*.report.md", "*.report.png", "checkpoints")
+PRIVATE_PATTERNS = ("*.report.json", "*.report.md", "*.report.png", "*.source.json", "checkpoints")
 
 
 class PushError(ValueError):
@@ -69,6 +69,8 @@ def dp_metadata(report) -> dict:
         out["epsilon_group_of_2_sequences"] = seq.get("group_epsilon")
     if report.num_records is not None:  # declared public by the publisher (--declare-public num_records)
         out["num_records_declared_public"] = int(report.num_records)
+    if release.get("exported_despite_failed_audit"):  # dpllm export --allow-failed-audit: the reader must see it
+        out["exported_despite_failed_audit"] = release["exported_despite_failed_audit"]
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -147,10 +149,29 @@ def check_folder(folder: str | Path) -> list[str]:
     if private:
         raise PushError(f"refusing to push {folder}: it holds files that stay private ({', '.join(private[:5])}); "
                         "push only the release folder")
+    refused = _not_releasable(folder)
+    if refused:
+        raise PushError(f"refusing to push {folder}: {refused}")
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
     if not files:
         raise PushError(f"{folder} is empty: nothing to push")
     return files
+
+
+def _not_releasable(folder: Path) -> Optional[str]:
+    """Why a release folder's own card says it is no release (a synthetic set sampled from a run the release
+    checks refused: seeded noise, a study run, a failed audit), or None."""
+    import json
+
+    for card in sorted(folder.glob("*.card.json")):
+        try:
+            source = json.loads(card.read_text()).get("source") or {}
+        except (OSError, ValueError, AttributeError):
+            return f"{card.name} is not a readable data card; write the folder again with dpllm synthesize"
+        if source.get("releasable") is False:
+            return (f"{card.name} says NOT RELEASABLE ({source.get('refusal_overridden')}); it stays with the data "
+                    "owner")
+    return None
 
 
 def _network_errors() -> tuple[type, ...]:

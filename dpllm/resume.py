@@ -376,8 +376,9 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
 
     Random state: each process gets its own saved state. With a different number of processes than
     the run was saved with, the (rank-independent) Poisson sampler state is restored but *no* noise state
-    is: every process keeps the fresh, secret noise generator it started with, so no process can replay
-    noise another one already used. The run is then no longer bit-identical to an uninterrupted one.
+    is: every process keeps the noise generator it started with (secret and new; under ``reproducible_noise``
+    a stream keyed by the resume step and the process count), so no process replays noise any process of
+    an earlier launch already drew. The run is then no longer bit-identical to an uninterrupted one.
 
     Args:
         plan: this run's privacy plan as saved in trainer_state.json (None without DP); must match.
@@ -424,11 +425,20 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
     return state
 
 
+def saved_step(ckpt: Optional[Path]) -> Optional[int]:
+    """The step a resumable checkpoint was saved at (its ``trainer_state.json``), None for no checkpoint."""
+    if ckpt is None:
+        return None
+    return int(json.loads((Path(ckpt) / "trainer_state.json").read_text())["step"])
+
+
 def rng_for_process(saved: list[dict], world: World) -> dict:
     """This process's random state from a checkpoint's per-process list.
 
     On the same number of processes, its own. On another number, rank 0's sampler state (the same on every
-    rank) and *no* noise state: each process keeps the fresh secret noise generator it started with.
+    rank) and *no* noise state: each process keeps the noise generator it started with, secret and new
+    (under ``reproducible_noise``: seeded by the resume step and process count as well, so it restarts no
+    stream an earlier launch drew from; :func:`dpllm.privacy.randomness.privacy_generators`).
     """
     if len(saved) == world.size:
         return saved[world.rank]

@@ -232,7 +232,8 @@ class Trainer:
     def setup_privacy(self) -> None:
         self.generators = privacy_generators(reproducible=self.p.reproducible_noise, seed=self.t.seed,
                                              stage=resume.config_key(self.cfg), world=self.world,
-                                             device=self.device, secure_mode=self.p.secure_mode)
+                                             device=self.device, secure_mode=self.p.secure_mode,
+                                             resumed_at=resume.saved_step(self.resume_from))
         if self.dp:
             self.model, self.optimizer, self.criterion, self.batches = self.privacy.attach(
                 model=self.model, optimizer=self.optimizer, dataset=self.train_ds, collate_fn=self.collate,

@@ -266,3 +266,42 @@ def test_a_bundle_without_a_recorded_checklist_is_one_line(runs, tmp_path, capsy
     assert compliance.cli_main([str(bundle), "--compliance"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "recorded no compliance checklist" in err and "export it again" in err
+
+
+def _audited(run, tmp_path, *, tpr_at_0_1: float):
+    """A copy of ``run`` with a loss audit of its final model (written after it), on 20,000 members and as many
+    non-members, whose TPR at FPR 0.1% is ``tpr_at_0_1``: 1.0 is far above any ε-DP bound beyond sampling error."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "audit").mkdir()
+    loss = {"auc": 0.5, "n_members": 20000, "n_nonmembers": 20000, "tpr@fpr=0.001": tpr_at_0_1}
+    (copy / "audit" / "mia_report.json").write_text(json.dumps({"attacks": {"loss": loss}}))
+    return copy
+
+
+def test_a_failed_audit_blocks_export_unless_forced_and_the_card_says_so(runs, tmp_path, capsys):
+    """Issue 46, item 7a: an audit measuring more than ε allows did not stop `dpllm export`. It is refused now,
+    and exported only with --allow-failed-audit, whose card and released report say it was."""
+    from huggingface_hub import ModelCard
+
+    from dpllm.cli import main as dpllm_main
+    from dpllm.export import ExportError, export
+
+    run = _audited(runs[0], tmp_path, tpr_at_0_1=1.0)
+    assert _status(run)["mia_audit"] == compliance.NOT_MET
+    with pytest.raises(ExportError, match=r"membership audit of the final model \(audit/mia_report.json, attack "
+                                          r"loss\) measured tpr@fpr=0.001 above.*--allow-failed-audit"):
+        export(run, tmp_path / "bundle")
+    assert not (tmp_path / "bundle").exists()
+    assert dpllm_main(["export", str(run), "--out", str(tmp_path / "bundle"), "--allow-failed-audit"]) == 0
+    card = (tmp_path / "bundle" / "README.md").read_text()
+    assert "**Exported despite a failed audit:** the membership audit of the final model" in card
+    released = json.loads((tmp_path / "bundle" / "privacy_report.json").read_text())["release"]
+    assert released["exported_despite_failed_audit"].startswith("the membership audit of the final model")
+    meta = ModelCard.load(tmp_path / "bundle" / "README.md").data.to_dict()["differential_privacy"]
+    assert meta["exported_despite_failed_audit"] == released["exported_despite_failed_audit"]
+    assert "1.0000" not in card  # the measured value is a statistic of the members: not released
+    # an audit within the bound blocks nothing
+    path = run / "audit" / "mia_report.json"
+    path.write_text(path.read_text().replace('"tpr@fpr=0.001": 1.0', '"tpr@fpr=0.001": 0.0'))
+    assert compliance.failed_audit(run) is None and _status(run)["mia_audit"] == compliance.MET

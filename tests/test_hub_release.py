@@ -18,13 +18,19 @@ from dpllm.train import train
 FAST = ["--max_steps", "2", "--logical_batch_size", "16", "--physical_batch_size", "16", "--max_length", "32",
         "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every", "0", "--eval_max_records", "8",
         "--progress", "false", "--max_records", "120", "--accountant", "rdp"]
+# The LoRA run's output directory and data file have names that say whose data it is (issue 46, item 7b).
+LORA, DATA = "patients_2024", "acme_patient_notes"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    from dpllm.data import pydoc_paragraphs
+
     base = tmp_path_factory.mktemp("hub")
+    data = base / f"{DATA}.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in pydoc_paragraphs() if len(t) >= 40))
     train(parse_config(["--output_dir", str(base / "full"), *FAST, "--finetuning", "full"]))
-    train(parse_config(["--output_dir", str(base / "lora"), *FAST, "--finetuning", "lora"]))
+    train(parse_config(["--output_dir", str(base / LORA), *FAST, "--finetuning", "lora", "--dataset", str(data)]))
     return base
 
 
@@ -95,14 +101,14 @@ def test_model_card_metadata_round_trips(runs, tmp_path):
 
 
 def test_adapter_card_names_a_public_base_only(runs, tmp_path):
-    out = export(runs / "lora", tmp_path / "bundle")
+    out = export(runs / LORA, tmp_path / "bundle")
     meta = ModelCard.load(out / "README.md").data.to_dict()
     assert meta["library_name"] == "peft" and "base_model" not in meta and "lora" in meta["tags"]
-    declared = ModelCard.load(export(runs / "lora", tmp_path / "declared", base_model="org/tiny-base")
+    declared = ModelCard.load(export(runs / LORA, tmp_path / "declared", base_model="org/tiny-base")
                               / "README.md").data.to_dict()
     assert declared["base_model"] == "org/tiny-base"
     with pytest.raises(ExportError, match="public Hub id"):
-        export(runs / "lora", tmp_path / "bad", base_model=str(tmp_path / "models" / "base"))
+        export(runs / LORA, tmp_path / "bad", base_model=str(tmp_path / "models" / "base"))
     assert not (tmp_path / "bad").exists()
     # the run loaded a Hub id: named; a local directory, an earlier run or a tiny model: withheld
     assert hub.public_base_model({"kind": "pretrained", "path": "meta-llama/Llama-3.2-1B"}) == "meta-llama/Llama-3.2-1B"
@@ -110,6 +116,32 @@ def test_adapter_card_names_a_public_base_only(runs, tmp_path):
     assert hub.public_base_model({"kind": "run_checkpoint", "path": "/runs/a/checkpoint"}) is None
     assert hub.public_base_model({"kind": "tiny", "name": "tiny-llama"}) is None
     assert hub.public_base_model({"kind": "pretrained", "path": "/home/alice/llama"}, "meta-llama/x") == "meta-llama/x"
+
+
+def test_the_bundle_names_neither_the_stage_nor_a_private_data_set(runs, tmp_path):
+    """Issue 46, item 7b: the card and report released the stage's name (its output directory, "patients_2024")
+    and the data set's Hub id. Every file of the bundle now holds neither; the private run keeps both."""
+    from dpllm.export import model_card, release_report
+    from dpllm.privacy.report import PrivacyReport
+
+    out = export(runs / LORA, tmp_path / "bundle")
+    for path in (p for p in out.rglob("*") if p.is_file()):
+        data = path.read_bytes()
+        assert LORA.encode() not in data and DATA.encode() not in data, path.name
+    released = json.loads((out / "privacy_report.json").read_text())
+    assert [(s["name"], s["dataset"]) for s in released["stages"]] == [("stage 1", "private data set")]
+    assert "- stage 1: DP, private data set (private split)" in (out / "README.md").read_text()
+    private = PrivacyReport.read(runs / LORA)
+    assert private.stages[0]["name"] == LORA and DATA in private.stages[0]["dataset"]
+    # a Hub id names a data set that may be private: withheld unless the publisher declares it public
+    hub_id = "acme/patients-2024-notes"
+    private.stages = [dict(s, dataset=hub_id, name="runs/patients_2024") for s in private.stages]
+    shown = release_report(private)
+    text = json.dumps(shown.to_dict()) + model_card(shown, lora=True, has_base=False) + json.dumps(
+        hub.dp_metadata(shown))
+    assert hub_id not in text and "patients_2024" not in text
+    assert release_report(private, declare_public=["dataset"]).stages[0]["dataset"] == hub_id
+    assert release_report(private).stages[0]["dataset"] == "private data set"
 
 
 def test_export_pushes_exactly_the_bundle(runs, tmp_path, fake_hub, capsys):

@@ -337,7 +337,7 @@ def test_bundles_of_neighbouring_datasets_are_equal_apart_from_the_weights(tmp_p
             assert masked(a / name) == masked(b / name), name
     released = json.loads(masked(a / "privacy_report.json"))
     assert released["num_records"] is None and released["expected_batch_size"] is None
-    assert released["stages"][-1]["dataset"] == "a local file (name withheld)"
+    assert released["stages"][-1]["dataset"] == "private data set"
     assert released["release"]["neighbouring_relation"] == "add or remove one record"
     text = json.dumps(released) + masked(a / "README.md").decode()
     assert "records_sha256" not in text and str(tmp_path) not in text and "40" not in text.replace("0.40", "")
@@ -351,18 +351,32 @@ def test_bundles_of_neighbouring_datasets_are_equal_apart_from_the_weights(tmp_p
         export(run_a, tmp_path / "bad", declare_public=["records_sha256"])
 
 
-def test_composition_after_a_non_private_warm_up(tmp_path, records):
-    """Public warm-up without DP → DP stage → DP stage on the same records (issue #21, item 5): the warm-up
-    is listed but spends nothing, the second DP stage composes the first, and the bundle says so without
-    digests or counts."""
-    from dpllm import ledger
-    from dpllm.export import export
+@pytest.fixture(scope="module")
+def warm_up_study(tmp_path_factory):
+    """A study: a warm-up without DP on a public split simulated from the private file, then two DP stages."""
+    from dpllm.data import pydoc_paragraphs
 
+    tmp_path = tmp_path_factory.mktemp("study")
+    texts = list(dict.fromkeys(t[:200] for t in pydoc_paragraphs() if len(t) >= 40))[:160]
+    records = tmp_path / "d.jsonl"
+    records.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     data = ["--dataset", str(records), "--public_fraction", "0.3", "--simulate_public_from_private", "true",
             "--target_delta", "1e-3"]
     run(tmp_path, "warm", *data, "--privacy.enabled", "false", "--train_on", "public")
     run(tmp_path, "dp1", *data, "--model_name_or_path", str(tmp_path / "warm"), "--target_epsilon", "2")
     run(tmp_path, "dp2", *data, "--model_name_or_path", str(tmp_path / "dp1"), "--target_epsilon", "4")
+    return tmp_path
+
+
+def test_composition_after_a_non_private_warm_up(warm_up_study):
+    """Public warm-up without DP → DP stage → DP stage on the same records (issue #21, item 5): the warm-up
+    is listed but spends nothing, the second DP stage composes the first, and the released report says so
+    without digests or counts."""
+    from dpllm import ledger
+    from dpllm.export import release_report
+    from dpllm.privacy.report import PrivacyReport
+
+    tmp_path = warm_up_study
     dp1, dp2 = report_of(tmp_path / "dp1"), report_of(tmp_path / "dp2")
     assert [s["enabled"] for s in dp1["stages"]] == [False, True] and len(dp1["history"]) == 1
     assert dp1["stages"][0]["public_data"].startswith("SIMULATED (simulate_public_from_private)")  # and by what rule
@@ -374,11 +388,60 @@ def test_composition_after_a_non_private_warm_up(tmp_path, records):
     assert dp1["epsilon"] < dp2["epsilon"] <= 4.0 and dp2["epsilon"] == pytest.approx(
         accounting.compute_epsilon_history(history=dp2["history"], delta=1e-3, accountant="rdp"))
     assert ledger.verify(tmp_path / "dp2").ok
-    released = json.loads((export(tmp_path / "dp2", tmp_path / "bundle") / "privacy_report.json").read_text())
+    # (a study is no release: test_a_study_run_is_no_release; its released report is still what a bundle would hold)
+    released = release_report(PrivacyReport.read(tmp_path / "dp2")).to_dict()
     assert [s["enabled"] for s in released["stages"]] == [False, True, True]
     assert (released["history"] == dp2["history"]
             and released["composition"].startswith("1 (σ, q, steps) entries of earlier private stages"))
     assert not any("records_sha256" in s or "num_records" in s or "public_data" in s for s in released["stages"])
+
+
+def test_a_study_run_is_no_release(warm_up_study, tmp_path, capsys):
+    """Issue 46, item 5: a run whose warm-up trained without DP on records of the private file
+    (simulate_public_from_private) was exported under a card saying every stage that touched the private records
+    is composed into ε. export, synthesize and the push refuse it; the compliance checklist fails the item."""
+    from dpllm import compliance, hub
+    from dpllm.cli import main as dpllm_main
+    from dpllm.export import ExportError, export
+    from dpllm.synthetic import SynthesisError, synthesize
+    from dpllm.synthetic.card import release_folder
+
+    for stage in ("dp1", "dp2"):
+        with pytest.raises(ExportError, match="study run: stage\\(s\\) warm trained without DP on a public split "
+                                              "drawn from the private file.*data.public_dataset"):
+            export(warm_up_study / stage, tmp_path / stage)
+        assert not (tmp_path / stage).exists()
+    assert dpllm_main(["export", str(warm_up_study / "dp2"), "--out", str(tmp_path / "cli")]) == 1
+    assert "study run" in capsys.readouterr().err and not (tmp_path / "cli").exists()
+    gen = dict(num=2, temperature=1.0, top_p=0.9, max_new_tokens=8, batch_size=2, seed=0, progress=False)
+    with pytest.raises(SynthesisError, match="study run.*--allow-unreleasable"):
+        synthesize(warm_up_study / "dp2", out=tmp_path / "s.jsonl", **gen)
+    card = synthesize(warm_up_study / "dp2", out=tmp_path / "s.jsonl", allow_unreleasable=True, **gen)
+    assert card["statement"].startswith("NOT RELEASABLE") and not card["source"]["dp_guarantee"]
+    folder = release_folder(tmp_path / "s.jsonl", tmp_path / "release")
+    with pytest.raises(hub.PushError, match="s.card.json says NOT RELEASABLE.*study run"):
+        hub.push_folder(folder, "me/synth", token="hf_test")
+    tiers = next(it for it in compliance.check(warm_up_study / "dp2") if it.name == "sensitivity_tiers")
+    assert tiers.status == compliance.NOT_MET and "'warm'" in tiers.evidence and "simulate" in tiers.evidence
+    assert compliance.cli_main([str(warm_up_study / "dp2"), "--compliance"]) == 1
+
+
+def test_a_simulated_public_split_of_another_file_is_no_study():
+    """What makes a study: a stage trained without DP on a public split simulated from the very file a private
+    stage protects (a record added to it may land there). The demo's pretraining simulates public data from pydoc,
+    a public corpus the DP stage never reads: its lineage is a release."""
+    from dpllm.privacy.report import PrivacyReport
+
+    def lineage(warm_data, dp_data):
+        return PrivacyReport.from_dict({"enabled": True, "num_records": 1, "steps": 1, "stages": [
+            {"name": "warm", "enabled": False, "dataset": warm_data, "train_on": "public",
+             "public_data": "SIMULATED (simulate_public_from_private): records of the private file ..."},
+            {"name": "dp", "enabled": True, "dataset": dp_data, "train_on": "private", "public_data": "none"}]})
+
+    assert lineage("pydoc", "pystdlib").study_stages() == []
+    assert lineage("data/d.jsonl", "data/d.jsonl").study_stages() == ["warm"]
+    assert lineage("data/sub/../d.jsonl", "data/d.jsonl").study_stages() == ["warm"]  # one file, two spellings
+    assert lineage("pydoc", "pydoc").study_stages() == ["warm"]
 
 
 def test_a_local_base_path_does_not_leave_in_the_adapter_config(tmp_path):

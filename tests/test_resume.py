@@ -239,3 +239,39 @@ def test_a_damaged_checkpoint_names_the_fix_a_dptrainer_user_types(tmp_path):
     assert str(err.value) == (f"cannot resume from {steps[2]}: it was damaged after it was written (optimizer.pt is "
                               f"missing); resume from the earlier intact checkpoint {steps[0]} instead "
                               f"(trainer.train(resume_from_checkpoint='{steps[0]}'))")
+
+
+def test_a_seeded_resume_on_another_process_count_draws_no_noise_again(tmp_path, monkeypatch):
+    """Issue 46, item 7c: under reproducible_noise a resume on another number of processes restores no noise
+    state and keeps the generator it made, which was seeded as the fresh run's rank 0: it drew that rank's noise
+    of step 1 on again. Now no noise draw after the resume equals one drawn before it.
+
+    The checkpoint is written by one process and read as if two had written it (``rng_for_process`` sees two
+    states), the path a 2 → 1 resume takes. Draws are compared to a tolerance: a repeated draw is the same
+    generator state and so equal to the last bit; two streams differ by O(σC) in every coordinate."""
+    import dpllm.resume as R
+
+    draws = []
+    real_normal, real_save, real_rng = torch.normal, torch.save, R.rng_for_process
+
+    def spy(*args, generator=None, **kw):
+        out = real_normal(*args, generator=generator, **kw)
+        if generator is not None:  # Opacus's noise (the DP optimizers pass the run's noise generator)
+            draws.append(out.detach().flatten().clone())
+        return out
+
+    monkeypatch.setattr(torch, "normal", spy)
+    monkeypatch.setattr(R.torch, "save", lambda obj, path, *a, **kw: (_ for _ in ()).throw(OSError("injected"))
+                        if ".step-000004." in str(path) else real_save(obj, path, *a, **kw))
+    out, extra = tmp_path / "run", ["--max_steps", "6"]
+    with pytest.raises(OSError, match="injected"):
+        run(out, *extra)  # steps 1-4 drew noise; the latest checkpoint is step 2's
+    before, draws[:] = list(draws), []
+    monkeypatch.setattr(R.torch, "save", real_save)
+    monkeypatch.setattr(R, "rng_for_process", lambda saved, world: real_rng(saved + saved[:1], world))
+    assert run(out, *extra, "--resume_from", "latest")["resumed_from_step"] == 2
+    after = list(draws)
+    assert len(before) == len(after) and before  # 4 steps each, one draw per trainable tensor
+    repeated = [(i, j) for i, a in enumerate(after) for j, b in enumerate(before)
+                if a.shape == b.shape and torch.allclose(a, b)]
+    assert repeated == []

@@ -149,6 +149,45 @@ def test_labels_card_and_resume(runs, tmp_path):
         synthesize(runs / "plain", num=2, out=tmp_path / "y.jsonl", labels=["if"], **GEN)
 
 
+def test_resuming_from_another_run_is_refused(runs, tmp_path):
+    """Issue 46, item 4: resuming checked only the sampling settings, so samples of a non-private run were kept
+    and released under a DP run's card. The output records the run and its checkpoint's digest; another run, or
+    the same directory holding another checkpoint, is refused; the same run resumes."""
+    from dpllm import hub, ledger
+    from dpllm.synthetic.card import release_folder
+
+    out = tmp_path / "s.jsonl"
+    synthesize(runs / "nodp", num=4, out=out, allow_non_private=True, **GEN)
+    before, card = out.read_bytes(), (tmp_path / "s.card.json").read_text()
+    with pytest.raises(SynthesisError, match=r"holds 4 records sampled from another model \(run .*nodp vs .*dp; "
+                                             r"checkpoint sha256 \w{12} vs \w{12}\).*pick a new --out"):
+        synthesize(runs / "dp", num=8, out=out, **GEN)
+    assert out.read_bytes() == before and (tmp_path / "s.card.json").read_text() == card  # nothing written
+    from dpllm.synthetic.generate import source_path
+
+    source = json.loads(source_path(out).read_text())
+    assert source["run_dir"] == str((runs / "nodp").resolve())
+    assert source["checkpoint_sha256"] == ledger.dir_sha256(runs / "nodp" / "checkpoint")
+    synthesize(runs / "nodp", num=8, out=out, allow_non_private=True, **GEN)  # the same run resumes
+    assert len(read_jsonl(out)) == 8 and out.read_bytes().startswith(before)
+
+    # the same directory holding another run's checkpoint (a run overwritten in place): the digest differs
+    moved = tmp_path / "patients_2024"
+    shutil.copytree(runs / "dp", moved)
+    card = synthesize(moved, num=2, out=tmp_path / "m.jsonl", **GEN)
+    assert "patients_2024" not in json.dumps(card) + (tmp_path / "m.card.md").read_text()  # the run is not named
+    shutil.rmtree(moved)
+    shutil.copytree(runs / "nodp", moved)
+    with pytest.raises(SynthesisError, match=r"another model \(checkpoint sha256 \w{12} vs \w{12}\)"):
+        synthesize(moved, num=4, out=tmp_path / "m.jsonl", allow_non_private=True, **GEN)
+    # the record of the source is private: not in the release folder, and a folder holding it is not pushed
+    folder = release_folder(tmp_path / "m.jsonl", tmp_path / "release")
+    assert not any(p.name.endswith(".source.json") for p in folder.iterdir())
+    shutil.copy2(source_path(tmp_path / "m.jsonl"), folder)
+    with pytest.raises(hub.PushError, match="stay private.*m.source.json"):
+        hub.push_folder(folder, "me/synth", token="hf_test")
+
+
 def test_prompts_and_unconditional(runs, tmp_path):
     synthesize(runs / "plain", num=3, out=tmp_path / "p.jsonl", prompts=["The ", "A "], **GEN)
     rows = read_jsonl(tmp_path / "p.jsonl")
@@ -170,7 +209,7 @@ def test_cli_writes_file_card_and_private_report(runs, tmp_path, capsys):
     assert code == 0, capsys.readouterr().err
     names = sorted(p.name for p in out.parent.iterdir())
     assert names == ["synth.card.json", "synth.card.md", "synth.jsonl", "synth.report.json", "synth.report.md",
-                     "synth.report.png"]
+                     "synth.report.png", "synth.source.json"]
     rep = json.loads((out.parent / "synth.report.json").read_text())
     assert rep["leakage"]["n"] == 8 and rep["leakage"]["canaries"]["canaries"] == 4
     assert "downstream_accuracy" in rep["fidelity"]["synthetic"] and rep["fidelity"]["embedder"].startswith("lsa")

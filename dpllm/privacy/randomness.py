@@ -12,7 +12,11 @@ so that a killed run continues with exactly the noise and batches it would have 
 
 ``privacy.reproducible_noise: true`` derives both from ``train.seed`` instead, for tests and debugging:
 the report then says ``"noise_secret": false`` and ``dpllm report``, ``dpllm ledger verify`` and
-``dpllm export`` treat the run as not releasable.
+``dpllm export`` treat the run as not releasable. A resumed launch restores each process's saved noise
+state; on another number of processes it cannot (:func:`dpllm.resume.rng_for_process`), and the noise
+stream it starts instead is keyed by the step it resumes from and the new process count as well, so it
+never restarts a stream an earlier launch of the stage drew from (every earlier launch started at an
+earlier step).
 
 ``privacy.secure_mode: true`` goes one step further and draws the noise from Opacus's cryptographically
 secure generator (torchcsprng): it closes the gap that torch's Mersenne-Twister generator, although
@@ -38,7 +42,8 @@ def secret_seed() -> int:
 
 
 def privacy_generators(*, reproducible: bool, seed: int, stage: str, world: World, device,
-                       secure_mode: bool = False) -> dict[str, Optional[torch.Generator]]:
+                       secure_mode: bool = False,
+                       resumed_at: Optional[int] = None) -> dict[str, Optional[torch.Generator]]:
     """The Poisson-sampling and noise generators of one run stage on this process.
 
     Sampling must draw the same global mask on every process, so rank 0's secret seed is broadcast to
@@ -52,13 +57,18 @@ def privacy_generators(*, reproducible: bool, seed: int, stage: str, world: Worl
         world: this process's place among the processes.
         device: where the noise is drawn.
         secure_mode: Opacus draws the noise itself from its secure generator (returns ``noise: None``).
+        resumed_at: the step a resumed launch starts from (None for a fresh run). Under ``reproducible``, the
+            noise seed then also depends on it and on ``world.size``: a resume on another number of processes
+            keeps the generator made here, and with the fresh run's seed rank 0 would draw again the noise it
+            drew from step 1 on.
 
     Returns:
         ``{"sampling": Generator, "noise": Generator or None}``.
     """
     if reproducible:
         sampling_seed = stream_seed(seed, f"{stage}:poisson")
-        noise_seed = stream_seed(seed, f"{stage}:noise:{world.rank}")
+        noise_seed = stream_seed(seed, f"{stage}:noise:{world.rank}" + (
+            "" if resumed_at is None else f":resumed-at:{resumed_at}:of:{world.size}"))
     else:
         sampling_seed = broadcast_object(secret_seed() if world.is_main else None, world)
         noise_seed = secret_seed()

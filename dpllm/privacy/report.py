@@ -22,6 +22,8 @@ from typing import Any, Optional
 from dpllm.io import write_json_atomic
 
 FILENAME = "privacy_report.json"
+# How a stage's ``public_data`` (dpllm.data.split_rule) begins when its public split was records of the private file
+SIMULATED_PUBLIC = "SIMULATED"
 
 
 class ReportError(ValueError):
@@ -86,6 +88,27 @@ class PrivacyReport:
     def releasable(self) -> bool:
         """A private run whose noise was secret; a non-private run is never 'releasable under DP'."""
         return bool(self.enabled and self.noise_secret)
+
+    def study_stages(self) -> list[str]:
+        """The stages (names) that trained on a public split simulated from a file a private stage of this lineage
+        protects (``public_fraction`` with ``simulate_public_from_private``, :func:`dpllm.data.split_rule`).
+
+        Such a lineage is a study, not a release: one record added to that file lands in the simulated public
+        split with probability ``public_fraction`` and is then trained on without DP, which no ε covers. A
+        simulated split of *another* file (a public corpus standing in for public data, as the demo's
+        pretraining on pydoc) leaves the private stages' files alone. Files are compared by name (a path as
+        normalised by :func:`os.path.realpath`, a built-in corpus or Hub id as given).
+        """
+        import os
+
+        def file(stage: dict) -> str:
+            name = str(stage.get("dataset"))
+            return os.path.realpath(os.path.expanduser(name)) if "/" in name or os.path.exists(name) else name
+
+        protected = {file(s) for s in self.stages if s.get("enabled") and s.get("train_on", "private") == "private"}
+        return [str(s.get("name")) for s in self.stages
+                if str(s.get("public_data") or "").startswith(SIMULATED_PUBLIC) and s.get("train_on") == "public"
+                and file(s) in protected]
 
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)

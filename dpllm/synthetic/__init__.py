@@ -7,9 +7,10 @@ synthetic copy of the private data can leave the run as freely as the model can.
 ``cli``            ``dpllm synthesize RUN --num N --out synth.jsonl``: the steps below in one command
 ``generate``       :func:`synthesize`: the release checks of ``dpllm export``
                    (:func:`dpllm.export.check_releasable`: seeded noise, a ledger that does not verify,
-                   no DP are refused unless overridden), then batched, seeded, resumable sampling from
-                   the checkpoint, unconditional, on public prompts, or on labels (control codes,
-                   ``data.label_column``)
+                   a study run, a failed audit, no DP are refused unless overridden), then batched, seeded,
+                   resumable sampling from the checkpoint (resumed only from the same run and checkpoint:
+                   ``synth.source.json``, **private**), unconditional, on public prompts, or on labels
+                   (control codes, ``data.label_column``)
 ``records``        the record shape of the run (chat, prompt/completion, text) and the valid-text guard:
                    no NUL, control character or broken UTF-8 reaches the file
 ``card``           ``synth.card.json`` / ``synth.card.md``: the source's (ε, δ) and privacy unit, the

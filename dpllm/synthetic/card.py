@@ -65,13 +65,14 @@ def columns(settings: dict) -> list[str]:
     return ["id", "text"] + (["label"] if settings.get("labels") else ["prompt"] if settings.get("prompts") else [])
 
 
-def make_card(*, run_name: str, report: PrivacyReport, refusal: Optional[str], settings: dict, file: str,
+def make_card(*, report: PrivacyReport, refusal: Optional[str], settings: dict, file: str,
               num_records: int, complete: bool, sha256: Optional[str], drawn: Optional[int] = None,
               license: Optional[str] = None) -> dict:
     """The card as JSON-serialisable data (schema ``dpllm.synthetic.card/1``).
 
     ``drawn`` is how many samples were drawn up to the file's last record; ``drawn - num_records`` of them were
-    dropped as not valid text (:mod:`dpllm.synthetic.records`). Both are functions of the samples only.
+    dropped as not valid text (:mod:`dpllm.synthetic.records`). Both are functions of the samples only. The
+    source run is not named (its directory's name may name the data); ``*.source.json``, private, names it.
     """
     from dpllm.checkpoint import library_versions
 
@@ -86,7 +87,7 @@ def make_card(*, run_name: str, report: PrivacyReport, refusal: Optional[str], s
         "complete": complete,
         "license": license,
         "sha256": sha256,
-        "source": {"run": run_name, "privacy": {k: public.get(k) for k in PRIVACY_FIELDS if k in public},
+        "source": {"privacy": {k: public.get(k) for k in PRIVACY_FIELDS if k in public},
                    "releasable": refusal is None, "dp_guarantee": refusal is None and report.enabled,
                    "refusal_overridden": refusal},
         "generation": settings,
@@ -130,7 +131,6 @@ def _card_body(card: dict) -> str:
 |---|---|
 | records | {records} |
 | sha256 | `{card['sha256']}` |
-| source run | `{card['source']['run']}` |
 | source model's DP guarantee | {guarantee} |
 | releasable | {'yes' if card['source']['releasable'] else '**no**: ' + str(card['source']['refusal_overridden'])} |
 | conditioning | {cond} |

@@ -5,7 +5,8 @@
     dpllm synthesize runs/dp --num 200 --out s.jsonl --prompt "def " --prompt "class " --no-report
     dpllm synthesize runs/dp --num 1000 --out synth/synth.jsonl --release-dir release --push-to-hub me/synth
 
-Rerunning the same command continues an interrupted file. Exit status 1 when the run is refused.
+Rerunning the same command continues an interrupted file (from the same run and checkpoint only: the private
+synth.source.json beside it records them). Exit status 1 when the run is refused.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--labels", help="comma-separated classes (runs trained with data.label_column); default: all")
     ap.add_argument("--allow-non-private", action="store_true", help="sample from a run trained without DP")
     ap.add_argument("--allow-unreleasable", action="store_true",
-                    help="sample from a run dpllm export refuses (seeded noise, ledger fails); the card says so")
+                    help="sample from a run dpllm export refuses (seeded noise, ledger fails, a study run, a failed "
+                         "audit); the card says so")
     ap.add_argument("--no-report", action="store_true", help="skip the private leakage and fidelity report")
     ap.add_argument("--embedder", default="auto",
                     help="report's embedding model: auto (the run's local base model, else lsa), lsa, or a model dir")

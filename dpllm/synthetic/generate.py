@@ -8,8 +8,10 @@ record of the run's shape (:mod:`dpllm.synthetic.records`: chat runs give ``mess
 runs ``prompt``/``completion``), is dropped and the next ids replace it, until the file holds ``num`` records
 (at most :func:`_max_draws` samples). Each line keeps its sample's id, so an interrupted run continued later,
 or a file extended to a larger ``num``, holds exactly the lines one uninterrupted run would have written: a
-rerun reads the file, keeps its complete lines, and samples on from the id after the last one (the settings
-must be the same; the card records them).
+rerun reads the file, keeps its complete lines, and samples on from the id after the last one. The settings
+must be the same (the card records them), and so must the model: ``synth.source.json`` (private: it names
+the run directory) records the run and its final checkpoint's sha256 (the ledger's ``checkpoint_sha256``),
+and a rerun from any other run or checkpoint is refused, so one card never covers samples of two models.
 """
 
 from __future__ import annotations
@@ -158,17 +160,20 @@ def synthesize(run_dir: str | Path, *, num: int, out: str | Path, temperature: f
                 "batch_size": batch_size, "seed": seed, "conditioning": "labels" if labels else
                 "prompts" if prompts else "unconditional", "labels": list(labels or []), "prompts": list(prompts or [])}
     card_json, card_md = card_paths(out)
-    done, next_id = _check_resume(out, card_json, settings)
+    source = run_identity(run_dir, verified=refusal is None)
+    done, next_id = _check_resume(out, card_json, settings, source)
 
     def write_card(complete: bool) -> dict:
         n, drawn = _existing(out)
-        card = make_card(run_name=run_dir.resolve().name, report=report, refusal=refusal, settings=settings,
+        card = make_card(report=report, refusal=refusal, settings=settings,
                          file=out.name, num_records=n, complete=complete,
                          sha256=file_sha256(out) if out.exists() else None, drawn=drawn, license=license)
         write_json_atomic(card_json, card)
         write_text_atomic(card_md, card_markdown(card))
         return card
 
+    if not done:  # which model the samples come from, on disk before the first one
+        write_json_atomic(source_path(out), source)
     write_card(done >= num)  # the settings are on disk before the first sample
     if done < num:
         _sample(run_dir, out, start=next_id, have=done, num=num, settings=settings, progress=progress)
@@ -188,13 +193,50 @@ def _max_draws(num: int, batch_size: int) -> int:
     return max(4 * num, num + 4 * batch_size)
 
 
-def _check_resume(out: Path, card_json: Path, settings: dict) -> tuple[int, int]:
+def source_path(out: str | Path) -> Path:
+    """``synth.source.json`` beside the synthetic file ``out``: the run and checkpoint it was sampled from (private)."""
+    out = Path(out)
+    stem = out.name[: -len(out.suffix)] if out.suffix else out.name
+    return out.with_name(f"{stem}.source.json")
+
+
+def run_identity(run_dir: Path, *, verified: bool) -> dict:
+    """Which model samples come from: the run directory (resolved) and its final checkpoint's sha256.
+
+    ``verified``: the run passed the release checks, so its ledger verified and the final line's
+    ``checkpoint_sha256`` is the digest of ``checkpoint/`` as it is on disk (no second pass over the weights);
+    otherwise the digest is computed here (:func:`dpllm.ledger.dir_sha256`).
+    """
+    from dpllm import ledger
+
+    digest = None
+    if verified:
+        entries = ledger.read(run_dir)
+        digest = entries[-1].get("checkpoint_sha256") if entries else None
+    return {"schema": "dpllm.synthetic.source/1", "run_dir": str(run_dir.resolve()),
+            "checkpoint_sha256": digest or ledger.dir_sha256(run_dir / "checkpoint")}
+
+
+def _check_resume(out: Path, card_json: Path, settings: dict, source: dict) -> tuple[int, int]:
     done, next_id = _existing(out)
     if not done:
         return 0, 0
     if not card_json.is_file():
         raise SynthesisError(f"--out {out} exists with {done} lines but has no {card_json.name} beside it: not a "
                              "dpllm synthesize file; pick a new --out")
+    src = source_path(out)
+    try:
+        old_source = json.loads(src.read_text())
+    except (OSError, ValueError):
+        raise SynthesisError(f"--out {out} holds {done} records but no readable {src.name} saying which run and "
+                             "checkpoint they were sampled from, so they cannot be continued under one card; pick a "
+                             "new --out") from None
+    differs = [f"{what} {old_source.get(key)!s:.{width}} vs {source[key]!s:.{width}}"
+               for key, what, width in (("run_dir", "run", 400), ("checkpoint_sha256", "checkpoint sha256", 12))
+               if old_source.get(key) != source[key]]
+    if differs:
+        raise SynthesisError(f"--out {out} holds {done} records sampled from another model ({'; '.join(differs)}); "
+                             "resuming would release them under this run's card: pick a new --out")
     old = json.loads(card_json.read_text()).get("generation", {})
     diff = sorted(k for k in settings if old.get(k) != settings[k])
     if diff:
