@@ -101,12 +101,15 @@ def newton_many(A: np.ndarray, mask: np.ndarray, logy: np.ndarray, weight: np.nd
         pure = theta[rows] + newton
         tiny = (np.isfinite(pure).all(axis=1) & (pure > lower).all(axis=1) & (pure < upper).all(axis=1)
                 & (np.abs(newton).max(axis=1) <= step_tol * (1 + np.abs(pure).max(axis=1))))
-        trial[tiny], inside[tiny] = pure[tiny], True
-        ft, gt, Ht = _evaluate(np.where(inside[:, None], trial, theta[rows]), A, AA, mask, logy[rows],
-                               weight[rows], delta)
-        accept = inside & ((ft <= f[rows]) | tiny)
-        acc = rows[accept]
-        theta[acc], f[acc], g[acc], H[acc] = trial[accept], ft[accept], gt[accept], Ht[accept]
+        trial[tiny] = pure[tiny]
+        theta[rows[tiny]] = trial[tiny]  # converged: no need to evaluate there again
+        step = inside & ~tiny
+        ft, gt, Ht = _evaluate(trial[step], A, AA, mask, logy[rows[step]], weight[rows[step]], delta)
+        better = ft <= f[rows[step]]
+        acc = rows[step][better]
+        theta[acc], f[acc], g[acc], H[acc] = trial[step][better], ft[better], gt[better], Ht[better]
+        accept = tiny.copy()
+        accept[np.flatnonzero(step)[better]] = True
         lam[acc] = np.where(lam[acc] > 1e-6, lam[acc] / 10, 0.0)
         rej = rows[~accept]
         lam[rej] = np.maximum(lam[rej] * 10, 1e-6)
