@@ -33,6 +33,7 @@ from dpllm.scaling.runs import PARAMS_FIELDS, parse_epsilon, runs_to_points
 
 JOINT = "joint"  # the label of a fit over all privacy groups at once (dp_noise, noise_batch)
 JOINT_FORMS = ("dp_noise", "noise_batch")
+BATCH_POINTS = 250_000  # resamples × configurations refitted at once by a form's refit_many (memory, not speed)
 
 
 def _check_points(form: Form, x: dict[str, np.ndarray], loss: np.ndarray) -> None:
@@ -208,9 +209,11 @@ def _bootstrap(f: Form, x, y, xc, inverse, counts, params, n_boot: int, seed: in
     if f.refit_many is not None and identified.any():
         # All resamples at once (batched Newton from the full-data optimum); the few it leaves unsolved
         # (an optimum on a bound, no convergence) are refitted one by one below, as every one was before.
-        rows = np.flatnonzero(identified)
-        got, ok = f.refit_many(xc, ymeans[rows], present[rows].astype(float), params)
-        samples[rows[ok]], solved[rows[ok]] = got[ok], True
+        # In chunks of ~250k resample-points: the batch holds a few (points × params) arrays per resample.
+        todo = np.flatnonzero(identified)
+        for rows in np.array_split(todo, -(-len(todo) * n_cfg // BATCH_POINTS)):
+            got, ok = f.refit_many(xc, ymeans[rows], present[rows].astype(float), params)
+            samples[rows[ok]], solved[rows[ok]] = got[ok], True
     for i in _progress(np.flatnonzero(identified & ~solved), f.name):
         p = _refit(f, {k: v[present[i]] for k, v in xc.items()}, ymeans[i, present[i]], params)
         if p is not None:
