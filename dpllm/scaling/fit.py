@@ -33,6 +33,7 @@ from dpllm.scaling.runs import PARAMS_FIELDS, parse_epsilon, runs_to_points
 
 JOINT = "joint"  # the label of a fit over all privacy groups at once (dp_noise, noise_batch)
 JOINT_FORMS = ("dp_noise", "noise_batch")
+BATCH_POINTS = 250_000  # resamples × configurations refitted at once by a form's refit_many (memory, not speed)
 
 
 def _check_points(form: Form, x: dict[str, np.ndarray], loss: np.ndarray) -> None:
@@ -60,13 +61,6 @@ def _check_points(form: Form, x: dict[str, np.ndarray], loss: np.ndarray) -> Non
         raise ScalingError(f"{form.name} has {len(form.param_names)} parameters and needs ≥ {need} distinct "
                            f"configurations of ({', '.join(form.inputs)}); got {n_cfg}. Add runs or use a "
                            f"form with fewer parameters")
-
-
-def _identified(form: Form, x: dict[str, np.ndarray]) -> bool:
-    """Whether a bootstrap resample still pins every parameter down (otherwise it is skipped)."""
-    if any(len(np.unique(x[k][x[k] > 0])) < m for k, m in form.min_distinct.items()):
-        return False
-    return len(np.unique(np.column_stack([x[k] for k in form.inputs]), axis=0)) >= len(form.param_names)
 
 
 def fit_form(form: str, *, loss: Iterable[float], N: Iterable[float], D: Iterable[float] | None = None,
@@ -182,9 +176,9 @@ def _one_blas_thread():
 
 def _bootstrap(f: Form, x, y, xc, inverse, counts, params, n_boot: int, seed: int) -> tuple[np.ndarray, str]:
     rng = np.random.default_rng(seed)
-    out = []
     if n_boot <= 0:
         return np.empty((0, len(f.param_names))), "none"
+    n_cfg = len(counts)
     if counts.min() > 1:
         # Every configuration repeated: keep them all, resample each one's seeds (seed-to-seed noise).
         # Deviations from the configuration mean are scaled by √(n/(n−1)): resampling n seeds otherwise
@@ -193,27 +187,54 @@ def _bootstrap(f: Form, x, y, xc, inverse, counts, params, n_boot: int, seed: in
         mean = np.bincount(inverse, weights=y) / counts
         scale = np.sqrt(counts / np.maximum(counts - 1, 1))[inverse]
         y_adj = mean[inverse] + scale * (y - mean[inverse])
-        members = [np.flatnonzero(inverse == c) for c in range(len(counts))]
+        members = [np.flatnonzero(inverse == c) for c in range(n_cfg)]
         ymeans = np.column_stack([y_adj[m[rng.integers(0, len(m), size=(n_boot, len(m)))]].mean(axis=1)
                                   for m in members])
-        out = [_refit(f, xc, yb, params) for yb in _progress(ymeans, f.name)]
+        present = np.ones((n_boot, n_cfg), bool)
     else:
         # Some configuration has a single run, so its seed noise is unknown: resample runs instead
-        # (with one run per configuration this is resampling configurations) and re-average.
+        # (with one run per configuration this is resampling configurations) and re-average. Each resample's
+        # configuration means are summed in the resample's order, as _config_means sums them.
         method = "runs"
         n = len(y)
-        for idx in _progress(rng.integers(0, n, size=(n_boot, n)), f.name):
-            xb = {k: v[idx] for k, v in x.items()}
-            if not _identified(f, xb):
-                out.append(None)
-                continue
-            xcb, yb, _, _ = _config_means(f, xb, y[idx])
-            out.append(_refit(f, xcb, yb, params))
-    ok = [o for o in out if o is not None]
-    if len(ok) < 0.9 * n_boot:
-        warnings.warn(f"{f.name}: only {len(ok)}/{n_boot} bootstrap resamples could be fitted; the interval "
-                      f"is from those", stacklevel=2)
-    return np.array([[o[p] for p in f.param_names] for o in ok]).reshape(-1, len(f.param_names)), method
+        idx = rng.integers(0, n, size=(n_boot, n))
+        flat = (inverse[idx] + n_cfg * np.arange(n_boot)[:, None]).ravel()
+        hits = np.bincount(flat, minlength=n_boot * n_cfg).reshape(n_boot, n_cfg)
+        sums = np.bincount(flat, weights=y[idx].ravel(), minlength=n_boot * n_cfg).reshape(n_boot, n_cfg)
+        present = hits > 0
+        ymeans = np.where(present, sums / np.maximum(hits, 1), 1.0)
+    identified = _identified_rows(f, xc, present)
+    samples = np.full((n_boot, len(f.param_names)), np.nan)
+    solved = np.zeros(n_boot, bool)
+    if f.refit_many is not None and identified.any():
+        # All resamples at once (batched Newton from the full-data optimum); the few it leaves unsolved
+        # (an optimum on a bound, no convergence) are refitted one by one below, as every one was before.
+        # In chunks of ~250k resample-points: the batch holds a few (points × params) arrays per resample.
+        todo = np.flatnonzero(identified)
+        for rows in np.array_split(todo, -(-len(todo) * n_cfg // BATCH_POINTS)):
+            got, ok = f.refit_many(xc, ymeans[rows], present[rows].astype(float), params)
+            samples[rows[ok]], solved[rows[ok]] = got[ok], True
+    for i in _progress(np.flatnonzero(identified & ~solved), f.name):
+        p = _refit(f, {k: v[present[i]] for k, v in xc.items()}, ymeans[i, present[i]], params)
+        if p is not None:
+            samples[i], solved[i] = [p[k] for k in f.param_names], True
+    if solved.sum() < 0.9 * n_boot:
+        warnings.warn(f"{f.name}: only {int(solved.sum())}/{n_boot} bootstrap resamples could be fitted; the "
+                      f"interval is from those", stacklevel=2)
+    return samples[solved], method
+
+
+def _identified_rows(f: Form, xc: Mapping[str, np.ndarray], present: np.ndarray) -> np.ndarray:
+    """Per resample (a row of ``present``, the configurations it drew), whether it still pins every
+    parameter down: enough configurations and distinct positive values of each input. Others are skipped."""
+    ok = present.sum(axis=1) >= len(f.param_names)
+    for k, need in f.min_distinct.items():
+        values, which = np.unique(xc[k], return_inverse=True)
+        onehot = np.zeros((len(xc[k]), len(values)))
+        onehot[np.arange(len(xc[k])), which.ravel()] = 1.0
+        drawn = (present.astype(float) @ onehot) > 0
+        ok &= (drawn & (values > 0)).sum(axis=1) >= need
+    return ok
 
 
 def _progress(rows, name: str):

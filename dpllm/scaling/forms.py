@@ -50,6 +50,9 @@ class Form:
             (used by the bootstrap, which starts from the full-data optimum).
         min_distinct: least number of distinct values each input needs for the fit to be identified.
         formula: human-readable formula for reports.
+        refit_many: optional ``refit_many(inputs, loss, weight, start) -> (params, solved)``: refits from
+            ``start`` for a batch of resamples at once (``loss`` and ``weight`` are (batch, points); params come
+            back (batch, parameters) in ``param_names`` order). Rows not ``solved`` are refitted with ``fit``.
     """
 
     name: str
@@ -59,6 +62,7 @@ class Form:
     fit: Callable[..., Params]
     min_distinct: Mapping[str, int]
     formula: str
+    refit_many: Callable[..., tuple[np.ndarray, np.ndarray]] | None = None
 
 
 FORMS: dict[str, Form] = {}
@@ -247,6 +251,46 @@ def _lse_fit(x: Inputs, y: np.ndarray, start: Mapping[str, float] | None, inputs
     return out
 
 
+def _lse_refit_many(x: Inputs, y: np.ndarray, weight: np.ndarray, start: Mapping[str, float],
+                    inputs: tuple[str, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The bootstrap's refits of :func:`_lse_fit` from ``start``, all at once (:mod:`dpllm.scaling.newton`).
+
+    Same parameters as ``_lse_fit`` (centred the same way, from all points), solved to its optimum by batched
+    Newton; returns (batch, params) in ``E, coef, exponent, ...`` order and which rows were solved.
+    """
+    from dpllm.scaling.newton import newton_many
+
+    n = np.shape(x[inputs[0]])[0]
+    n_par = 1 + 2 * len(inputs)
+    A = np.zeros((n, len(inputs) + 1, n_par))
+    mask = np.ones((n, len(inputs) + 1), bool)
+    A[:, 0, 0] = 1.0
+    theta0, refs, signs = [np.log(start["E"])], [], []
+    for j, name in enumerate(inputs):
+        coef, expo, sg = _TERMS[name]
+        v = np.asarray(x[name], dtype=float)
+        mask[:, j + 1] = v > 0
+        lv = np.log(np.where(mask[:, j + 1], v, 1.0))
+        ref = float(lv[mask[:, j + 1]].mean())
+        A[:, j + 1, 1 + 2 * j] = 1.0
+        A[:, j + 1, 2 + 2 * j] = -sg * np.where(mask[:, j + 1], lv - ref, 0.0)
+        theta0 += [np.log(start[coef]) - sg * start[expo] * ref, float(np.clip(start[expo], 0.0, MAX_EXPONENT))]
+        refs.append(ref)
+        signs.append(sg)
+    lower = np.array([-np.inf] + [b for _ in inputs for b in (-np.inf, 0.0)])
+    upper = np.array([np.inf] + [b for _ in inputs for b in (np.inf, MAX_EXPONENT)])
+    weight = np.asarray(weight, dtype=float)
+    logy = np.log(np.where(weight > 0, y, 1.0))
+    th, solved = newton_many(A, mask, logy, weight, np.array(theta0), lower=lower, upper=upper,
+                             delta=HUBER_DELTA)
+    out = np.empty_like(th)
+    out[:, 0] = np.exp(th[:, 0])
+    for j, (ref, sg) in enumerate(zip(refs, signs)):
+        out[:, 1 + 2 * j] = np.exp(th[:, 1 + 2 * j] + sg * th[:, 2 + 2 * j] * ref)
+        out[:, 2 + 2 * j] = th[:, 2 + 2 * j]
+    return out, solved & np.isfinite(out).all(axis=1)
+
+
 def _lse_form(name: str, inputs: tuple[str, ...], min_distinct: dict[str, int], formula: str) -> Form:
     names = ("E",) + tuple(p for i in inputs for p in _TERMS[i][:2])
     return Form(
@@ -254,6 +298,7 @@ def _lse_form(name: str, inputs: tuple[str, ...], min_distinct: dict[str, int], 
         predict=lambda p, x: _lse_predict(p, x, inputs),
         fit=lambda x, y, start=None: _lse_fit(x, y, start, inputs),
         min_distinct=min_distinct, formula=formula,
+        refit_many=lambda x, y, weight, start: _lse_refit_many(x, y, weight, start, inputs),
     )
 
 
