@@ -99,7 +99,24 @@ def neighbouring_relation(report: PrivacyReport) -> str:
     if report.privacy_unit == "sequence" and report.sequence_level:
         return (f"add or remove one sequence (a block of {report.sequence_level['tokens_per_sequence']:,} tokens of "
                 "the concatenated training texts)")
-    return "add or remove one record"
+    return "add or remove one record" + _ranked_count(report)
+
+
+def _ranked_count(report: PrivacyReport) -> str:
+    """What ``max_records`` means for the relation (issue 46): it keeps a count of records ranked by keyed hash,
+    so a corpus one record larger can push a kept record out. A DP run allows it only on a built-in public corpus
+    (or a file no neighbour pushes past the cut, where add/remove holds as stated); on a built-in corpus the ε is
+    for adding or removing a record of the kept set, and relative to the whole corpus a neighbour is a replaced
+    record, for which no ε is computed."""
+    from dpllm import data, sft
+
+    for s in report.stages:
+        cap, name = s.get("max_records"), s.get("dataset")
+        if s.get("enabled") and cap is not None and (name in data.BUILTIN or name in sft.BUILTIN):
+            return (f" of the at most {cap:,} that max_records kept (by keyed-hash rank) from the built-in public "
+                    f"corpus {name}; relative to the whole corpus a neighbour replaces a kept record, and no ε is "
+                    "stated for that")
+    return ""
 
 
 def _dataset_name(name, *, public: bool):

@@ -352,3 +352,21 @@ def test_max_records_is_refused_on_a_private_file_under_dp(tmp_path):
     small = _write(tmp_path / "small.jsonl", rows[:99])  # 99 records, 100 with one more: no neighbour is cut
     assert len(setup(small).records) == 99
     assert len(setup("pydoc").records) == 100  # a built-in public corpus: nobody's file to hand a neighbour of
+
+
+def test_a_count_kept_from_a_builtin_corpus_is_stated_in_the_released_relation():
+    """Item 6, built-in corpora: max_records still ranks records there (a public corpus, the demo's), so the
+    released relation says the ε is for a record of the kept set, not of the corpus; a file's run says add/remove."""
+    from dpllm.export import neighbouring_relation
+    from dpllm.privacy.report import PrivacyReport
+
+    def report(dataset, cap):
+        return PrivacyReport(enabled=True, num_records=100, steps=10, logical_batch_size=8, physical_batch_size=8,
+                             stages=[{"name": "s", "enabled": True, "dataset": dataset, "max_records": cap}])
+
+    ranked = neighbouring_relation(report("pystdlib", 2000))
+    assert ranked.startswith("add or remove one record of the at most 2,000 that max_records kept")
+    assert "built-in public corpus pystdlib" in ranked and "replaces a kept record" in ranked
+    assert neighbouring_relation(report("pystdlib", None)) == "add or remove one record"
+    # a file under DP reaches this point only when no neighbour is cut (run_data refuses the rest): add/remove holds
+    assert neighbouring_relation(report("notes.jsonl", 100)) == "add or remove one record"

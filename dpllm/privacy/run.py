@@ -318,6 +318,8 @@ class RunPrivacy:
         t, d = self.cfg.train, self.cfg.data
         stage = {"name": self.out.name, "run_dir": str(self.out.resolve()), "enabled": self.dp,
                  "dataset": d.dataset, "train_on": d.train_on,
+                 # a count kept by rank (a built-in corpus only, under DP): the released relation says so (export)
+                 "max_records": d.max_records,
                  "public_data": public_data,  # which records were declared public, and how
                  "num_records": num_records, "steps": steps,
                  "records_sha256": set_digest(trained),
