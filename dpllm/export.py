@@ -59,8 +59,9 @@ RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensor
 
 # The privacy report's fields a bundle carries: the mechanism's public parameters, ε and how it was computed.
 RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_size", "privacy_unit", "epsilon", "delta",
-                   "accountant", "target_epsilon", "noise_multiplier", "sample_rate", "max_grad_norm", "clipping",
-                   "sensitivity", "grad_sample_mode", "poisson_sampling", "secure_mode", "noise_secret", "history",
+                   "accountant", "accountant_method", "target_epsilon", "noise_multiplier", "sample_rate",
+                   "max_grad_norm", "clipping", "sensitivity", "grad_sample_mode", "poisson_sampling", "secure_mode",
+                   "noise_secret", "history",
                    "model_adjustments", "versions", "noise_schedule", "sequence_level")
 # Not "note" (free text, could say anything) and not "warnings": they quote data-dependent counts (records removed as
 # duplicates, the expected batch q·N, a logical batch capped at N) for the operator, who reads them in the private run.

@@ -138,3 +138,7 @@ def test_the_report_records_how_epsilon_was_composed():
     assert PrivacyReport.from_dict(report.to_dict()).accountant_method == plain
     assert "accountant_method" not in PrivacyReport(enabled=False, num_records=1, steps=1, logical_batch_size=1,
                                                     physical_batch_size=1).to_dict()
+    from dpllm.export import release_report
+
+    # how ε was composed is a fact of the public mechanism: the released report carries it
+    assert release_report(report).accountant_method == plain
