@@ -63,10 +63,11 @@ class PrivateTraining:
         """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
         return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
 
-    def set_users(self, users) -> None:
+    def set_users(self, users, *, reduction: str = "mean") -> None:
         """ULS: the user of each row of the next physical batch (the bk module or the hooks optimizer clips
-        one mean gradient per user)."""
-        (self.model if self.grad_sample_mode == "bk" else self.optimizer).set_users(users)
+        one mean gradient per user); split long records (``reduction="sum"``): each window's source record, whose
+        windows' summed gradient is clipped once."""
+        (self.model if self.grad_sample_mode == "bk" else self.optimizer).set_users(users, reduction=reduction)
 
     def steps_taken(self) -> int:
         return sum(int(h[2]) for h in self.engine.accountant.history)
