@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -169,3 +170,34 @@ def test_split_run_trains_every_window_reports_the_counts_and_accounts_as_record
     splits_a, splits_b = (json.loads((r / "splits.json").read_text()) for r in (split, cut_run))
     assert splits_a["train"] == splits_b["train"]  # splits describe source records, decided as ever
     assert f"{d['split_records']:,} of {d['records']:,} training records are longer than max_length=32" in caplog.text
+    assert splits_a["long_records"] == "split" and splits_a["max_windows"] == 4 and "max_windows" not in splits_b
+    from mia.__main__ import main as mia_main
+
+    assert mia_main(["audit", "--checkpoint", str(split), "--attacks", "loss", "--n-bootstrap", "20",
+                     "--no-progress"]) == 0
+    rep = json.loads((split / "audit" / "mia_report.json").read_text())
+    assert rep["max_windows"] == 4 and rep["n_members"] == a.num_records  # members are the source records
+
+
+def test_mia_scores_a_split_record_over_all_its_windows_as_one_unit():
+    """Each window scored alone by hand, concatenated per record: the audit's per-token signals of the record. The
+    audit batches windows of several records (right-padded): the same arithmetic in another order, so 1e-5."""
+    from mia.signals import compute_signals
+
+    model, tok = tiny_model()
+    model.eval()
+    texts = ["a" * 100, "short text here"]  # 101 byte tokens: windows of 32, 32, 32, 5 (3 kept); 16 tokens
+    sig = compute_signals(model, tok, texts, max_length=32, max_windows=3, progress=False)
+    full = tok(texts[0])["input_ids"]
+    want = []
+    with torch.no_grad():
+        for k in (0, 32, 64):
+            w = torch.tensor([full[k: k + 32]])
+            logp = torch.log_softmax(model(input_ids=w).logits[0, :-1].float(), dim=-1)
+            want.append(logp.gather(-1, w[0, 1:, None])[:, 0].double().numpy())
+    want = np.concatenate(want)
+    assert sig.num_tokens.tolist() == [3 * 31, 15]
+    np.testing.assert_allclose(sig.token_logprobs[0], want, rtol=1e-5, atol=1e-6)
+    assert sig.loss[0] == pytest.approx(-want.mean(), rel=1e-5)
+    one_row = compute_signals(model, tok, texts, max_length=32, progress=False)  # the truncated record: 31 tokens
+    assert one_row.num_tokens.tolist() == [31, 15] and one_row.loss[1] == pytest.approx(sig.loss[1], rel=1e-5)
