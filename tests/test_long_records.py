@@ -201,3 +201,12 @@ def test_mia_scores_a_split_record_over_all_its_windows_as_one_unit():
     assert sig.loss[0] == pytest.approx(-want.mean(), rel=1e-5)
     one_row = compute_signals(model, tok, texts, max_length=32, progress=False)  # the truncated record: 31 tokens
     assert one_row.num_tokens.tolist() == [31, 15] and one_row.loss[1] == pytest.approx(sig.loss[1], rel=1e-5)
+
+
+def test_split_of_chat_records_found_in_the_file_is_refused_before_anything_is_written(tmp_path):
+    from dpllm.train import train
+
+    with pytest.raises(ConfigError, match="long_records=split of messages records .* is planned"):
+        train(parse_config(["--model_name_or_path", "tiny-llama", "--dataset", "stdlib_qa", "--max_records", "40",
+                            "--long_records", "split", "--output_dir", str(tmp_path / "run"), "--progress", "false"]))
+    assert not (tmp_path / "run").exists()
