@@ -210,3 +210,27 @@ def test_split_of_chat_records_found_in_the_file_is_refused_before_anything_is_w
         train(parse_config(["--model_name_or_path", "tiny-llama", "--dataset", "stdlib_qa", "--max_records", "40",
                             "--long_records", "split", "--output_dir", str(tmp_path / "run"), "--progress", "false"]))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_split_sigkill_then_resume_equals_uninterrupted(tmp_path):
+    """The resumed run cuts the same windows and draws the same record batches (the unit sampler's generator is
+    restored): its report and weights are the uninterrupted run's."""
+    from safetensors.torch import load_file
+
+    from dpllm import ledger
+    from tests.test_resume import kill_mid_run, run
+
+    SPLIT = ["--long_records", "split", "--max_windows", "4", "--grad_sample_mode", "bk", "--target_delta", "1e-3"]
+    killed = tmp_path / "killed"
+    kill_mid_run(killed, *SPLIT)
+    run(killed, "--resume_from", "latest", *SPLIT)
+    run(tmp_path / "whole", *SPLIT)
+    r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, tmp_path / "whole"))
+    for key in ("steps", "epsilon", "history", "num_records", "data"):
+        assert r1[key] == r2[key], key
+    assert r1["data"]["windows"] > r1["num_records"]
+    a, b = (load_file(str(d / "checkpoint" / "model.safetensors")) for d in (killed, tmp_path / "whole"))
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert ledger.verify(killed).ok
