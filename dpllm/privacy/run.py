@@ -6,6 +6,7 @@
     setup_data      bound_contributions       privacy_unit=user: at most k records per user (a secret choice),
                                               each record's user and each user's records
     setup_plan      make_plan                 earlier stages (composition), q, steps and σ, from the data alone
+    setup_model     set_windows               long_records=split: each row's source record, the unit (dpllm.windows)
     setup_privacy   attach                    the engine (make_private) whose accountant every later call reads
     steps, saves    epsilon, now              (ε, δ) so far for the unit; the privacy fields of ledger lines
     finish          check_history, report     the accountant holds exactly the plan; the privacy report
