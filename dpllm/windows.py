@@ -62,7 +62,8 @@ class WindowedRecords(Dataset):
         if not texts:
             raise DataError("no records to tokenize")
         # whole records: every kept window needs its tokens (the cap is by position, after the cut)
-        full = tokenizer(list(texts), truncation=False)["input_ids"]
+        # (verbose=False: a record longer than the model's context is the point here, not a mistake to warn about)
+        full = tokenizer(list(texts), truncation=False, verbose=False)["input_ids"]
         self.items: list[torch.Tensor] = []
         self.record_of: list[int] = []
         for r, ids in enumerate(full):

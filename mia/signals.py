@@ -201,7 +201,7 @@ def compute_signals(
         from dpllm.windows import cut
 
         ids, owner = [], []
-        for r, full in enumerate(tokenizer(list(texts), truncation=False)["input_ids"]):
+        for r, full in enumerate(tokenizer(list(texts), truncation=False, verbose=False)["input_ids"]):
             windows = cut(full, max_length=max_length, max_windows=max_windows)[0]
             ids += windows
             owner += [r] * len(windows)
