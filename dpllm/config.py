@@ -74,6 +74,14 @@ class DataConfig:
     dataset_split: str = _f("train", "Hub dataset split to read.")
     text_column: str = _f("text", "Column holding the text of a record.")
     max_length: int = _f(128, "Tokens per record; longer records are truncated (never packed together).")
+    long_records: str = _f("truncate", "A record longer than max_length: 'truncate' (train on its first max_length "
+                                       "tokens) or 'split' (cut it into consecutive windows of max_length tokens, "
+                                       "all trained; the record stays the privacy unit: its windows are sampled "
+                                       "together and their summed gradient is clipped once; the ε is the record "
+                                       "level's). Text records, privacy_unit=record, the recipe only.")
+    max_windows: int = _f(8, "long_records=split: train on at most this many windows of a record, its first ones "
+                             "(the cap bounds a step's cost; what it drops is reported). ≤ physical_batch_size: a "
+                             "record's windows go through one backward pass.")
     min_chars: int = _f(32, "Records shorter than this many characters (after stripping) are dropped.")
     max_records: Optional[int] = _f(None, "Use at most this many records (after filtering and dedup): the ones "
                                           "whose keyed hash under split_seed ranks first, whatever their place "
@@ -479,6 +487,27 @@ def check_quantization(m: "ModelConfig") -> None:
                           "(or pip install 'bitsandbytes>=0.45'), or set quantization: none")
 
 
+def _check_split(cfg: RunConfig) -> None:
+    """``long_records: split``: refuse what it cannot do yet, one line each (issue 48)."""
+    d, t, p = cfg.data, cfg.train, cfg.privacy
+    if d.max_windows < 1:
+        raise ConfigError(f"max_windows={d.max_windows} must be ≥ 1 (the windows kept of one long record)")
+    if d.privacy_unit != "record":
+        raise ConfigError(f"long_records=split keeps the record as the privacy unit; with privacy_unit="
+                          f"{d.privacy_unit} it is planned (issue 48), not yet built: use long_records: truncate")
+    if d.data_format in ("messages", "prompt_completion"):
+        raise ConfigError(f"long_records=split of data_format={d.data_format} records (a conversation cut between "
+                          "windows) is planned (issue 48); use long_records: truncate, or raise max_length")
+    if p.enabled and d.max_windows > t.physical_batch_size:
+        raise ConfigError(f"max_windows={d.max_windows} > physical_batch_size={t.physical_batch_size}: a record's "
+                          "windows are clipped together in one backward pass; lower max_windows or raise "
+                          "physical_batch_size")
+    if p.enabled and p.grad_sample_mode in ("ghost", "ghost_fsdp"):
+        raise ConfigError(f"long_records=split needs grad_sample_mode: bk, auto or hooks, not {p.grad_sample_mode}: "
+                          "a record's gradient is the sum over its windows before clipping, and Opacus's ghost "
+                          "clipping cannot add the cross terms between them")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check values that need no data or model; raise :class:`ConfigError` naming the fix."""
     m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.privacy
@@ -523,6 +552,9 @@ def validate(cfg: RunConfig) -> None:
                 f"user_sampling=uls needs grad_sample_mode: bk, auto or hooks, not {p.grad_sample_mode}: a user's "
                 "gradient is the mean of its records' gradients before clipping, and Opacus's ghost clipping has no "
                 "way to add the cross terms between them; set grad_sample_mode: bk, or use user_sampling: els")
+    _choice("long_records", d.long_records, ("truncate", "split"))
+    if d.long_records == "split":
+        _check_split(cfg)
     if d.max_length < 2:
         raise ConfigError(f"max_length={d.max_length}: need at least 2 tokens for next-token loss")
     if not (0 <= d.public_fraction < 1) or not (0 < d.heldout_fraction < 1):

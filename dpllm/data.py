@@ -444,6 +444,8 @@ class Splits:
     def to_json(self, records: Sequence[str], cfg: DataConfig) -> dict:
         used = self.public + self.train + self.heldout
         extra = {"privacy_unit": cfg.privacy_unit, "users": self.users} if self.users is not None else {}
+        if cfg.long_records == "split":  # each record trained as its first max_windows windows (dpllm.windows)
+            extra.update(long_records="split", max_windows=cfg.max_windows)
         return {**extra,
             "dataset": cfg.dataset,
             "text_column": cfg.text_column,

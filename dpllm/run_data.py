@@ -12,7 +12,8 @@ plan and before any model loads; ``DPTrainer`` (:mod:`dpllm.hf`) builds one from
     members                     training texts (records, then canaries),      data.select; the resumed run's
                                 held-out texts, both sets' hashes             splits.json must agree
     datasets                    token ids and labels for the model's          RunData.datasets
-                                tokenizer (SFT: labels on the answer)
+                                tokenizer (SFT: labels on the answer;         (long_records=split:
+                                split: one row per window of a record)        dpllm.windows)
 
 Nothing here writes: :func:`dpllm.rundir.describe` records the result in ``splits.json`` once every check passed.
 """
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from dpllm import config, data, sft
+from dpllm import config, data, sft, windows
 from dpllm.config import DataConfig, RunConfig
 from dpllm.distributed import World
 from dpllm.privacy.run import RunPrivacy
@@ -56,6 +57,10 @@ class RunData:
         """``(train_ds, eval_ds, collate)``: token ids and labels (-100 on padding, and on prompts of SFT records)."""
         if self.sft_format:  # the template is set on the tokenizer saved with the model
             return sft.make_datasets(self.train_texts, self.eval_texts, tokenizer, cfg, fmt=self.sft_format)
+        if cfg.long_records == "split":  # every window of a long record trains; held-out loss stays per record
+            return (windows.WindowedRecords(self.train_texts, tokenizer, cfg.max_length, cfg.max_windows),
+                    data.TokenizedRecords(self.eval_texts, tokenizer, cfg.max_length),
+                    data.make_collate(tokenizer.pad_token_id))
         return (data.TokenizedRecords(self.train_texts, tokenizer, cfg.max_length),
                 data.TokenizedRecords(self.eval_texts, tokenizer, cfg.max_length),
                 data.make_collate(tokenizer.pad_token_id))
@@ -79,6 +84,9 @@ def prepare(cfg: RunConfig, *, privacy: RunPrivacy, world: World, stage: str, re
                                  "takes (PrivacyArguments(privacy_unit='sequence') over group_texts-style blocks); "
                                  "this recipe trains one record per row: use privacy_unit: record (or user)")
     loaded, splits, sft_format, sft_dropped = _read_and_split(cfg)
+    if sft_format and d.long_records == "split":
+        raise config.ConfigError(f"long_records=split of {sft_format} records (a conversation cut between windows) "
+                                 "is planned (issue 48); use long_records: truncate, or raise max_length")
     if d.train_on == "public" and not splits.public:
         raise data.DataError("train_on=public but no record is public; declare public records with "
                              "public_dataset: FILE")

@@ -206,6 +206,8 @@ class Trainer:
         if from_rank0:
             distributed.fill_from_rank0(self.model, full, self.world, self.device)
         self.train_ds, self.eval_ds, self.collate = self.data.datasets(self.tokenizer, cfg.data)
+        if cfg.data.long_records == "split":  # each row a window; its source record is the unit (dpllm.windows)
+            self.privacy.set_windows(self.train_ds.record_of)
         self.optimizer, self.scheduler = make_optimizer(self.model, self.t, steps=self.steps)
 
     @property
@@ -294,7 +296,8 @@ class Trainer:
         weights_dir = rundir.shard_final_weights(self.out, unwrap(self.model), self.world)  # FSDP; None otherwise
         summary: dict = {}
         if self.world.is_main:
-            report = self.privacy.report(num_records=len(self.train_ds), steps=self.step,
+            report = self.privacy.report(num_records=getattr(self.train_ds, "num_records", len(self.train_ds)),
+                                         steps=self.step,
                                          trained=self.data.trained_hashes, adjustments=self.adjustments,
                                          base_model=self.source,
                                          public_data=data.split_rule(self.cfg.data)["public"],
@@ -312,7 +315,7 @@ class Trainer:
     def micro_batches(self, ids: list[int]) -> list[list[int]]:
         """Physical batches of this process's share; under FSDP as many as the busiest process has."""
         size = self.t.physical_batch_size
-        if self.privacy.uls:  # a user's records stay together: its mean gradient is clipped once
+        if self.privacy.per_unit:  # a unit's rows stay together: its gradient is clipped once
             parts = user_level.whole_user_batches(ids, self.batches.user_of, size) or [[]]
         else:
             parts = [ids[i: i + size] for i in range(0, len(ids), size)] or [[]]
@@ -337,8 +340,9 @@ class Trainer:
             batch = {k: v.to(self.device) for k, v in (self.collate(items) if items else _EMPTY).items()}
             if self.dp:
                 self.optimizer.signal_skip_step(do_skip=not last)
-            if self.privacy.uls:  # an empty share's masked stand-in row is a user of its own, with zero gradient
-                self.private.set_users([self.privacy.record_user[j] for j in part] or [-1])
+            if self.privacy.per_unit:  # an empty share's masked stand-in row is a unit of its own, zero gradient
+                self.private.set_users([self.privacy.record_user[j] for j in part] or [-1],
+                                       reduction=self.privacy.unit_reduction)
             sync = nullcontext() if last or self.dp else self.accelerator.no_sync(self.model)
             with sync:
                 loss = forward_loss(self.model, batch, self.criterion, self.autocast)

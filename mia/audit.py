@@ -148,6 +148,14 @@ def run_max_length(run_dir: str | Path) -> int | None:
     return json.loads(path.read_text()).get("max_length") if path.is_file() else None
 
 
+def run_max_windows(run_dir: str | Path) -> int | None:
+    """The run's window cap when it split long records (``splits.json``'s ``long_records: split``), else None:
+    such a record is scored as the unit it trained as, all its trained windows together."""
+    path = Path(run_dir) / "splits.json"
+    rec = json.loads(path.read_text()) if path.is_file() else {}
+    return rec.get("max_windows") if rec.get("long_records") == "split" else None
+
+
 def load_run_model(run_dir: str | Path, *, device: str = "cpu", dtype: str = "auto"):
     """``RUN_DIR/checkpoint`` via ``dpllm.checkpoint.load_model`` when present, else :func:`load_target`."""
     ckpt = Path(run_dir) / "checkpoint"
@@ -175,7 +183,8 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
               attacks=("loss", "zlib", "mink", "minkpp"), reference=None, max_length=None,
               batch_size: int = 8, device=None, attack_params: dict | None = None,
               n_bootstrap: int = 1000, seed: int = 0, max_records: int | None = None,
-              progress: bool = True, blind: bool = True, record_format: str | None = GUESS) -> tuple[dict, dict]:
+              progress: bool = True, blind: bool = True, record_format: str | None = GUESS,
+              max_windows: int | None = None) -> tuple[dict, dict]:
     """Compute signals once, score each attack and evaluate it.
 
     Args:
@@ -197,6 +206,8 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
             verdict (``report["blind"]["shifted"]``) says whether the sets are distribution-shifted.
         record_format: The records' shape as trained (a run's :func:`run_sft_format`); by default guessed
             from the texts (files of records with no run behind them).
+        max_windows: a run that split long records (:func:`run_max_windows`): each record is scored over its
+            first ``max_windows`` windows of ``max_length`` tokens, as one unit.
 
     Returns:
         ``(report, scores)``: the report dict written to ``mia_report.json`` and
@@ -214,13 +225,14 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
     members, nonmembers = _subsample(members, max_records, rng), _subsample(nonmembers, max_records, rng)
     texts = members + nonmembers
     common = dict(max_length=max_length, batch_size=batch_size, device=device, progress=progress,
-                  record_format=record_format)
+                  record_format=record_format, max_windows=max_windows)
     sig = compute_signals(model, tokenizer, texts, desc="target", **common)
     ref_sig = None
     if reference is not None and any(attacks_mod.ATTACKS[n].needs_reference for n in names):
         ref_sig = compute_signals(reference[0], reference[1], texts, desc="reference", **common)
     n_m = len(members)
     report = {"n_members": n_m, "n_nonmembers": len(nonmembers), "max_length": max_length,
+              **({"max_windows": max_windows} if max_windows else {}),
               "fprs": list(DEFAULT_FPRS), "attack_params": attack_params or {}, "seed": seed,
               "n_bootstrap": n_bootstrap, "ci_confidence": 0.95,
               "mean_loss": {"members": float(sig.loss[:n_m].mean()),

@@ -6,6 +6,11 @@ the mean and spread of ``log p(.)`` under the model's next-token distribution at
 (``tokenizer(text, truncation=True, max_length=L)``), padded on the right and the padding masked,
 so a record's signals do not depend on which other records share its batch.
 
+A run that split long records into windows (``long_records: split``, :mod:`dpllm.windows`) trained each record as
+one unit over its first ``max_windows`` windows of ``max_length`` tokens: ``max_windows=`` scores it the same way,
+each window a row, and a record's per-token signals are its windows' concatenated (its loss is the mean over all
+of its scored tokens), so every attack scores the record, not a window.
+
 Instruction and chat records (``dpllm.sft``: a run trained on ``messages`` or ``prompt``/``completion`` data)
 are scored as a deployed assistant is attacked: the answer tokens given the prompt. They are rendered and
 truncated exactly as in training, and every signal (loss, Min-K%, zlib of the answer) covers the answer
@@ -158,6 +163,7 @@ def compute_signals(
     progress: bool = True,
     desc: str = "signals",
     record_format: str | None = GUESS,
+    max_windows: int | None = None,
 ) -> Signals:
     """Score every record with one forward pass (batched) and return its signals.
 
@@ -173,6 +179,8 @@ def compute_signals(
         progress: Show a tqdm progress bar.
         desc: Label of the progress bar.
         record_format: The records' shape as trained (see :func:`sft_answer_masks`); :data:`GUESS` by default.
+        max_windows: Score each record over its first ``max_windows`` windows of ``max_length`` tokens, as a run
+            with ``long_records: split`` trained it (text records only; None: one row, truncated).
 
     Returns:
         The records' :class:`Signals`.
@@ -188,7 +196,16 @@ def compute_signals(
     run_device = next(model.parameters()).device
     answers = sft_answer_masks(tokenizer, texts, max_length=max_length or model_context_length(model) or 10 ** 9,
                                record_format=record_format)
-    if answers is None:
+    owner = None  # split records: the record of each window row
+    if answers is None and max_windows and max_length:
+        from dpllm.windows import cut
+
+        ids, owner = [], []
+        for r, full in enumerate(tokenizer(list(texts), truncation=False, verbose=False)["input_ids"]):
+            windows = cut(full, max_length=max_length, max_windows=max_windows)[0]
+            ids += windows
+            owner += [r] * len(windows)
+    elif answers is None:
         ids = tokenize_records(tokenizer, texts, max_length=max_length, context_length=model_context_length(model))
     else:
         ids, answers = answers
@@ -231,6 +248,12 @@ def compute_signals(
         del logits
         bar.update(len(batch))
     bar.close()
+    if owner is not None:  # one record, one unit: its windows' per-token signals, in order
+        rows: list[list[int]] = [[] for _ in texts]
+        for i, r in enumerate(owner):
+            rows[r].append(i)
+        logprobs, mus, sigmas = ([np.concatenate([v[i] for i in rows[r]]) for r in range(len(texts))]
+                                 for v in (logprobs, mus, sigmas))
 
     return Signals(
         loss=np.array([-lp.mean() for lp in logprobs]),

@@ -63,10 +63,11 @@ class PrivateTraining:
         """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
         return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
 
-    def set_users(self, users) -> None:
+    def set_users(self, users, *, reduction: str = "mean") -> None:
         """ULS: the user of each row of the next physical batch (the bk module or the hooks optimizer clips
-        one mean gradient per user)."""
-        (self.model if self.grad_sample_mode == "bk" else self.optimizer).set_users(users)
+        one mean gradient per user); split long records (``reduction="sum"``): each window's source record, whose
+        windows' summed gradient is clipped once."""
+        (self.model if self.grad_sample_mode == "bk" else self.optimizer).set_users(users, reduction=reduction)
 
     def steps_taken(self) -> int:
         return sum(int(h[2]) for h in self.engine.accountant.history)
@@ -106,7 +107,9 @@ def make_private(
         rank, world_size: this process's share of each global batch.
         user_records: user-level sampling (:mod:`dpllm.privacy.user_level`): each user's dataset indices;
             users are Poisson-sampled at the plan's q and each user's mean gradient is clipped once (hooks or
-            bk; :meth:`PrivateTraining.set_users` names the user of every row before each backward pass).
+            bk; :meth:`PrivateTraining.set_users` names the user of every row before each backward pass). The
+            same machinery samples and clips a long record's windows as one unit (:mod:`dpllm.windows`: each
+            record's window rows, ``set_users(..., reduction="sum")``).
         physical_batch_size: records per backward pass; ``grad_sample_mode: auto`` weighs hooks' per-sample
             gradient memory with it (:mod:`dpllm.privacy.modes`).
         max_length: the longest record the run may see (``data.max_length``): the independence check adds one

@@ -101,8 +101,8 @@ def choose_mode(requested: str, model: nn.Module, *, physical_batch_size: Option
                           "shard, two backward passes)")
     without = f"auto: no book-keeping rule for {bad[0]}" + (f" and {len(bad) - 1} more" if len(bad) > 1 else "")
     if per_user:
-        return ModeChoice("hooks", f"{without}; user-level sampling needs per-sample gradients (Opacus ghost "
-                                   "cannot sum a user's records before clipping)")
+        return ModeChoice("hooks", f"{without}; user-level sampling (or a long record split into windows) needs "
+                                   "per-sample gradients (Opacus ghost cannot sum a unit's rows before clipping)")
     params = [p for p in model.parameters() if p.requires_grad]
     if physical_batch_size is None or not params:
         return ModeChoice("hooks", f"{without}; Opacus hooks (faster than ghost)")

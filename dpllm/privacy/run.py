@@ -6,6 +6,7 @@
     setup_data      bound_contributions       privacy_unit=user: at most k records per user (a secret choice),
                                               each record's user and each user's records
     setup_plan      make_plan                 earlier stages (composition), q, steps and σ, from the data alone
+    setup_model     set_windows               long_records=split: each row's source record, the unit (dpllm.windows)
     setup_privacy   attach                    the engine (make_private) whose accountant every later call reads
     steps, saves    epsilon, now              (ε, δ) so far for the unit; the privacy fields of ledger lines
     finish          check_history, report     the accountant holds exactly the plan; the privacy report
@@ -53,6 +54,7 @@ class RunPrivacy:
         self.record_user: list[int] = []  # each training record's user (dataset position → user index)
         self.user_records: list[list[int]] = []  # each user's dataset positions
         self.users_per_batch: Optional[int] = None  # ULS: expected users per logical batch
+        self.windowed = False  # long_records=split: a unit is one source record's windows (set_windows)
         self.lineage: Optional[Lineage] = None
         self.plan: Optional[PrivacyPlan] = None
         self.steps = 0
@@ -69,6 +71,30 @@ class RunPrivacy:
     @property
     def uls(self) -> bool:
         return self.dp and self.user_unit and self.p.user_sampling == "uls"
+
+    @property
+    def per_unit(self) -> bool:
+        """Rows grouped into units that are sampled together and clipped once: ULS's users, or the windows of
+        one long record (``long_records: split``, :mod:`dpllm.windows`)."""
+        return self.uls or (self.dp and self.windowed)
+
+    @property
+    def unit_reduction(self) -> str:
+        """How a unit's rows make its gradient before the clip: a user's mean (ULS), a record's windows' sum."""
+        return "sum" if self.windowed else "mean"
+
+    def set_windows(self, record_of: list[int]) -> None:
+        """``long_records: split``: each training row is a window of source record ``record_of[row]``; the
+        record is the unit. The plan stays the record level's over the source records (:mod:`dpllm.windows`:
+        one record's windows are sampled together and clipped as one, so its sensitivity is C)."""
+        self.windowed = True
+        self.record_user = list(record_of)
+        self.user_records = [[] for _ in range(max(record_of, default=-1) + 1)]
+        for pos, r in enumerate(record_of):
+            self.user_records[r].append(pos)
+        largest, physical = max((len(r) for r in self.user_records), default=0), self.cfg.train.physical_batch_size
+        if self.dp and largest > physical:  # the config checks max_windows ≤ physical; this is the data's bound
+            raise ConfigError(f"a record has {largest} windows > physical_batch_size={physical}; lower max_windows")
 
     @property
     def els(self) -> bool:
@@ -204,7 +230,7 @@ class RunPrivacy:
             logical_batch_size=t.logical_batch_size, noise_generator=generators["noise"],
             sampling_generator=generators["sampling"], rank=world.rank, world_size=world.size,
             physical_batch_size=t.physical_batch_size, max_length=self.cfg.data.max_length,
-            **({"user_records": self.user_records} if self.uls else {}))
+            **({"user_records": self.user_records} if self.per_unit else {}))
         log.info("privacy: σ=%.4g q=%.4g steps=%d target ε=%s δ=%g (%s), %d process(es)",
                  self.plan.noise_multiplier, self.plan.sample_rate, self.steps, self.p.target_epsilon,
                  self.p.target_delta, self.p.accountant, world.size)

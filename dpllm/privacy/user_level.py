@@ -251,10 +251,14 @@ def _runs(ids: Sequence[int], user_of: dict):
 
 # ---- ULS: one clipped gradient per user -----------------------------------------------------------------
 
-def per_user_gradients(grad_sample: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """Mean of the per-record rows of ``grad_sample`` over each user (``inverse``: row → user slot)."""
+def per_user_gradients(grad_sample: torch.Tensor, inverse: torch.Tensor, counts: torch.Tensor, *,
+                       reduction: str = "mean") -> torch.Tensor:
+    """Mean (``reduction="sum"``: sum) of the per-record rows of ``grad_sample`` over each user (``inverse``:
+    row → user slot)."""
     out = torch.zeros((len(counts), *grad_sample.shape[1:]), dtype=grad_sample.dtype, device=grad_sample.device)
     out.index_add_(0, inverse, grad_sample)
+    if reduction == "sum":
+        return out
     return out / counts.to(out.dtype).view(-1, *([1] * (grad_sample.dim() - 1)))
 
 
@@ -272,10 +276,13 @@ class UserLevelOptimizerMixin:
         super().__init__(optimizer, **kwargs)
         self.clip_weights = clip_weights
         self.row_users: Optional[torch.Tensor] = None
+        self.reduction = "mean"
 
-    def set_users(self, users: Sequence[int]) -> None:
-        """The user (any integer id) of each row of the next physical batch."""
+    def set_users(self, users: Sequence[int], *, reduction: str = "mean") -> None:
+        """The user (any integer id) of each row of the next physical batch; ``reduction="sum"`` clips the sum
+        of a unit's rows instead of their mean (the windows of one long record, :mod:`dpllm.windows`)."""
         self.row_users = torch.as_tensor(list(users), dtype=torch.long)
+        self.reduction = reduction
 
     def _weights(self, norms: torch.Tensor) -> torch.Tensor:
         if self.clip_weights is not None:
@@ -293,7 +300,7 @@ class UserLevelOptimizerMixin:
         _, inverse = torch.unique(self.row_users, return_inverse=True)
         inverse = inverse.to(device)
         counts = torch.bincount(inverse) if rows else torch.zeros(0, dtype=torch.long, device=device)
-        user_grads = [per_user_gradients(g, inverse, counts) for g in self.grad_samples]
+        user_grads = [per_user_gradients(g, inverse, counts, reduction=self.reduction) for g in self.grad_samples]
         if rows == 0:
             weights = torch.zeros((0,), device=device)
         else:

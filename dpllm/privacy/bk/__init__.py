@@ -178,11 +178,13 @@ class BookKeepingModule(nn.Module):
         for r in self._records:
             r.policy = policy
 
-    def set_users(self, users) -> None:
-        """The user (any integer id) of each row of the next batch: its backward clips one mean per user."""
+    def set_users(self, users, *, reduction: str = "mean") -> None:
+        """The user (any integer id) of each row of the next batch: its backward clips one mean per user
+        (``reduction="sum"``: one sum per unit, the windows of one long record)."""
         if not self.per_user:
             raise RuntimeError("set_users() on a record-level BookKeepingModule; build it with per_user=True")
-        self._units = Units.mean_over(torch.as_tensor(list(users), dtype=torch.long))
+        ids = torch.as_tensor(list(users), dtype=torch.long)
+        self._units = Units.sum_over(ids) if reduction == "sum" else Units.mean_over(ids)
         for r in self._records:
             r.rows_per_unit = max(1, self._units.largest)
 

@@ -36,7 +36,8 @@ class Units:
     """Rows grouped into privacy units: row i enters unit ``inverse[i]``'s gradient with ``weight[i]``.
 
     Under ULS a unit is a user and ``weight[i]`` is 1/(the user's rows), so a unit's gradient is the mean
-    of its records' gradients.
+    of its records' gradients. A long record split into windows (``data.long_records: split``) is a unit whose
+    rows are its windows, each of weight 1: its gradient is the sum over its windows.
     """
 
     inverse: torch.Tensor  # (B,) long, values in [0, count)
@@ -50,6 +51,13 @@ class Units:
         _, inverse = torch.unique(users, return_inverse=True)
         counts = torch.bincount(inverse)
         return cls(inverse=inverse, weight=1.0 / counts[inverse].to(torch.float64), count=len(counts))
+
+    @classmethod
+    def sum_over(cls, units: torch.Tensor) -> "Units":
+        """Units from each row's unit id (any integers): weight 1, so a unit's gradient is its rows' sum."""
+        _, inverse = torch.unique(units, return_inverse=True)
+        return cls(inverse=inverse, weight=torch.ones(len(inverse), dtype=torch.float64),
+                   count=int(inverse.max()) + 1 if len(inverse) else 0)
 
     @property
     def largest(self) -> int:
