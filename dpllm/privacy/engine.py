@@ -58,6 +58,7 @@ class PrivateTraining:
     sampler: Any = None  # dpllm.sampling.PoissonBatchSampler: its generator is part of a resumable checkpoint
     grad_sample_mode: str = ""  # the mode that ran: cfg.grad_sample_mode with "auto" resolved
     grad_sample_mode_reason: str = ""  # why that mode (dpllm.privacy.modes.choose_mode)
+    quantile: Any = None  # clipping: quantile: its dpllm.privacy.quantile.QuantileClipping (C, the trajectory)
 
     def history(self) -> list[tuple[float, float, int]]:
         """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
@@ -147,20 +148,24 @@ def make_private(
     # DataLoader's own generator only seeds worker processes; a private one keeps it off the global RNG.
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=torch.Generator())
     criterion = nn.CrossEntropyLoss(ignore_index=-100)
-    fn = clipping.get(cfg.clipping)
+    adaptive = cfg.clipping == "quantile"
+    fn = clipping.get("flat" if adaptive else cfg.clipping)
     choice = choose_mode(cfg.grad_sample_mode, model, physical_batch_size=physical_batch_size,
                          per_user=user_records is not None)
     mode = choice.mode
+    quantile = _quantile_clipping(cfg, plan, mode=mode, world_size=world_size, per_user=user_records is not None,
+                                  model=model) if adaptive else None
     log.info("privacy: grad_sample_mode=%s (%s)", mode, choice.reason)
     check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
     # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
     guard_record_independence(model, max_length=max_length)
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
-            engine=engine, model=model, optimizer=optimizer, clip_weights=lambda n: fn.weights(n, cfg),
+            engine=engine, model=model, optimizer=optimizer,
+            clip_weights=quantile.weights if quantile else lambda n: fn.weights(n, cfg),
             noise_multiplier=plan.noise_multiplier, max_grad_norm=fn.sensitivity(cfg),
             expected_batch_size=plan.expected_batch_size, world_size=world_size, noise_generator=noise_generator,
-            secure_mode=cfg.secure_mode, per_user=user_records is not None)
+            secure_mode=cfg.secure_mode, per_user=user_records is not None, quantile=quantile)
         criterion = None
     else:
         from dpllm.distributed import is_sharded, unsharded_parameters
@@ -180,7 +185,36 @@ def make_private(
     getattr(model, "forbid_grad_accumulation", lambda: None)()
     return PrivateTraining(model=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
                            engine=engine, plan=plan, sampler=sampler, grad_sample_mode=mode,
-                           grad_sample_mode_reason=choice.reason)
+                           grad_sample_mode_reason=choice.reason, quantile=quantile)
+
+
+def count_noise_multiplier(cfg: PrivacyConfig, plan: PrivacyPlan) -> float:
+    """σ_b of ``clipping: quantile``: the configured one, else m/20 for the expected (public) batch m = q·N."""
+    from dpllm.privacy.quantile import DEFAULT_COUNT_NOISE_FRACTION
+
+    if cfg.count_noise_multiplier is not None:
+        return float(cfg.count_noise_multiplier)
+    return plan.expected_batch_size / DEFAULT_COUNT_NOISE_FRACTION
+
+
+def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str, world_size: int, per_user: bool,
+                       model: nn.Module):
+    """The adaptive C of ``clipping: quantile`` (:mod:`dpllm.privacy.quantile`), or one line saying what it does not
+    cover yet. Only bk knows every record's norm before clipping; one process only (the count's all-reduce is not
+    written yet); one constant σ (the split σ_g is computed from it)."""
+    from dpllm.distributed import is_sharded
+    from dpllm.privacy.quantile import QuantileClipping, check_count_noise
+
+    unsupported = [(mode != "bk", f"grad_sample_mode={mode} (use bk)"), (per_user, "user-level sampling"),
+                   (is_sharded(model), "FSDP2"), (world_size > 1, f"{world_size} processes (DDP)"),
+                   (plan.schedule is not None, "a noise schedule")]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"clipping: quantile is not yet supported with {what}")
+    sigma_b = count_noise_multiplier(cfg, plan)
+    check_count_noise(plan.noise_multiplier, sigma_b)
+    return QuantileClipping(initial=cfg.max_grad_norm, target_quantile=cfg.target_quantile, lr=cfg.quantile_lr,
+                            count_noise_multiplier=sigma_b, expected_batch_size=plan.expected_batch_size)
 
 
 def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, criterion, fn, cfg: PrivacyConfig,

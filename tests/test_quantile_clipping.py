@@ -1,0 +1,142 @@
+"""clipping: quantile (dpllm.privacy.quantile): the pair (sum, count) is one Gaussian mechanism of the planned σ,
+the sensitivity is as argued, it reduces to flat clipping, C converges to the target quantile, and bk noises both."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dpllm.privacy import clipping
+from dpllm.privacy.accounting import PrivacyPlanError
+from dpllm.privacy.quantile import (
+    QuantileClipping,
+    centred_count,
+    check_count_noise,
+    gradient_noise_multiplier,
+    next_clip,
+    noised_fraction,
+    smallest_count_noise,
+)
+
+
+@pytest.mark.parametrize("sigma,sigma_b", [(0.6, 1.0), (1.0, 0.51), (1.3, 12.8), (4.0, 2.1)])
+def test_gradient_and_count_noise_combine_to_the_planned_sigma(sigma, sigma_b):
+    sigma_g = gradient_noise_multiplier(sigma, sigma_b)
+    assert sigma_g > sigma  # the gradient pays for the count
+    # unit-noise sensitivity of (sum / σ_g·C, count / σ_b) with |Δsum| = C, |Δcount| = ½: exactly 1/σ
+    assert math.hypot(1 / sigma_g, 0.5 / sigma_b) == pytest.approx(1 / sigma, rel=1e-12)
+
+
+@pytest.mark.parametrize("sigma_b", [0.5, 0.4, 0.0, -1.0, float("nan")])
+def test_plan_refuses_a_count_noise_at_or_below_half_sigma(sigma_b):
+    with pytest.raises(PrivacyPlanError, match=r"count_noise_multiplier=.* σ_b > σ/2 = 0.5\b.*raise"):
+        check_count_noise(1.0, sigma_b)
+    with pytest.raises(PrivacyPlanError, match="above 0.5"):
+        gradient_noise_multiplier(1.0, sigma_b)
+    assert smallest_count_noise(2.0) == 1.0
+
+
+def test_one_record_moves_the_sum_by_at_most_c_and_the_centred_count_by_exactly_half():
+    gen = torch.Generator().manual_seed(0)
+    clip = 1.3
+    base = torch.randn(40, 7, generator=gen, dtype=torch.float64) * torch.rand(40, 1, generator=gen,
+                                                                                 dtype=torch.float64) * 3
+
+    def release(grads):
+        q = QuantileClipping(initial=clip, target_quantile=0.5, lr=0.2, count_noise_multiplier=2.0,
+                             expected_batch_size=40)
+        w = q.weights(grads.norm(dim=1))
+        return (w[:, None] * grads).sum(0), q.count
+
+    s0, k0 = release(base)
+    extra = torch.randn(7, dtype=torch.float64, generator=gen)
+    # the added record below, at and above C, and huge; removing a record is the same pair read backwards
+    for norm in (1e-3, 0.7, clip, 1.31, 50.0, 1e6):
+        record = extra / extra.norm() * norm
+        s1, k1 = release(torch.cat([base, record[None]]))
+        assert (s1 - s0).norm() <= clip * (1 + 1e-12)
+        assert abs(k1 - k0) == 0.5
+        # the worst case is attained: a record above C moves the sum by exactly C
+        if norm > clip:
+            assert (s1 - s0).norm() == pytest.approx(clip, rel=1e-12)
+    sigma, sigma_b = 1.1, 0.9
+    sigma_g = gradient_noise_multiplier(sigma, sigma_b)
+    assert math.hypot(clip / (sigma_g * clip), 0.5 / sigma_b) <= 1 / sigma + 1e-12
+
+
+def test_infinite_count_noise_or_zero_lr_is_flat_clipping_at_fixed_c():
+    assert gradient_noise_multiplier(1.7, math.inf) == pytest.approx(1.7, rel=1e-15)  # σ_g = σ
+    assert gradient_noise_multiplier(1.7, 1e8) == pytest.approx(1.7, rel=1e-12)
+    q = QuantileClipping(initial=0.8, target_quantile=0.5, lr=0.0, count_noise_multiplier=1e8,
+                         expected_batch_size=16)
+    norms = torch.tensor([1e-4, 0.3, 0.8, 0.81, 5.0, 80.0], dtype=torch.float64)
+    flat = clipping.get("flat").weights(norms, type("C", (), {"max_grad_norm": 0.8})())
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        torch.testing.assert_close(q.weights(norms), flat, rtol=2e-6, atol=0)  # flat's own ε in C/(n + 1e-6)
+        q.release(float(torch.randn((), generator=gen, dtype=torch.float64)) * 1e8)
+        assert q.clip == 0.8
+
+
+def test_counts_and_update_rule_are_the_documented_formulas():
+    assert centred_count(torch.tensor([0.5, 1.0, 1.5, 2.0]), 1.0) == 0.0  # two at or under C, two above
+    assert centred_count(torch.tensor([0.5, 0.6, 0.7]), 1.0) == 1.5
+    assert noised_fraction(1.5, 0.5, expected_batch_size=4) == 1.0  # divided by the expected, not the realised 3
+    assert next_clip(2.0, 0.9, 0.5, 0.2) == pytest.approx(2.0 * math.exp(-0.08))
+    assert next_clip(2.0, 0.1, 0.5, 0.2) == pytest.approx(2.0 * math.exp(0.08))
+
+
+@pytest.mark.parametrize("gamma", [0.5, 0.9])
+def test_c_converges_to_the_target_quantile_of_lognormal_norms(gamma):
+    # norms ~ lognormal(μ = 0, s = 1): the γ-quantile is exp(s·Φ⁻¹(γ)) (1 for the median, 3.602 for 0.9).
+    # Poisson batches of expected size m = 256, the default σ_b = m/20, η = 0.2, from C = 0.05 (far below).
+    gen = torch.Generator().manual_seed(5)
+    m, steps = 256, 600
+    want = math.exp(math.sqrt(2) * torch.erfinv(torch.tensor(2 * gamma - 1.0, dtype=torch.float64)).item())
+    q = QuantileClipping(initial=0.05, target_quantile=gamma, lr=0.2, count_noise_multiplier=m / 20,
+                         expected_batch_size=m)
+    late = []
+    for step in range(steps):
+        size = int(torch.poisson(torch.tensor(float(m)), generator=gen))
+        q.weights(torch.randn(size, generator=gen, dtype=torch.float64).exp())
+        q.release(float(torch.randn((), generator=gen, dtype=torch.float64)) * q.count_noise_multiplier)
+        if step >= steps // 2:
+            late.append(q.clip)
+    mean_late = sum(late) / len(late)
+    # Stated tolerance: the mean of C over the last 300 steps within 5% of the true quantile, and every late C
+    # within 25% (C's own step-to-step noise at η = 0.2 is a few per cent per step around the target).
+    assert mean_late == pytest.approx(want, rel=0.05)
+    assert all(abs(c / want - 1) < 0.25 for c in late)
+    assert q.steps == steps
+
+
+def test_bk_optimizer_noises_the_sum_at_sigma_g_c_and_the_accountant_records_sigma():
+    from opacus import PrivacyEngine
+
+    from dpllm.privacy.bk import make_private_bk
+
+    torch.manual_seed(0)
+    net = nn.Linear(400, 50, bias=False)
+    engine = PrivacyEngine(accountant="prv")
+    sigma, sigma_b, clip, m = 1.0, 0.55, 2.0, 8.0  # σ_b near its bound 0.5: σ_g = 2.40, far from σ
+    q = QuantileClipping(initial=clip, target_quantile=0.5, lr=0.2, count_noise_multiplier=sigma_b,
+                         expected_batch_size=m)
+    model, opt = make_private_bk(engine=engine, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
+                                 clip_weights=q.weights, noise_multiplier=sigma, max_grad_norm=clip,
+                                 expected_batch_size=m, noise_generator=torch.Generator().manual_seed(3),
+                                 quantile=q)
+    opt.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=0.1))
+    x = torch.randn(6, 400)
+    (model(x) * 0).sum().backward()  # zero gradients: p.grad after the step is the noise alone, over m
+    norms = model.last_norms
+    assert norms.shape == (6,) and float(norms.max()) == 0.0
+    assert q.count == 3.0  # six records at or under C, centred
+    opt.step()
+    sigma_g = gradient_noise_multiplier(sigma, sigma_b)
+    got = float(net.weight.grad.std()) * m  # scale_grad divides by the expected batch
+    assert got == pytest.approx(sigma_g * clip, rel=0.03)  # 20,000 draws: the std's own error is ~0.5%
+    assert engine.accountant.history == [(sigma, 0.1, 1)]  # the pair's σ, never σ_g
+    assert q.steps == 1 and q.clip != clip  # C moved after the step
