@@ -140,3 +140,69 @@ def test_bk_optimizer_noises_the_sum_at_sigma_g_c_and_the_accountant_records_sig
     assert got == pytest.approx(sigma_g * clip, rel=0.03)  # 20,000 draws: the std's own error is ~0.5%
     assert engine.accountant.history == [(sigma, 0.1, 1)]  # the pair's σ, never σ_g
     assert q.steps == 1 and q.clip != clip  # C moved after the step
+
+
+def _run(out, *extra):
+    from dpllm.config import parse_config
+    from dpllm.train import train
+
+    return train(parse_config([
+        "--output_dir", str(out), "--finetuning", "full", "--max_steps", "4", "--save_every", "2",
+        "--logical_batch_size", "16", "--physical_batch_size", "8", "--max_length", "32", "--tiny_hidden_size", "32",
+        "--tiny_num_heads", "2", "--max_records", "120", "--eval_every", "0", "--eval_max_records", "8",
+        "--accountant", "rdp", "--progress", "false", "--reproducible_noise", "true",
+        "--clipping", "quantile", "--max_grad_norm", "0.05", *extra]))
+
+
+def test_recipe_trains_with_quantile_clipping_resumes_with_its_c_and_reports_it(tmp_path, monkeypatch):
+    import json
+
+    import dpllm.resume as R
+    from dpllm.privacy.report import PrivacyReport
+
+    real_save = torch.save
+
+    def failing_save(obj, path, *a, **kw):
+        if ".step-000004." in str(path):
+            raise OSError("disk full (injected)")
+        return real_save(obj, path, *a, **kw)
+
+    out = tmp_path / "run"
+    monkeypatch.setattr(R.torch, "save", failing_save)
+    with pytest.raises(OSError, match="injected"):
+        _run(out)
+    monkeypatch.setattr(R.torch, "save", real_save)
+    saved = json.loads((out / "checkpoints" / "step-000002" / "trainer_state.json").read_text())["clipping"]
+    assert saved["steps"] == 2 and saved["clip"] != 0.05  # C after two steps is part of the resumable state
+    _run(out, "--resume_from", "latest")
+    r1 = json.loads((out / "privacy_report.json").read_text())
+    a1 = r1["adaptive_clipping"]
+    ledger_lines = [json.loads(x) for x in (out / "privacy_ledger.jsonl").read_text().splitlines()]
+    resumed = [e for e in ledger_lines if e["kind"] == "resume"]
+    # the resumed run continued from its saved C and step count, not from max_grad_norm
+    assert len(resumed) == 1 and resumed[0]["adaptive_clipping"]["final_max_grad_norm"] == saved["clip"]
+    assert resumed[0]["adaptive_clipping"]["steps"] == 2 and a1["steps"] == 4
+    sigma, m = r1["noise_multiplier"], r1["expected_batch_size"]
+    assert a1["initial_max_grad_norm"] == 0.05 and a1["target_quantile"] == 0.5 and a1["quantile_lr"] == 0.2
+    assert a1["count_noise_multiplier"] == pytest.approx(m / 20)
+    assert a1["gradient_noise_multiplier"] == pytest.approx(gradient_noise_multiplier(sigma, m / 20))
+    # every record's norm is far above 0.05 at the start (b̃ near 0): C grows, by at most e^(0.2·(γ − b̃)) a step
+    assert a1["final_max_grad_norm"] > saved["clip"] > 0.05
+    assert r1["history"] == [[sigma, r1["sample_rate"], 4]] and r1["sensitivity"] is None
+    line = [x for x in PrivacyReport.from_dict(r1).details() if x.startswith("clipping:")]
+    assert len(line) == 1 and "0.5 quantile" in line[0] and f"σ = {sigma:.4g}, the σ accounted" in line[0]
+    assert ledger_lines[-1]["kind"] == "final"
+    assert ledger_lines[-1]["adaptive_clipping"]["final_max_grad_norm"] == a1["final_max_grad_norm"]
+
+
+def test_uncovered_paths_are_refused_in_one_line_before_anything_is_written(tmp_path):
+    from dpllm.config import ConfigError
+    from dpllm.privacy.accounting import PrivacyPlanError
+
+    for extra, what in ((("--grad_sample_mode", "hooks"), "grad_sample_mode=hooks"),
+                        (("--noise_schedule", "linear"), "noise_schedule=linear")):
+        with pytest.raises(ConfigError, match=f"clipping: quantile is not yet supported with {what}"):
+            _run(tmp_path / "refused", *extra)
+    with pytest.raises(PrivacyPlanError, match=r"count_noise_multiplier=0.01 is too small .* σ_b > σ/2"):
+        _run(tmp_path / "refused", "--count_noise_multiplier", "0.01")
+    assert not (tmp_path / "refused").exists()
