@@ -206,3 +206,16 @@ def test_uncovered_paths_are_refused_in_one_line_before_anything_is_written(tmp_
     with pytest.raises(PrivacyPlanError, match=r"count_noise_multiplier=0.01 is too small .* σ_b > σ/2"):
         _run(tmp_path / "refused", "--count_noise_multiplier", "0.01")
     assert not (tmp_path / "refused").exists()
+
+
+def test_dptrainer_refuses_quantile_clipping_in_one_line(tmp_path):
+    from transformers import TrainingArguments
+
+    from dpllm.config import ConfigError
+    from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe
+
+    args = TrainingArguments(output_dir=str(tmp_path / "run"), max_grad_norm=0.0, report_to=[])
+    with pytest.raises(ConfigError, match="DPTrainer: clipping: quantile is not yet supported with DPTrainer; use"):
+        refuse_unsafe(args, PrivacyArguments(clipping="quantile"))
+    refuse_unsafe(args, PrivacyArguments(clipping="flat"))  # the same arguments with flat clipping pass
+    assert not (tmp_path / "run").exists()
