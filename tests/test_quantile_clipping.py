@@ -219,3 +219,36 @@ def test_dptrainer_refuses_quantile_clipping_in_one_line(tmp_path):
         refuse_unsafe(args, PrivacyArguments(clipping="quantile"))
     refuse_unsafe(args, PrivacyArguments(clipping="flat"))  # the same arguments with flat clipping pass
     assert not (tmp_path / "run").exists()
+
+
+def test_an_empty_batchs_stand_in_row_is_not_counted(tmp_path, monkeypatch):
+    # At logical batch 1 over ~100 records a Poisson batch is empty with probability ≈ e⁻¹; the trainer then runs
+    # one masked row of zero gradient. Counted, its centred bit (+½) would let an empty batch and a batch of one
+    # record differ by 1 in the count, twice the ½ the noise split accounts for.
+    import dpllm.train as T
+    from dpllm.privacy import quantile
+
+    pending, steps = [], []  # rows of each training forward pass; (rows, count) of each step
+    real_forward, real_release = T.forward_loss, quantile.QuantileClipping.release
+
+    def forward(model, batch, *a, **kw):
+        if torch.is_grad_enabled():  # training, not evaluation
+            pending.append(int(batch["input_ids"].shape[0]))
+        return real_forward(model, batch, *a, **kw)
+
+    def release(self, noise):
+        steps.append((list(pending), self.count))
+        pending.clear()
+        return real_release(self, noise)
+
+    monkeypatch.setattr(T, "forward_loss", forward)
+    monkeypatch.setattr(quantile.QuantileClipping, "release", release)
+    _run(tmp_path / "run", "--logical_batch_size", "1", "--physical_batch_size", "1", "--max_steps", "8",
+         "--save_every", "0", "--count_noise_multiplier", "5")
+    assert len(steps) == 8
+    assert [0] in [r for r, _ in steps]  # an empty step happened (fixed seed: reproducible_noise)
+    for passes, count in steps:
+        records = sum(passes)  # a stand-in row is one pass of 0 records
+        assert abs(count) <= records / 2 and (count - records / 2) % 1 == 0  # each record ±½, nothing else
+        if records == 0:
+            assert count == 0.0

@@ -69,6 +69,13 @@ class PrivateTraining:
         one mean gradient per user)."""
         (self.model if self.grad_sample_mode == "bk" else self.optimizer).set_users(users)
 
+    def stand_in_row(self) -> None:
+        """The next backward pass is the one masked row :func:`dpllm.train.forward_loss` runs for an empty share:
+        ``clipping: quantile`` must not count it as a record under C (its centred bit would add ½, and an empty
+        batch against one of one record would then move the count by 1, twice the sensitivity accounted)."""
+        if self.quantile is not None:
+            self.quantile.skip_next()
+
     def steps_taken(self) -> int:
         return sum(int(h[2]) for h in self.engine.accountant.history)
 

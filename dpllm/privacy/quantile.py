@@ -119,14 +119,29 @@ class QuantileClipping:
         self.expected_batch_size = float(expected_batch_size)
         self.count = 0.0  # Σ(bᵢ − ½) over this step's micro-batches so far
         self.steps = 0
+        self._skip = False  # the next weights() call is an empty share's stand-in row, not a record
 
     def gradient_noise_multiplier(self, sigma: float) -> float:
         """σ_g for the plan's σ and this run's σ_b (:func:`gradient_noise_multiplier`)."""
         return gradient_noise_multiplier(sigma, self.count_noise_multiplier)
 
+    def skip_next(self) -> None:
+        """The next :meth:`weights` call clips a stand-in row of zero gradient (an empty share), not a record."""
+        self._skip = True
+
     def weights(self, norms: torch.Tensor) -> torch.Tensor:
-        """Flat clipping weights min(1, C/‖gᵢ‖) at the current C; adds the records' centred bits to the count."""
-        self.count += centred_count(norms, self.clip)
+        """Flat clipping weights min(1, C/‖gᵢ‖) at the current C; adds the records' centred bits to the count.
+
+        Raises:
+            RuntimeError: after :meth:`skip_next`, anything but one row of zero norm (a dpllm bug).
+        """
+        if self._skip:
+            self._skip = False
+            if norms.numel() != 1 or float(norms.max()) != 0.0:
+                raise RuntimeError(f"clipping: quantile expected an empty share's one stand-in row of zero gradient, "
+                                   f"got norms {norms.tolist()[:4]}; a dpllm bug")
+        else:
+            self.count += centred_count(norms, self.clip)
         return (self.clip / norms.clamp(min=1e-12)).clamp(max=1.0)
 
     def release(self, noise: float) -> float:
@@ -145,7 +160,7 @@ class QuantileClipping:
         return {"clip": self.clip, "steps": self.steps}
 
     def load_state_dict(self, state: dict) -> None:
-        self.clip, self.steps, self.count = float(state["clip"]), int(state["steps"]), 0.0
+        self.clip, self.steps, self.count, self._skip = float(state["clip"]), int(state["steps"]), 0.0, False
 
     def info(self, *, sigma: float) -> dict:
         """The report's ``adaptive_clipping`` entry."""
