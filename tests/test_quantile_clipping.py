@@ -193,6 +193,12 @@ def test_recipe_trains_with_quantile_clipping_resumes_with_its_c_and_reports_it(
     assert len(line) == 1 and "0.5 quantile" in line[0] and f"σ = {sigma:.4g}, the σ accounted" in line[0]
     assert ledger_lines[-1]["kind"] == "final"
     assert ledger_lines[-1]["adaptive_clipping"]["final_max_grad_norm"] == a1["final_max_grad_norm"]
+    # what leaves the run: the release bundle's report and the model card's metadata carry it (public values)
+    from dpllm import hub
+    from dpllm.export import release_report
+
+    released = release_report(PrivacyReport.from_dict(r1))
+    assert released.adaptive_clipping == a1 and hub.dp_metadata(released)["adaptive_clipping"] == a1
 
 
 def test_uncovered_paths_are_refused_in_one_line_before_anything_is_written(tmp_path):
