@@ -590,13 +590,13 @@ def validate(cfg: RunConfig) -> None:
 def quantile_problem(cfg: RunConfig) -> Optional[str]:
     """Why ``clipping: quantile`` cannot run with this configuration (dpllm.privacy.quantile), or None.
 
-    Only what is covered runs: the bk engine on one process, record (or sequence) level, a constant σ, an
+    Only what is covered runs: bk, hooks or ghost on one process, record (or sequence) level, a constant σ, an
     unquantized base. Anything else is refused in one line rather than run with an accounting nobody checked.
     """
     p, d, m = cfg.privacy, cfg.data, cfg.model
     if p.clipping != "quantile":
         return None
-    unsupported = [(p.grad_sample_mode not in ("bk", "auto"), f"grad_sample_mode={p.grad_sample_mode} (use bk)"),
+    unsupported = [(p.grad_sample_mode == "ghost_fsdp", "grad_sample_mode=ghost_fsdp"),
                    (p.noise_schedule != "constant", f"noise_schedule={p.noise_schedule}"),
                    (d.privacy_unit == "user", "privacy_unit=user"),
                    (m.quantization != "none", f"quantization={m.quantization} (QLoRA)")]

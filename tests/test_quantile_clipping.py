@@ -205,7 +205,7 @@ def test_uncovered_paths_are_refused_in_one_line_before_anything_is_written(tmp_
     from dpllm.config import ConfigError
     from dpllm.privacy.accounting import PrivacyPlanError
 
-    for extra, what in ((("--grad_sample_mode", "hooks"), "grad_sample_mode=hooks"),
+    for extra, what in ((("--privacy_unit", "user"), "privacy_unit=user"),
                         (("--noise_schedule", "linear"), "noise_schedule=linear")):
         with pytest.raises(ConfigError, match=f"clipping: quantile is not yet supported with {what}"):
             _run(tmp_path / "refused", *extra)
@@ -258,3 +258,48 @@ def test_an_empty_batchs_stand_in_row_is_not_counted(tmp_path, monkeypatch):
         assert abs(count) <= records / 2 and (count - records / 2) % 1 == 0  # each record ±½, nothing else
         if records == 0:
             assert count == 0.0
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_hooks_and_ghost_noise_the_sum_at_sigma_g_c_and_adapt_c(mode):
+    from opacus import PrivacyEngine
+
+    from dpllm.config import PrivacyConfig
+    from dpllm.privacy.engine import _wrap_opacus
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(400, 50, bias=False))
+    engine = PrivacyEngine(accountant="prv")
+    sigma, sigma_b, clip, m = 1.0, 0.55, 2.0, 8.0
+    q = QuantileClipping(initial=clip, target_quantile=0.5, lr=0.2, count_noise_multiplier=sigma_b,
+                         expected_batch_size=m)
+    model, opt, criterion = _wrap_opacus(
+        engine=engine, model=net, optimizer=torch.optim.SGD(net.parameters(), lr=0.0), criterion=nn.MSELoss(),
+        fn=clipping.get("flat"), cfg=PrivacyConfig(max_grad_norm=clip, clipping="quantile"), mode=mode,
+        noise_multiplier=sigma, expected_batch_size=m, noise_generator=torch.Generator().manual_seed(3), quantile=q)
+    opt.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=0.1))
+    out = model(torch.randn(6, 400))
+    target = out.detach().clone()  # zero loss and zero gradients: p.grad after the step is the noise alone
+    out, target = out.sum(1), target.sum(1)  # one loss per record
+    loss = criterion(out, target) if criterion is not None else nn.functional.mse_loss(out, target)
+    loss.backward()  # hooks clip (and count) in opt.step(), ghost in this backward
+    counts = []
+    real_release = q.release
+    q.release = lambda noise: counts.append(q.count) or real_release(noise)
+    opt.step()
+    assert counts == [3.0]  # six records of norm 0 ≤ C, centred
+    got = float(net[0].weight.grad.std()) * m
+    assert got == pytest.approx(gradient_noise_multiplier(sigma, sigma_b) * clip, rel=0.03)
+    assert engine.accountant.history == [(sigma, 0.1, 1)]
+    assert q.steps == 1 and q.clip < clip  # b̃ ≈ 1 > γ: C shrank
+
+
+def test_recipe_runs_quantile_clipping_under_hooks_and_ghost(tmp_path):
+    import json
+
+    for mode in ("hooks", "ghost"):
+        _run(tmp_path / mode, "--grad_sample_mode", mode, "--save_every", "0")
+        report = json.loads((tmp_path / mode / "privacy_report.json").read_text())
+        a = report["adaptive_clipping"]
+        assert report["grad_sample_mode"] == mode and a["steps"] == 4 and a["final_max_grad_norm"] > 0.05
+        assert report["history"] == [[report["noise_multiplier"], report["sample_rate"], 4]]

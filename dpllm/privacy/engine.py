@@ -186,7 +186,7 @@ def make_private(
         model, optimizer, criterion = _wrap_opacus(
             engine=engine, model=model, optimizer=optimizer, criterion=criterion, fn=fn, cfg=cfg, mode=mode,
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size / world_size,
-            noise_generator=noise_generator, per_user=user_records is not None)
+            noise_generator=noise_generator, per_user=user_records is not None, quantile=quantile)
     optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=plan.sample_rate))
     # What Opacus's Poisson mode would also do: a second backward before a step is an error, not a sum.
     getattr(model, "forbid_grad_accumulation", lambda: None)()
@@ -207,12 +207,12 @@ def count_noise_multiplier(cfg: PrivacyConfig, plan: PrivacyPlan) -> float:
 def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str, world_size: int, per_user: bool,
                        model: nn.Module):
     """The adaptive C of ``clipping: quantile`` (:mod:`dpllm.privacy.quantile`), or one line saying what it does not
-    cover yet. Only bk knows every record's norm before clipping; one process only (the count's all-reduce is not
-    written yet); one constant σ (the split σ_g is computed from it)."""
+    cover yet: bk, hooks and ghost on one process only (the count's all-reduce is not written yet); one constant σ
+    (the split σ_g is computed from it)."""
     from dpllm.distributed import is_sharded
     from dpllm.privacy.quantile import QuantileClipping, check_count_noise
 
-    unsupported = [(mode != "bk", f"grad_sample_mode={mode} (use bk)"), (per_user, "user-level sampling"),
+    unsupported = [(mode == "ghost_fsdp", "grad_sample_mode=ghost_fsdp"), (per_user, "user-level sampling"),
                    (is_sharded(model), "FSDP2"), (world_size > 1, f"{world_size} processes (DDP)"),
                    (plan.schedule is not None, "a noise schedule")]
     for bad, what in unsupported:
@@ -226,7 +226,7 @@ def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str, worl
 
 def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, criterion, fn, cfg: PrivacyConfig,
                  mode: str, noise_multiplier: float, expected_batch_size: float,
-                 noise_generator: Optional[torch.Generator], per_user: bool = False):
+                 noise_generator: Optional[torch.Generator], per_user: bool = False, quantile=None):
     """Opacus's grad-sample module, DP optimizer and (ghost) criterion, built from its public classes.
 
     This is what ``PrivacyEngine.make_private`` does for an already-sampling loader, except that the classes
@@ -251,7 +251,7 @@ def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, 
         raise ValueError("Module parameters are different than optimizer Parameters")
     engine.validate(module=model, optimizer=None, data_loader=None)
     module_cls, module_kwargs, optimizer_cls, optimizer_kwargs = clipping.opacus_classes(
-        fn, cfg, grad_sample_mode=mode, distributed=isinstance(model, (DPDDP, DDP, FSDPModule)))
+        fn, cfg, grad_sample_mode=mode, distributed=isinstance(model, (DPDDP, DDP, FSDPModule)), quantile=quantile)
     if per_user:  # ULS: Opacus's optimizer subclassed to clip one mean gradient per user (user_level)
         from dpllm.privacy.user_level import optimizer_class
 
@@ -265,6 +265,8 @@ def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, 
                               expected_batch_size=expected_batch_size, loss_reduction="mean",
                               generator=engine.secure_rng if cfg.secure_mode else noise_generator,
                               secure_mode=cfg.secure_mode, **optimizer_kwargs)
+    if quantile is not None:
+        optimizer.quantile = quantile
     criterion = DPLossFastGradientClipping(model, optimizer, criterion, "mean") if ghost else None
     return model, optimizer, criterion
 
