@@ -303,3 +303,11 @@ def test_recipe_runs_quantile_clipping_under_hooks_and_ghost(tmp_path):
         a = report["adaptive_clipping"]
         assert report["grad_sample_mode"] == mode and a["steps"] == 4 and a["final_max_grad_norm"] > 0.05
         assert report["history"] == [[report["noise_multiplier"], report["sample_rate"], 4]]
+
+
+def test_the_mlp_recipes_refuse_quantile_clipping():
+    from dpllm.mlp.train import MLPRun
+
+    with pytest.raises(ValueError, match="clipping: quantile is not yet supported with the MLP recipes"):
+        MLPRun(clipping="quantile").privacy_config()
+    assert MLPRun(clipping="flat").privacy_config().clipping == "flat"
