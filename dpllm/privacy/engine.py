@@ -207,13 +207,14 @@ def count_noise_multiplier(cfg: PrivacyConfig, plan: PrivacyPlan) -> float:
 def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str, world_size: int, per_user: bool,
                        model: nn.Module):
     """The adaptive C of ``clipping: quantile`` (:mod:`dpllm.privacy.quantile`), or one line saying what it does not
-    cover yet: bk, hooks and ghost on one process only (the count's all-reduce is not written yet); one constant σ
-    (the split σ_g is computed from it)."""
+    cover yet: bk on one process or under DDP (the count summed over processes, noised once on rank 0, as the
+    gradient), hooks and ghost on one process; one constant σ (the split σ_g is computed from it)."""
     from dpllm.distributed import is_sharded
     from dpllm.privacy.quantile import QuantileClipping, check_count_noise
 
     unsupported = [(mode == "ghost_fsdp", "grad_sample_mode=ghost_fsdp"), (per_user, "user-level sampling"),
-                   (is_sharded(model), "FSDP2"), (world_size > 1, f"{world_size} processes (DDP)"),
+                   (is_sharded(model), "FSDP2"),
+                   (world_size > 1 and mode != "bk", f"grad_sample_mode={mode} on {world_size} processes (use bk)"),
                    (plan.schedule is not None, "a noise schedule")]
     for bad, what in unsupported:
         if bad:

@@ -150,7 +150,12 @@ class QuantileClipping:
         Returns:
             b̃, the noised fraction of records whose norm was at most the C this step used.
         """
-        fraction = noised_fraction(self.count, noise, self.expected_batch_size)
+        return self.release_noised(self.count + noise)
+
+    def release_noised(self, noised_count: float) -> float:
+        """End a step from the noised count over all processes (under DDP: every process's count summed, the
+        noise added once, on rank 0, as for the gradient); returns b̃."""
+        fraction = noised_fraction(noised_count, 0.0, self.expected_batch_size)
         self.clip = next_clip(self.clip, fraction, self.target_quantile, self.lr)
         self.count, self.steps = 0.0, self.steps + 1
         return fraction
