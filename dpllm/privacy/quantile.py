@@ -30,9 +30,12 @@ reports; everything rests on this):
 C changes between steps only as post-processing of earlier releases; each step is the mechanism above at the C
 it started with (adaptive composition of identical Gaussian mechanisms).
 
-The engine wiring is :class:`dpllm.privacy.bk.optimizer.QuantileAccumulation` (bk knows every record's norm
-before it clips), which asks :class:`QuantileClipping` for this step's C, σ_g and σ_b. The math here is
-testable without a model.
+The engine wiring asks :class:`QuantileClipping` for this step's C, σ_g and σ_b: bk's
+:class:`dpllm.privacy.bk.optimizer.QuantileAccumulation` (``Distributed...`` under DDP: the processes' counts
+summed, the noise added once on rank 0, as Opacus does for the gradient), and for Opacus hooks and ghost on one
+process :class:`dpllm.privacy.clipping.QuantileNoiseMixin`. Only real records enter the count: the masked
+stand-in row the trainer runs for an empty share is skipped (:meth:`QuantileClipping.skip_next`); counted, it
+would make an empty batch and a batch of one record differ by 1. The math here is testable without a model.
 
 Example:
     >>> round(gradient_noise_multiplier(1.0, 2.0), 4)   # (1 − 1/16)^(−1/2)
