@@ -61,8 +61,8 @@ RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensor
 RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_size", "privacy_unit", "epsilon", "delta",
                    "accountant", "accountant_method", "target_epsilon", "noise_multiplier", "sample_rate",
                    "max_grad_norm", "clipping", "sensitivity", "grad_sample_mode", "poisson_sampling", "secure_mode",
-                   "noise_secret", "history",
-                   "model_adjustments", "versions", "noise_schedule", "sequence_level")
+                   "noise_secret", "history", "model_adjustments", "versions", "noise_schedule", "sequence_level",
+                   "adaptive_clipping")  # clipping: quantile: γ, η, σ_b, σ_g and C, a function of noised counts
 # Not "note" (free text, could say anything) and not "warnings": they quote data-dependent counts (records removed as
 # duplicates, the expected batch q·N, a logical batch capped at N) for the operator, who reads them in the private run.
 # A stage's name is its output directory's (it may name the data: "runs/patients_2024"): released as "stage i".

@@ -61,6 +61,8 @@ def dp_metadata(report) -> dict:
            "composition": report.composition}
     if report.noise_schedule:  # σ varied: noise_multiplier is the first piece's, the pieces are (σ, steps)
         out["noise_schedule"] = [[float(s), int(n)] for s, n in report.noise_schedule.get("pieces_sigma_steps", [])]
+    if report.adaptive_clipping:  # clipping: quantile: C moved from max_grad_norm to its final value
+        out["adaptive_clipping"] = dict(report.adaptive_clipping)
     if user.get("max_records_per_user"):
         out["max_records_per_user"] = int(user["max_records_per_user"])
     seq = report.sequence_level or {}

@@ -123,6 +123,8 @@ def append(run_dir: str | Path, *, kind: str, step: int, privacy: dict, checkpoi
         entry[key] = privacy.get(key)
     if privacy.get("user_level"):  # privacy_unit=user: U, k, how ε became user-level (dpllm.privacy.user_level)
         entry["user_level"] = privacy["user_level"]
+    if privacy.get("adaptive_clipping"):  # clipping: quantile: γ, η, σ_b, σ_g and C so far (dpllm.privacy.quantile)
+        entry["adaptive_clipping"] = privacy["adaptive_clipping"]
     entry["checkpoint"] = checkpoint
     entry["checkpoint_sha256"] = dir_sha256(run_dir / checkpoint) if checkpoint else None
     entry.update(extra)

@@ -71,6 +71,8 @@ class ResumableState:
                             world=self.world, generators=self.generators, plan=plan.to_json() if plan else None,
                             accountant=self.privacy.private.engine.accountant if dp else None)
         self.last_saved = state["step"]
+        if dp:
+            self.privacy.restore_clipping(state.get("clipping"))
         tokens_seen = state["tokens_seen"] if self.world.is_main else 0  # the sum over processes counts
         initial_eval = None
         if self.world.is_main:
@@ -88,7 +90,8 @@ class ResumableState:
         state = {"step": step, "tokens_seen": tokens, "plan": plan.to_json() if plan else None,
                  "epsilon": privacy.get("epsilon"),
                  "metrics_bytes": self.metrics_path.stat().st_size if self.metrics_path.exists() else 0,
-                 "accountant": self.privacy.private.engine.accountant.state_dict() if dp else None}
+                 "accountant": self.privacy.private.engine.accountant.state_dict() if dp else None,
+                 "clipping": self.privacy.clipping_state() if dp else None}
         resume.save(self.out, step=step, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                     world=self.world, config_yaml=self.cfg.to_yaml(), generators=self.generators,
                     trainer_state=state, privacy=privacy)

@@ -343,6 +343,8 @@ class Trainer:
             if self.privacy.per_unit:  # an empty share's masked stand-in row is a unit of its own, zero gradient
                 self.private.set_users([self.privacy.record_user[j] for j in part] or [-1],
                                        reduction=self.privacy.unit_reduction)
+            if self.dp and not part:  # the masked stand-in row is no record: it must not enter any count of records
+                self.private.stand_in_row()
             sync = nullcontext() if last or self.dp else self.accelerator.no_sync(self.model)
             with sync:
                 loss = forward_loss(self.model, batch, self.criterion, self.autocast)

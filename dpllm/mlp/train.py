@@ -79,6 +79,9 @@ class MLPRun:
     grad_sample_mode: str = "hooks"
 
     def privacy_config(self, accountant: Optional[str] = None) -> PrivacyConfig:
+        if self.clipping == "quantile":  # its C, γ, η and σ_b would be missing from the MLP results
+            raise ValueError("clipping: quantile is not yet supported with the MLP recipes; use the LLM recipe "
+                             "(recipes/finetune_llm.py) or another clipping function")
         return PrivacyConfig(
             noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon,
             target_delta=self.delta, max_grad_norm=self.max_grad_norm, accountant=accountant or self.accountant,

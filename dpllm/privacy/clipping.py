@@ -38,8 +38,13 @@ from typing import Callable
 import torch
 from opacus.grad_sample import GradSampleModuleFastGradientClipping, GradSampleModuleFastGradientClippingFSDP
 from opacus.grad_sample.utils import get_gsm_class
-from opacus.optimizers import DistributedDPOptimizer, DPOptimizer, get_optimizer_class
-from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
+from opacus.optimizers import (
+    DistributedDPOptimizer,
+    DPOptimizer,
+    DPOptimizerFastGradientClipping,
+    get_optimizer_class,
+)
+from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch import nn
 
 from dpllm.config import PrivacyConfig
@@ -159,6 +164,43 @@ class ClippingFunctionDistributedDPOptimizer(ClippingFunctionOptimizerMixin, Dis
     """Opacus's ``DistributedDPOptimizer`` (DDP) summing gradients weighted by ``clip_weights(‖gᵢ‖)``."""
 
 
+class QuantileNoiseMixin:
+    """``clipping: quantile`` under Opacus hooks or ghost: the sum noised at σ_g·C, the centred count at σ_b, then C
+    moves (the argument that the pair spends the plan's σ is in :mod:`dpllm.privacy.quantile`).
+
+    ``quantile`` is the run's ``QuantileClipping``, whose ``weights`` clipped every record of this step (hooks: the
+    optimizer's ``clip_weights``; ghost: the module's). ``noise_multiplier`` stays the plan's σ, which the
+    accountant's hook reads; the noise below uses σ_g. Both noises come from ``self.generator``, the gradient's
+    first, in Opacus's order over ``self.params``.
+    """
+
+    quantile = None
+
+    def add_noise(self) -> None:
+        q = self.quantile
+        self.max_grad_norm = q.clip  # the C every record of this step was clipped at
+        std = q.gradient_noise_multiplier(self.noise_multiplier) * q.clip
+        for p in self.params:
+            _check_processed_flag(p.summed_grad)
+            noise = _generate_noise(std=std, reference=p.summed_grad, generator=self.generator,
+                                    secure_mode=self.secure_mode)
+            p.grad = (p.summed_grad + noise).view_as(p)
+            _mark_as_processed(p.summed_grad)
+        reference = torch.zeros((1,), dtype=torch.float64, device=self.params[0].device)
+        q.release(float(_generate_noise(std=q.count_noise_multiplier, reference=reference, generator=self.generator,
+                                        secure_mode=self.secure_mode).item()))
+
+
+class QuantileDPOptimizer(QuantileNoiseMixin, ClippingFunctionDPOptimizer):
+    """Hooks mode, ``clipping: quantile``: flat weights at the current C from ``clip_weights``, then
+    :class:`QuantileNoiseMixin`'s noise."""
+
+
+class QuantileGhostOptimizer(QuantileNoiseMixin, DPOptimizerFastGradientClipping):
+    """Ghost mode, ``clipping: quantile``: the module clipped with the current C; :class:`QuantileNoiseMixin`'s
+    noise."""
+
+
 _SUBCLASSES = {
     GradSampleModuleFastGradientClipping: ClippingFunctionGhostModule,
     GradSampleModuleFastGradientClippingFSDP: ClippingFunctionGhostModuleFSDP,
@@ -167,7 +209,8 @@ _SUBCLASSES = {
 }
 
 
-def opacus_classes(fn: ClippingFunction, cfg: PrivacyConfig, *, grad_sample_mode: str, distributed: bool):
+def opacus_classes(fn: ClippingFunction, cfg: PrivacyConfig, *, grad_sample_mode: str, distributed: bool,
+                   quantile=None):
     """Opacus's module and optimizer classes for ``grad_sample_mode``, subclassed to apply ``fn``.
 
     Flat clipping is Opacus's own, so its classes come back unchanged. Otherwise the class that clips is
@@ -175,12 +218,23 @@ def opacus_classes(fn: ClippingFunction, cfg: PrivacyConfig, *, grad_sample_mode
     pass), the optimizer under hooks (the weighted sum of materialised per-sample gradients). In both the
     optimizer's ``max_grad_norm``, the noise scale, is the function's sensitivity, passed by the caller.
 
+    With ``quantile`` (``clipping: quantile``'s ``QuantileClipping``) the weights are its ``weights`` and the
+    optimizer is :class:`QuantileDPOptimizer` or :class:`QuantileGhostOptimizer` (the caller sets its ``quantile``).
+
     Returns:
         ``(module_class, module_kwargs, optimizer_class, optimizer_kwargs)``: the extra keyword arguments
         (``clip_weights``) each constructor takes besides Opacus's own.
     """
     module_cls = get_gsm_class(grad_sample_mode)
     optimizer_cls = get_optimizer_class(clipping="flat", distributed=distributed, grad_sample_mode=grad_sample_mode)
+    if quantile is not None:  # clipping: quantile (one process): weights at the current C, the pair's noise
+        if distributed or optimizer_cls not in (DPOptimizer, DPOptimizerFastGradientClipping):
+            raise ValueError(f"clipping: quantile is not yet supported with grad_sample_mode={grad_sample_mode} "
+                             "across processes")
+        extra = {"clip_weights": quantile.weights}
+        if "ghost" in grad_sample_mode:
+            return _SUBCLASSES[module_cls], extra, QuantileGhostOptimizer, {}
+        return module_cls, {}, QuantileDPOptimizer, extra
     if fn.name == "flat":
         return module_cls, {}, optimizer_cls, {}
     extra = {"clip_weights": lambda norms: fn.weights(norms, cfg)}

@@ -58,6 +58,7 @@ class PrivateTraining:
     sampler: Any = None  # dpllm.sampling.PoissonBatchSampler: its generator is part of a resumable checkpoint
     grad_sample_mode: str = ""  # the mode that ran: cfg.grad_sample_mode with "auto" resolved
     grad_sample_mode_reason: str = ""  # why that mode (dpllm.privacy.modes.choose_mode)
+    quantile: Any = None  # clipping: quantile: its dpllm.privacy.quantile.QuantileClipping (C, the trajectory)
 
     def history(self) -> list[tuple[float, float, int]]:
         """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
@@ -68,6 +69,13 @@ class PrivateTraining:
         one mean gradient per user); split long records (``reduction="sum"``): each window's source record, whose
         windows' summed gradient is clipped once."""
         (self.model if self.grad_sample_mode == "bk" else self.optimizer).set_users(users, reduction=reduction)
+
+    def stand_in_row(self) -> None:
+        """The next backward pass is the one masked row :func:`dpllm.train.forward_loss` runs for an empty share:
+        ``clipping: quantile`` must not count it as a record under C (its centred bit would add ½, and an empty
+        batch against one of one record would then move the count by 1, twice the sensitivity accounted)."""
+        if self.quantile is not None:
+            self.quantile.skip_next()
 
     def steps_taken(self) -> int:
         return sum(int(h[2]) for h in self.engine.accountant.history)
@@ -150,20 +158,24 @@ def make_private(
     # DataLoader's own generator only seeds worker processes; a private one keeps it off the global RNG.
     loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, generator=torch.Generator())
     criterion = nn.CrossEntropyLoss(ignore_index=-100)
-    fn = clipping.get(cfg.clipping)
+    adaptive = cfg.clipping == "quantile"
+    fn = clipping.get("flat" if adaptive else cfg.clipping)
     choice = choose_mode(cfg.grad_sample_mode, model, physical_batch_size=physical_batch_size,
                          per_user=user_records is not None)
     mode = choice.mode
+    quantile = _quantile_clipping(cfg, plan, mode=mode, world_size=world_size, per_user=user_records is not None,
+                                  model=model) if adaptive else None
     log.info("privacy: grad_sample_mode=%s (%s)", mode, choice.reason)
     check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
     # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
     guard_record_independence(model, max_length=max_length)
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
-            engine=engine, model=model, optimizer=optimizer, clip_weights=lambda n: fn.weights(n, cfg),
+            engine=engine, model=model, optimizer=optimizer,
+            clip_weights=quantile.weights if quantile else lambda n: fn.weights(n, cfg),
             noise_multiplier=plan.noise_multiplier, max_grad_norm=fn.sensitivity(cfg),
             expected_batch_size=plan.expected_batch_size, world_size=world_size, noise_generator=noise_generator,
-            secure_mode=cfg.secure_mode, per_user=user_records is not None)
+            secure_mode=cfg.secure_mode, per_user=user_records is not None, quantile=quantile)
         criterion = None
     else:
         from dpllm.distributed import is_sharded, unsharded_parameters
@@ -177,18 +189,48 @@ def make_private(
         model, optimizer, criterion = _wrap_opacus(
             engine=engine, model=model, optimizer=optimizer, criterion=criterion, fn=fn, cfg=cfg, mode=mode,
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size / world_size,
-            noise_generator=noise_generator, per_user=user_records is not None)
+            noise_generator=noise_generator, per_user=user_records is not None, quantile=quantile)
     optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=plan.sample_rate))
     # What Opacus's Poisson mode would also do: a second backward before a step is an error, not a sum.
     getattr(model, "forbid_grad_accumulation", lambda: None)()
     return PrivateTraining(model=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
                            engine=engine, plan=plan, sampler=sampler, grad_sample_mode=mode,
-                           grad_sample_mode_reason=choice.reason)
+                           grad_sample_mode_reason=choice.reason, quantile=quantile)
+
+
+def count_noise_multiplier(cfg: PrivacyConfig, plan: PrivacyPlan) -> float:
+    """σ_b of ``clipping: quantile``: the configured one, else m/20 for the expected (public) batch m = q·N."""
+    from dpllm.privacy.quantile import DEFAULT_COUNT_NOISE_FRACTION
+
+    if cfg.count_noise_multiplier is not None:
+        return float(cfg.count_noise_multiplier)
+    return plan.expected_batch_size / DEFAULT_COUNT_NOISE_FRACTION
+
+
+def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str, world_size: int, per_user: bool,
+                       model: nn.Module):
+    """The adaptive C of ``clipping: quantile`` (:mod:`dpllm.privacy.quantile`), or one line saying what it does not
+    cover yet: bk on one process or under DDP (the count summed over processes, noised once on rank 0, as the
+    gradient), hooks and ghost on one process; one constant σ (the split σ_g is computed from it)."""
+    from dpllm.distributed import is_sharded
+    from dpllm.privacy.quantile import QuantileClipping, check_count_noise
+
+    unsupported = [(mode == "ghost_fsdp", "grad_sample_mode=ghost_fsdp"), (per_user, "user-level sampling"),
+                   (is_sharded(model), "FSDP2"),
+                   (world_size > 1 and mode != "bk", f"grad_sample_mode={mode} on {world_size} processes (use bk)"),
+                   (plan.schedule is not None, "a noise schedule")]
+    for bad, what in unsupported:
+        if bad:
+            raise ValueError(f"clipping: quantile is not yet supported with {what}")
+    sigma_b = count_noise_multiplier(cfg, plan)
+    check_count_noise(plan.noise_multiplier, sigma_b)
+    return QuantileClipping(initial=cfg.max_grad_norm, target_quantile=cfg.target_quantile, lr=cfg.quantile_lr,
+                            count_noise_multiplier=sigma_b, expected_batch_size=plan.expected_batch_size)
 
 
 def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, criterion, fn, cfg: PrivacyConfig,
                  mode: str, noise_multiplier: float, expected_batch_size: float,
-                 noise_generator: Optional[torch.Generator], per_user: bool = False):
+                 noise_generator: Optional[torch.Generator], per_user: bool = False, quantile=None):
     """Opacus's grad-sample module, DP optimizer and (ghost) criterion, built from its public classes.
 
     This is what ``PrivacyEngine.make_private`` does for an already-sampling loader, except that the classes
@@ -213,7 +255,7 @@ def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, 
         raise ValueError("Module parameters are different than optimizer Parameters")
     engine.validate(module=model, optimizer=None, data_loader=None)
     module_cls, module_kwargs, optimizer_cls, optimizer_kwargs = clipping.opacus_classes(
-        fn, cfg, grad_sample_mode=mode, distributed=isinstance(model, (DPDDP, DDP, FSDPModule)))
+        fn, cfg, grad_sample_mode=mode, distributed=isinstance(model, (DPDDP, DDP, FSDPModule)), quantile=quantile)
     if per_user:  # ULS: Opacus's optimizer subclassed to clip one mean gradient per user (user_level)
         from dpllm.privacy.user_level import optimizer_class
 
@@ -227,6 +269,8 @@ def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, 
                               expected_batch_size=expected_batch_size, loss_reduction="mean",
                               generator=engine.secure_rng if cfg.secure_mode else noise_generator,
                               secure_mode=cfg.secure_mode, **optimizer_kwargs)
+    if quantile is not None:
+        optimizer.quantile = quantile
     criterion = DPLossFastGradientClipping(model, optimizer, criterion, "mean") if ghost else None
     return model, optimizer, criterion
 

@@ -83,6 +83,10 @@ class PrivacyReport:
     # "truncated_records", "tokens_total", "tokens_kept", "tokens_lost_median", "tokens_lost_max",
     # "max_length_for_95pct", "max_length_for_all"; or "truncated_records": null and "unknown" (why)
     data: Optional[dict] = None
+    # clipping: quantile (dpllm.privacy.quantile): {"kind", "target_quantile", "quantile_lr",
+    # "count_noise_multiplier" (σ_b), "gradient_noise_multiplier" (σ_g), "initial_max_grad_norm",
+    # "final_max_grad_norm", "steps"}; noise_multiplier is the pair's σ, the one accounted
+    adaptive_clipping: Optional[dict] = None
 
     @property
     def releasable(self) -> bool:
@@ -113,7 +117,7 @@ class PrivacyReport:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         for key in ("note", "user_level", "release", "noise_schedule", "grad_sample_mode_reason", "accountant_method",
-                    "sequence_level", "data"):
+                    "sequence_level", "data", "adaptive_clipping"):
             if out[key] is None:
                 del out[key]
         return out
@@ -209,6 +213,14 @@ class PrivacyReport:
             lines.append("unit: " + sequence_unit_words(self.sequence_level, self.epsilon))
         if self.data:
             lines.append("data: " + truncation.describe(self.data))
+        a = self.adaptive_clipping
+        if a:
+            lines.append(f"clipping: C adapted to the {a['target_quantile']:g} quantile of the per-record norms "
+                         f"(η = {a['quantile_lr']:g}), {a['initial_max_grad_norm']:.4g} → "
+                         f"{a['final_max_grad_norm']:.4g} "
+                         f"over {a['steps']} steps; the gradient (σ_g = {a['gradient_noise_multiplier']:.4g}) and the "
+                         f"count under C (σ_b = {a['count_noise_multiplier']:.4g}) are one Gaussian mechanism of "
+                         f"σ = {self.noise_multiplier:.4g}, the σ accounted")
         return lines
 
     def as_ledger_privacy(self) -> dict[str, Any]:
@@ -218,6 +230,8 @@ class PrivacyReport:
                "history": [list(h) for h in self.history]}
         if self.user_level:
             out["user_level"] = self.user_level
+        if self.adaptive_clipping:
+            out["adaptive_clipping"] = self.adaptive_clipping
         return out
 
 

@@ -33,8 +33,9 @@ from dpllm.errors import DataError, TrainingError
 from dpllm.privacy import clipping, sequence_level, user_level
 from dpllm.privacy.accounting import PrivacyPlanError, check_delta, method_note
 from dpllm.privacy.composition import Lineage, lineage, set_digest
-from dpllm.privacy.engine import make_private
+from dpllm.privacy.engine import count_noise_multiplier, make_private
 from dpllm.privacy.plan import PrivacyPlan, plan_privacy, sample_rate_for, steps_for
+from dpllm.privacy.quantile import check_count_noise
 from dpllm.privacy.report import PrivacyReport
 from dpllm.privacy.schedule import noise_schedule
 
@@ -198,6 +199,8 @@ class RunPrivacy:
                                      target_epsilon=target, delta=delta, accountant=p.accountant,
                                      noise_multiplier=sigma, prior_history=self.lineage.history,
                                      data_notes=data_notes, schedule=noise_schedule(p))
+            if p.clipping == "quantile":  # σ_b > σ/2, or the gradient's noise would be infinite: refused here,
+                check_count_noise(self.plan.noise_multiplier, count_noise_multiplier(p, self.plan))  # before loading
         for note in self.lineage.notes:
             log.info("stages: %s", note)
         return self.steps
@@ -279,7 +282,35 @@ class RunPrivacy:
         info = self.user_level_info()
         if info is not None:
             out["user_level"] = info
+        adaptive = self.adaptive_clipping()
+        if adaptive is not None:
+            out["adaptive_clipping"] = adaptive
         return out
+
+    def adaptive_clipping(self) -> Optional[dict]:
+        """``clipping: quantile``: γ, η, σ_b, σ_g and C from its start to now (None otherwise). C is a function of
+        the noised counts alone, so it may be released (dpllm.privacy.quantile)."""
+        q = self.private.quantile if self.dp and self.private is not None else None
+        return None if q is None else q.info(sigma=self.plan.noise_multiplier)
+
+    def clipping_state(self) -> Optional[dict]:
+        """What a resumable checkpoint keeps of the clipping (``clipping: quantile``'s C), or None."""
+        q = self.private.quantile if self.dp and self.private is not None else None
+        return None if q is None else q.state_dict()
+
+    def restore_clipping(self, state: Optional[dict]) -> None:
+        """Put back :meth:`clipping_state` from a checkpoint.
+
+        Raises:
+            ConfigError: the checkpoint and this run disagree on whether C adapts.
+        """
+        q = self.private.quantile if self.dp and self.private is not None else None
+        if (q is None) != (state is None):
+            raise ConfigError("cannot resume: the checkpoint " + ("has no" if state is None else "has an") +
+                              " adaptive clipping norm and this run " + ("adapts C" if q is not None else "does not") +
+                              "; resume with the clipping the run started with")
+        if q is not None:
+            q.load_state_dict(state)
 
     # ---- at the end ----------------------------------------------------------------------------------
 
@@ -328,7 +359,10 @@ class RunPrivacy:
             if self.sequence_unit else None,
             target_epsilon=p.target_epsilon, noise_multiplier=plan.noise_multiplier,
             sample_rate=plan.sample_rate, expected_batch_size=plan.expected_batch_size,
-            max_grad_norm=p.max_grad_norm, clipping=p.clipping, sensitivity=clipping.get(p.clipping).sensitivity(p),
+            max_grad_norm=p.max_grad_norm, clipping=p.clipping,
+            # quantile: the sensitivity moved with C; the last C is in adaptive_clipping
+            sensitivity=None if p.clipping == "quantile" else clipping.get(p.clipping).sensitivity(p),
+            adaptive_clipping=self.adaptive_clipping(),
             grad_sample_mode=self.private.grad_sample_mode,
             grad_sample_mode_reason=self.private.grad_sample_mode_reason or None,
             poisson_sampling=True, secure_mode=p.secure_mode,

@@ -334,7 +334,7 @@ def _rows_of(args, kwargs) -> Optional[int]:
 def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, clip_weights: Callable,
                     noise_multiplier: float, max_grad_norm: float, expected_batch_size: float, world_size: int = 1,
                     noise_generator: Optional[torch.Generator] = None, secure_mode: bool = False,
-                    per_user: bool = False):
+                    per_user: bool = False, quantile=None):
     """Wrap ``model`` for BK and ``optimizer`` as Opacus's ghost-clipping optimizer (noise, accumulation).
 
     The caller attaches ``engine``'s accountant hook, as for every mode. The optimizer class is the one
@@ -347,6 +347,9 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
         world_size: the number of processes. Under DDP Opacus averages the processes' sums, so its optimizer
             divides by the per-process share; under FSDP the shards hold sums, divided by the global batch.
         per_user: ULS, one clipped mean gradient per user.
+        quantile: ``clipping: quantile``'s :class:`dpllm.privacy.quantile.QuantileClipping` (one process or DDP):
+            ``clip_weights`` is its ``weights``, and the optimizer is :class:`dpllm.privacy.bk.optimizer.
+            QuantileAccumulation` (``Distributed...``), which noises the count and moves C after each step.
 
     Returns:
         ``(model, optimizer)``.
@@ -364,8 +367,16 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
         raise ValueError("Passing seed is prohibited in secure mode")
     ddp = isinstance(model, (DPDDP, DDP))
     cls = optimizer_class(distributed=ddp, sharded=is_sharded(model))  # Opacus's, minus two gradient copies
+    if quantile is not None:
+        if is_sharded(model) or per_user:
+            raise ValueError("clipping: quantile is not yet supported with FSDP2 or user-level sampling")
+        from dpllm.privacy.bk.optimizer import DistributedQuantileAccumulation, QuantileAccumulation
+
+        cls = DistributedQuantileAccumulation if ddp else QuantileAccumulation
     dp_optimizer = cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                        expected_batch_size=expected_batch_size / world_size if ddp else expected_batch_size,
                        loss_reduction="mean",
                        generator=engine.secure_rng if secure_mode else noise_generator, secure_mode=secure_mode)
+    if quantile is not None:
+        dp_optimizer.quantile = quantile
     return BookKeepingModule(model, clip_weights=clip_weights, per_user=per_user), dp_optimizer

@@ -78,6 +78,59 @@ class ShardedLeanAccumulation(LeanAccumulation):
             _mark_as_processed(p.summed_grad)
 
 
+class QuantileAccumulation(LeanAccumulation):
+    """:class:`LeanAccumulation` for ``clipping: quantile``: the sum noised at σ_g·C, the count at σ_b, then C moves.
+
+    ``quantile`` is the run's :class:`dpllm.privacy.quantile.QuantileClipping`, whose ``weights`` bk clipped every
+    record of this step with (adding each record's centred bit to its count). ``noise_multiplier`` stays the plan's
+    σ: the accountant's hook reads it, and σ is what the pair (sum, count) spends (the argument is in
+    :mod:`dpllm.privacy.quantile`); the gradient's own σ_g is ``_adjusted_noise_multiplier``, which
+    :meth:`LeanAccumulation.add_noise` reads. Both noises come from ``self.generator`` (the run's secret noise
+    generator, or Opacus's secure one), the gradient's first.
+    """
+
+    quantile = None
+
+    def add_noise(self):
+        import torch
+
+        q = self.quantile
+        self.max_grad_norm = q.clip  # the C every record of this step was clipped at
+        self._adjusted_noise_multiplier = q.gradient_noise_multiplier(self.noise_multiplier)
+        super().add_noise()
+        reference = torch.zeros((1,), dtype=torch.float64, device=self.params[0].device)
+        noise = _generate_noise(std=q.count_noise_multiplier, reference=reference, generator=self.generator,
+                                secure_mode=self.secure_mode)
+        q.release(float(noise.item()))
+
+
+class DistributedQuantileAccumulation(DistributedLeanAccumulation):
+    """DDP, ``clipping: quantile``: as for the gradient, the count is noised once, on rank 0, and summed over the
+    processes; every process then moves C by the same noised count, so C stays equal everywhere.
+
+    Opacus's distributed ``add_noise`` noises the gradient on rank 0 only (through :class:`LeanAccumulation`, at
+    ``_adjusted_noise_multiplier`` = σ_g) and leaves the all-reduce to ``reduce_gradients``; the count's noise is
+    drawn after the gradient's, from the same generator, as on one process.
+    """
+
+    quantile = None
+
+    def add_noise(self):
+        import torch
+        import torch.distributed as dist
+
+        q = self.quantile
+        self.max_grad_norm = q.clip
+        self._adjusted_noise_multiplier = q.gradient_noise_multiplier(self.noise_multiplier)
+        super().add_noise()
+        count = torch.tensor([q.count], dtype=torch.float64, device=self.params[0].device)
+        if self.rank == 0:
+            count += _generate_noise(std=q.count_noise_multiplier, reference=count, generator=self.generator,
+                                     secure_mode=self.secure_mode)
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+        q.release_noised(float(count.item()))
+
+
 def optimizer_class(distributed: bool, sharded: bool = False) -> type:
     if sharded:
         return ShardedLeanAccumulation
