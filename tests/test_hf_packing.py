@@ -176,3 +176,22 @@ def test_the_recipe_refuses_the_sequence_unit_before_writing(tmp_path, capsys):
     assert load_recipe("finetune_llm").cli(["--dataset", str(data), "--output_dir", str(out), "--privacy_unit",
                                             "sequence", "--max_steps", "1", "--progress", "false"]) == 2
     assert "privacy_unit=sequence" in capsys.readouterr().err and not out.exists()
+
+
+def test_records_of_one_template_are_not_taken_for_blocks(tiny):
+    """Honest rows whose records share a length (a template: 22 of 32 at the longest in test_qlora_runs) were refused
+    as packed by a majority-length rule. Rows that begin and end as the tokenizer begins and ends a text are records;
+    without edge tokens, fewer than 7 in 8 rows at the longest length say nothing."""
+    from dpllm.hf.packed import evidence
+
+    _, tok = tiny
+    texts = [f"Record {i}: the quick brown fox number {i}." for i in range(40)]
+    rows = [tok(t)["input_ids"] for t in texts]  # ByT5 ends every text with its end token
+    assert evidence(rows, [0] * len(rows), tok, text_column="text") == ""
+    bare = [tok(t, add_special_tokens=False)["input_ids"] for t in texts[:32]]  # 22 of 32 at the longest length
+    assert sum(len(r) == max(map(len, bare)) for r in bare) == 22
+    assert evidence(bare, [0] * len(bare), tok, text_column="text") == ""
+    # the same length rule still refuses blocks: nearly every row full, not shown to be cut from a longer record
+    blocks = [r[:8] for r in bare] + [bare[0][:5]]
+    assert "rows have exactly 8 tokens, the block length" in evidence(blocks, [0] * len(blocks), tok,
+                                                                      text_column="text")
