@@ -28,7 +28,9 @@ def runs(tmp_path_factory):
 
     base = tmp_path_factory.mktemp("hub")
     data = base / f"{DATA}.jsonl"
-    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in pydoc_paragraphs() if len(t) >= 40))
+    # 119 records: FAST's max_records=120 cuts no neighbour of this file (run_data refuses a file that meets it)
+    texts = list(dict.fromkeys(t for t in pydoc_paragraphs() if len(t) >= 40))[:119]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     train(parse_config(["--output_dir", str(base / "full"), *FAST, "--finetuning", "full"]))
     train(parse_config(["--output_dir", str(base / LORA), *FAST, "--finetuning", "lora", "--dataset", str(data)]))
     return base
@@ -87,7 +89,9 @@ def test_model_card_metadata_round_trips(runs, tmp_path):
     assert "base_model" not in meta  # a tiny model built from a config has no public name
     dp = meta["differential_privacy"]
     assert dp["epsilon"] == released["epsilon"] and dp["delta"] == released["delta"] == 1e-5
-    assert (dp["unit"], dp["neighbouring_relation"], dp["accountant"]) == ("record", "add or remove one record", "rdp")
+    assert (dp["unit"], dp["accountant"]) == ("record", "rdp")
+    # this run kept 120 records of the built-in pydoc corpus by rank (max_records): the relation says so (issue 46)
+    assert dp["neighbouring_relation"].startswith("add or remove one record of the at most 120 that max_records kept")
     assert (dp["noise_multiplier"], dp["sampling_rate"], dp["steps"]) == (
         released["noise_multiplier"], released["sample_rate"], released["steps"])
     # the YAML block comes first, then the body as before (its plain-language guarantee line)
