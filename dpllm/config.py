@@ -14,6 +14,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -152,7 +153,8 @@ class DataConfig:
 class TrainConfig:
     output_dir: str = _f("runs/default", "Run directory (config, splits, metrics, checkpoint, report).")
     overwrite_output_dir: bool = _f(False, "Replace an existing run directory.")
-    max_steps: Optional[int] = _f(100, "Optimizer (logical-batch) steps. Ignored when epochs is set.")
+    max_steps: Optional[int] = _f(100, "Optimizer (logical-batch) steps. Ignored when epochs is set, except that "
+                                   "--max_steps on the command line replaces a config file's epochs.")
     epochs: Optional[float] = _f(None, "Train for this many epochs: steps = ceil(epochs / sample_rate).")
     logical_batch_size: int = _f(64, "Expected records per optimizer step (Poisson sampling under DP).")
     physical_batch_size: int = _f(16, "Records per forward/backward pass (virtual batching).")
@@ -385,8 +387,29 @@ def parse_config(argv: Optional[list[str]] = None) -> RunConfig:
     except ValueError as err:  # HfArgumentParser's "arguments are not used" message
         raise ConfigError(f"{err}; run with --help for the list of options") from err
     cfg = RunConfig(*parsed[: len(SECTIONS)])
+    _command_line_steps_win(cfg, argv, from_file=defaults)
     validate(cfg)
     return cfg
+
+
+def _command_line_steps_win(cfg: RunConfig, argv: list[str], *, from_file: dict[str, Any]) -> None:
+    """``--max_steps N`` on the command line over a config file's ``epochs``: the command line wins.
+
+    ``max_steps`` is ignored when ``epochs`` is set, so ``--config x.yaml --max_steps 20`` on a file with
+    ``epochs: 1`` used to run the file's epochs without a word. Now the command line's ``--max_steps`` replaces
+    the file's ``epochs`` (logged); with ``--epochs`` on the command line as well, ``epochs`` decides as documented
+    and the ignored ``--max_steps`` is named in a warning.
+    """
+    flags = {a.split("=", 1)[0] for a in argv}
+    if "--max_steps" not in flags or cfg.train.epochs is None:
+        return
+    log = logging.getLogger(__name__)
+    if "--epochs" in flags:
+        log.warning("--max_steps %s is ignored: --epochs %s sets the run's length", cfg.train.max_steps,
+                    cfg.train.epochs)
+    elif from_file.get("epochs") is not None:
+        log.info("--max_steps %s replaces the config file's epochs: %s", cfg.train.max_steps, cfg.train.epochs)
+        cfg.train.epochs = None
 
 
 def check_paths(cfg: RunConfig) -> None:

@@ -21,6 +21,21 @@ def test_yaml_then_overrides(tmp_path):
     assert cfg.privacy.accountant == "rdp"
 
 
+def test_command_line_max_steps_replaces_the_files_epochs(tmp_path, caplog):
+    """A file with ``epochs: 1`` and ``--max_steps 20`` used to run the epochs and say nothing."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"train": {"epochs": 1}}))
+    with caplog.at_level("INFO", logger="dpllm.config"):
+        cfg = parse_config(["--config", str(path), "--max_steps", "20"])
+    assert (cfg.train.epochs, cfg.train.max_steps) == (None, 20)
+    assert "--max_steps 20 replaces the config file's epochs: 1" in caplog.text
+    assert parse_config(["--config", str(path)]).train.epochs == 1.0  # without the flag the file decides
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dpllm.config"):
+        both = parse_config(["--config", str(path), "--max_steps", "20", "--epochs", "2"])
+    assert both.train.epochs == 2.0 and "--max_steps 20 is ignored: --epochs 2.0 sets" in caplog.text
+
+
 def test_dotted_bool_override():
     cfg = parse_config(["--privacy.enabled", "false"])
     assert cfg.privacy.enabled is False
