@@ -98,14 +98,16 @@ def cli(argv: list[str] | None = None, *, command: bool = False) -> int:
         interrupted(err, list(sys.argv[1:] if argv is None else argv), program)
         return EXIT_CODES.get(getattr(err, "signal", None), 130)
     except ValueError as err:  # config, data, model and privacy-plan errors all say what to change
-        print(f"error: {err}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # every process read the same input: one line, not one each
+            print(f"error: {err}", file=sys.stderr)
         return 2
     except Exception as err:
         from dpllm.train import TrainingError
 
         if not isinstance(err, TrainingError):
             raise
-        print(f"error: {err}", file=sys.stderr)
+        rank = int(os.environ.get("RANK", "0"))  # a failure may be one process's own: each says which it is
+        print(f"error: {err}" if rank == 0 else f"error (process {rank}): {err}", file=sys.stderr)
         return 1
     finally:
         if "dpllm.distributed" in sys.modules:  # a process group exists only once training code was imported

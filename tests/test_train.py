@@ -203,6 +203,17 @@ def test_recipe_bad_input_exit_code(tmp_path):
     assert not (tmp_path / "y").exists()
 
 
+@pytest.mark.parametrize("rank, lines", [("0", 1), ("1", 0)])
+def test_bad_input_is_one_line_from_the_first_process_only(tmp_path, monkeypatch, capsys, rank, lines):
+    """Under ``accelerate launch`` every process reads the same bad input: rank 0 says it, the others exit 2."""
+    from tests.helpers import load_recipe
+
+    monkeypatch.setenv("RANK", rank)
+    code = load_recipe("finetune_llm").cli([*FAST, "--output_dir", str(tmp_path / "y"), "--target_delta", "0.5"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("error: ") == lines and ("target_delta=0.5" in err) == (lines == 1)
+
+
 def test_empty_poisson_batches_still_step_and_count(tmp_path, monkeypatch):
     """q = 1/N over N ≈ 20 records (logical batch 1): about a third of the logical batches are empty (0.95²⁰);
     each is still a noisy, counted step. Thirty steps with none empty would have probability ≈ 2e-6 for any seed,
