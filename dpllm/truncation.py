@@ -18,8 +18,8 @@ import math
 import statistics
 from typing import Optional, Sequence
 
-SPLIT_HINT = ("or split them: data.long_records: split (DPTrainer: PrivacyArguments long_records='split') trains on every "
-           "window of a long record, the record one privacy unit")
+SPLIT_HINT = ("or split them: data.long_records: split (DPTrainer: PrivacyArguments long_records='split') trains on "
+              "every window of a long record, the record one privacy unit")
 
 
 def summarize(full_lengths: Sequence[int], *, max_length: int, estimated: int = 0) -> dict:
