@@ -78,7 +78,8 @@ class DataConfig:
                                        "tokens) or 'split' (cut it into consecutive windows of max_length tokens, "
                                        "all trained; the record stays the privacy unit: its windows are sampled "
                                        "together and their summed gradient is clipped once; the ε is the record "
-                                       "level's). Text records, privacy_unit=record, the recipe only.")
+                                       "level's). Text records, privacy_unit=record (DPTrainer: PrivacyArguments "
+                                       "long_records).")
     max_windows: int = _f(8, "long_records=split: train on at most this many windows of a record, its first ones "
                              "(the cap bounds a step's cost; what it drops is reported). ≤ physical_batch_size: a "
                              "record's windows go through one backward pass.")

@@ -294,6 +294,29 @@ def test_window_stride_keeps_a_records_own_labels_and_the_cap():
     assert s["windows"] == 2 and s["windows_dropped"] == 3 and s["tokens_kept"] == 10  # windows of 6, 4 new each
 
 
+def test_the_audit_scores_each_token_of_an_overlapping_split_record_once():
+    """mia's signals of a record split with window_stride 8 (windows of 32 from token 0, 24, 48, 72 of 101): each
+    window scored alone by hand, its 7 repeated predictions dropped (the context tokens after its first), then
+    concatenated: every token but the first scored once. 1e-5 as in tests/test_long_records.py (batched vs alone)."""
+    import numpy as np
+
+    from mia.signals import compute_signals
+
+    model, tok = tiny_model()
+    model.eval()
+    full = tok("a" * 100)["input_ids"]
+    sig = compute_signals(model, tok, ["a" * 100], max_length=32, max_windows=8, window_stride=8, progress=False)
+    want = []
+    with torch.no_grad():
+        for k, start in enumerate((0, 24, 48, 72)):
+            w = torch.tensor([full[start: start + 32]])
+            logp = torch.log_softmax(model(input_ids=w).logits[0, :-1].float(), dim=-1)
+            want.append(logp.gather(-1, w[0, 1:, None])[:, 0].double().numpy()[7 if k else 0:])
+    want = np.concatenate(want)
+    assert sig.num_tokens.tolist() == [100] == [len(full) - 1]
+    np.testing.assert_allclose(sig.token_logprobs[0], want, rtol=1e-5, atol=1e-6)
+
+
 def test_window_stride_in_the_recipe_is_recorded_and_refused_when_it_cannot_work():
     cfg = parse_config(["--long_records", "split", "--max_length", "64", "--window_stride", "16"])
     assert cfg.data.window_stride == 16
@@ -320,6 +343,9 @@ def test_recipe_split_run_with_stride_trains_the_overlapping_windows(tmp_path):
     assert report.data["window_stride"] == 8 and report.data["windows"] > report.num_records
     assert report.epsilon == compute_epsilon_history(history=report.history, delta=1e-3, accountant="prv")
     assert json.loads((out / "splits.json").read_text())["window_stride"] == 8
+    from mia.audit import run_window_stride
+
+    assert run_window_stride(out) == 8  # mia audit scores the run's windows with its overlap
 
 
 # ---- refusals ----------------------------------------------------------------------------------------------

@@ -266,7 +266,6 @@ class HFRun(RunTrainer):
                               "(split the users, not the rows, between the two datasets)")
         records = [self.train_rows.texts[i] for i in train] + [self.eval_rows.texts[i] for i in heldout]
         users = [self.train_rows.users[i] for i in train] + [self.eval_rows.users[i] for i in heldout]
-        self.record_users = users
         n = len(train)
         splits = data.Splits(public=[], train=list(range(n)), heldout=list(range(n, len(records))),
                              users={"train": sorted(set(users[:n])), "heldout": sorted(set(users[n:])), "public": []},
