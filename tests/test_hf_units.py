@@ -404,3 +404,46 @@ def test_dptrainer_refuses_data_the_unit_cannot_use_before_writing(tmp_path):
     with pytest.raises(ConfigError, match="privacy_unit='user' and long_records='split' with them are not yet"):
         train(dict(privacy_unit="user"), chats)
     assert not any((tmp_path / "run").iterdir())  # the Trainer's constructor makes output_dir; nothing is in it
+
+
+# ---- resume ------------------------------------------------------------------------------------------------
+
+# ~11 s each (three runs and their checkpoints): the split one, whose windows are a function of the data alone, is in
+# the slow set (its sampler's restore is the recipe's, tests/test_long_records.py's slow kill-and-resume test)
+@pytest.mark.parametrize("unit", ["user", pytest.param("split", marks=pytest.mark.slow)])
+def test_an_interrupted_run_resumes_to_the_uninterrupted_one(tmp_path, unit):
+    """Ctrl-C after step 3 of 4, resumed from step 2: the same users kept (the cap's choice is read back from
+    splits.json, not drawn again), the same unit batches and noise, so the same weights and history."""
+    from tests.test_hf_trainer import StopAt
+
+    def run(out, *, callbacks=(), resume=None):
+        model, tok = tiny_model()
+        if unit == "user":
+            data = _users_dataset(tok, {f"u{i}": 1 + i % 3 for i in range(12)})
+            kw = dict(privacy_unit="user", max_records_per_user=2)
+        else:
+            data = _long_dataset(tok, [f"{i}: " + " ".join(TEXTS[(i + j) % 6] for j in range(1 + i % 3))
+                                       for i in range(12)])
+            kw = dict(long_records="split", window_length=40, max_windows=4, window_stride=4)
+        trainer = DPTrainer(model=model, args=_args(out, max_steps=4, save_steps=2, per_device_train_batch_size=4,
+                                                    seed=3),
+                            privacy_args=PrivacyArguments(target_epsilon=None, noise_multiplier=0.8, accountant="rdp",
+                                                          logical_batch_size=6, target_delta=1e-2,
+                                                          reproducible_noise=True, **kw),
+                            train_dataset=data, processing_class=tok, callbacks=list(callbacks))
+        return trainer, trainer.train(resume_from_checkpoint=resume)
+
+    out_dir = tmp_path / "run"
+    whole, _ = run(out_dir)
+    out_dir.rename(tmp_path / "whole")
+    with pytest.raises(KeyboardInterrupt):
+        run(out_dir, callbacks=[StopAt(3)])
+    resumed, out = run(out_dir, resume=True)
+    assert out.global_step == 4 and resumed.dp_run.start_step == 2
+    mine, theirs = dict(resumed.model.named_parameters()), dict(whole.model.named_parameters())
+    for name, p in theirs.items():
+        torch.testing.assert_close(mine[name].detach(), p.detach())
+    a, b = resumed.privacy_report, whole.privacy_report
+    assert (a.history, a.epsilon, a.user_level, a.data) == (b.history, b.epsilon, b.user_level, b.data)
+    assert json.loads((out_dir / "splits.json").read_text())["train"] == json.loads(
+        (tmp_path / "whole" / "splits.json").read_text())["train"]
