@@ -1,5 +1,7 @@
 """Rows of a Trainer dataset as dpllm records: one row is one record, the privacy unit (or, declared with
-``privacy_unit="sequence"``, one packed block: :mod:`dpllm.hf.packed` refuses packed rows otherwise).
+``privacy_unit="sequence"``, one packed block: :mod:`dpllm.hf.packed` refuses packed rows otherwise; with
+``privacy_unit="user"`` a record of the user its ``user_column`` names; with ``long_records="split"`` a whole record
+that :mod:`dpllm.windows` cuts into windows).
 
 A row needs ``input_ids``; ``labels`` (with -100 on tokens kept out of the loss) and ``attention_mask``
 (rows padded in advance are stripped back to their real tokens) are optional. Each record's text (the

@@ -17,6 +17,12 @@ continues from the newest one with the same batches, noise and accountant as an 
 
 After training ``trainer.model`` is the plain model again (Opacus's hooks removed), so
 ``trainer.model.generate(...)`` works as on any transformers model.
+
+The privacy unit is the recipe's, chosen in :class:`~dpllm.hf.arguments.PrivacyArguments`: one row (``record``,
+the default), a declared packed block (``sequence``), a user (``user``: rows grouped by ``user_column``; ``setup_data``
+hands them to the recipe's contribution bound, :meth:`dpllm.privacy.run.RunPrivacy.bound_contributions`, and the
+engine samples and clips users as in a recipe run), or, with ``long_records="split"``, one record over the windows
+``setup_model`` cuts from its row (:class:`dpllm.windows.WindowedRecords`). Nothing here samples, clips or accounts.
 """
 
 from __future__ import annotations
