@@ -79,10 +79,15 @@ class DataConfig:
                                        "tokens) or 'split' (cut it into consecutive windows of max_length tokens, "
                                        "all trained; the record stays the privacy unit: its windows are sampled "
                                        "together and their summed gradient is clipped once; the ε is the record "
-                                       "level's). Text records, privacy_unit=record, the recipe only.")
+                                       "level's). Text records, privacy_unit=record (DPTrainer: PrivacyArguments "
+                                       "long_records).")
     max_windows: int = _f(8, "long_records=split: train on at most this many windows of a record, its first ones "
                              "(the cap bounds a step's cost; what it drops is reported). ≤ physical_batch_size: a "
                              "record's windows go through one backward pass.")
+    window_stride: int = _f(0, "long_records=split: tokens each window after a record's first repeats from the end "
+                               "of the window before (the overlap Hugging Face tokenizers call stride), as context "
+                               "only: their labels are -100, so every token's loss counts once and each has context. "
+                               "0 ≤ window_stride < max_length; the window cap and the ε are unchanged.")
     min_chars: int = _f(32, "Records shorter than this many characters (after stripping) are dropped.")
     max_records: Optional[int] = _f(None, "Use at most this many records (after filtering and dedup): the ones "
                                           "whose keyed hash under split_seed ranks first, whatever their place "
@@ -521,6 +526,10 @@ def _check_split(cfg: RunConfig) -> None:
     d, t, p = cfg.data, cfg.train, cfg.privacy
     if d.max_windows < 1:
         raise ConfigError(f"max_windows={d.max_windows} must be ≥ 1 (the windows kept of one long record)")
+    if not 0 <= d.window_stride < d.max_length:
+        raise ConfigError(f"window_stride={d.window_stride} must be ≥ 0 and < max_length={d.max_length}: it is the "
+                          "overlap, the tokens a window repeats from the one before as context, so each window must "
+                          "add at least one new token; lower it")
     if d.privacy_unit != "record":
         raise ConfigError(f"long_records=split keeps the record as the privacy unit; with privacy_unit="
                           f"{d.privacy_unit} it is planned (issue 48), not yet built: use long_records: truncate")
@@ -584,6 +593,10 @@ def validate(cfg: RunConfig) -> None:
     _choice("long_records", d.long_records, ("truncate", "split"))
     if d.long_records == "split":
         _check_split(cfg)
+    elif d.window_stride:
+        raise ConfigError(f"window_stride={d.window_stride} is the overlap between the windows of long_records: "
+                          "split; with long_records: truncate there are no windows: unset it, or set long_records: "
+                          "split")
     if d.max_length < 2:
         raise ConfigError(f"max_length={d.max_length}: need at least 2 tokens for next-token loss")
     if not (0 <= d.public_fraction < 1) or not (0 < d.heldout_fraction < 1):

@@ -445,7 +445,8 @@ class Splits:
         used = self.public + self.train + self.heldout
         extra = {"privacy_unit": cfg.privacy_unit, "users": self.users} if self.users is not None else {}
         if cfg.long_records == "split":  # each record trained as its first max_windows windows (dpllm.windows)
-            extra.update(long_records="split", max_windows=cfg.max_windows)
+            extra.update(long_records="split", max_windows=cfg.max_windows,
+                         **({"window_stride": cfg.window_stride} if cfg.window_stride else {}))
         return {**extra,
             "dataset": cfg.dataset,
             "text_column": cfg.text_column,
@@ -705,18 +706,21 @@ class TokenizedRecords(Dataset):
 
 
 def make_collate(pad_token_id: int):
-    """Right-pad a list of records; labels are -100 on padding so it never enters the loss."""
+    """Right-pad a list of records (token id tensors, or rows ``{"input_ids", "labels"}`` whose labels are kept);
+    labels are -100 on padding so it never enters the loss."""
 
-    def collate(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def collate(batch: list) -> dict[str, torch.Tensor]:
         if not batch:  # Opacus builds the empty structure itself from the first batch
             return {}
-        T = max(len(x) for x in batch)
+        rows = [(x["input_ids"], x["labels"]) if isinstance(x, dict) else (x, x) for x in batch]
+        T = max(len(x) for x, _ in rows)
         ids = torch.full((len(batch), T), pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(batch), T), dtype=torch.long)
-        for i, x in enumerate(batch):
+        labels = torch.full((len(batch), T), -100, dtype=torch.long)
+        for i, (x, lab) in enumerate(rows):
             ids[i, : len(x)] = x
             mask[i, : len(x)] = 1
-        labels = ids.masked_fill(mask == 0, -100)
+            labels[i, : len(x)] = lab
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
     return collate

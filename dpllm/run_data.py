@@ -58,7 +58,8 @@ class RunData:
         if self.sft_format:  # the template is set on the tokenizer saved with the model
             return sft.make_datasets(self.train_texts, self.eval_texts, tokenizer, cfg, fmt=self.sft_format)
         if cfg.long_records == "split":  # every window of a long record trains; held-out loss stays per record
-            return (windows.WindowedRecords(self.train_texts, tokenizer, cfg.max_length, cfg.max_windows),
+            return (windows.WindowedRecords(self.train_texts, tokenizer, cfg.max_length, cfg.max_windows,
+                                            cfg.window_stride),
                     data.TokenizedRecords(self.eval_texts, tokenizer, cfg.max_length),
                     data.make_collate(tokenizer.pad_token_id))
         return (data.TokenizedRecords(self.train_texts, tokenizer, cfg.max_length),

@@ -18,8 +18,8 @@ import math
 import statistics
 from typing import Optional, Sequence
 
-PLANNED = ("or split them: the recipe's data.long_records: split trains on every window of a long record, the record "
-           "one privacy unit (DPTrainer: planned, issue 48)")
+SPLIT_HINT = ("or split them: data.long_records: split (DPTrainer: PrivacyArguments long_records='split') trains on "
+              "every window of a long record, the record one privacy unit")
 
 
 def summarize(full_lengths: Sequence[int], *, max_length: int, estimated: int = 0) -> dict:
@@ -48,31 +48,33 @@ def summarize(full_lengths: Sequence[int], *, max_length: int, estimated: int = 
     return out
 
 
-def summarize_split(full_lengths: Sequence[int], *, max_length: int, max_windows: int) -> dict:
+def summarize_split(full_lengths: Sequence[int], *, max_length: int, max_windows: int, stride: int = 0) -> dict:
     """The summary of ``long_records: split`` (:mod:`dpllm.windows`): a record longer than ``max_length`` becomes
-    ⌈L/max_length⌉ windows, of which the first ``max_windows`` are trained on.
+    ⌈L/max_length⌉ windows (with an overlap of ``stride`` tokens, max(1, ⌈(L − stride)/(max_length − stride)⌉)),
+    of which the first ``max_windows`` are trained on.
 
     Returns:
         :func:`summarize`'s fields, where a record counts as truncated (and its tokens as lost) only when the window
         cap dropped some of its windows, plus ``"long_records": "split"``, ``"max_windows"``, ``"split_records"``
         (records longer than max_length, split into windows), ``"windows"`` (rows trained on, all records),
-        ``"windows_dropped"`` and ``"capped_records"`` (records that lost windows to the cap).
+        ``"windows_dropped"``, ``"capped_records"`` (records that lost windows to the cap) and ``"window_stride"``.
 
         >>> s = summarize_split([10, 40, 100], max_length=32, max_windows=2)
         >>> s["split_records"], s["windows"], s["windows_dropped"], s["capped_records"], s["tokens_kept"]
         (2, 5, 2, 1, 114)
     """
     n = [int(x) for x in full_lengths]
-    span = max_length * max_windows  # tokens of the first max_windows windows
+    step = max_length - stride  # new tokens per window after the first
+    span = max_length + step * (max_windows - 1)  # tokens of the first max_windows windows
     lost = sorted(x - span for x in n if x > span)
-    windows = [math.ceil(max(x, 1) / max_length) for x in n]
+    windows = [max(1, math.ceil((x - stride) / step)) for x in n]
     out = summarize(n, max_length=max_length)
     out.update(truncated_records=len(lost), tokens_kept=sum(min(x, span) for x in n),
                tokens_lost_median=statistics.median(lost) if lost else 0, tokens_lost_max=lost[-1] if lost else 0,
                long_records="split", max_windows=int(max_windows), split_records=sum(w > 1 for w in windows),
                windows=sum(min(w, max_windows) for w in windows),
                windows_dropped=sum(max(0, w - max_windows) for w in windows),
-               capped_records=sum(w > max_windows for w in windows))
+               capped_records=sum(w > max_windows for w in windows), window_stride=int(stride))
     return out
 
 
@@ -102,15 +104,17 @@ def describe(s: Optional[dict]) -> str:
             f"{s['max_length']} tokens and were cut to it: {total - kept:,} of {total:,} tokens "
             f"({100 * (total - kept) / max(1, total):.0f}%) were never trained on (lost per cut record: median "
             f"{s['tokens_lost_median']:,g}, max {s['tokens_lost_max']:,}){approx}. To train on them, raise max_length: "
-            f"{keep95}max_length={s['max_length_for_all']:,} keeps every record whole; {PLANNED}")
+            f"{keep95}max_length={s['max_length_for_all']:,} keeps every record whole; {SPLIT_HINT}")
 
 
 def _describe_split(s: dict) -> str:
     """:func:`describe` for ``long_records: split``: records split, windows, and what the window cap dropped."""
     total, kept = s["tokens_total"], s["tokens_kept"]
+    overlap = (f", each after the first repeating {s['window_stride']} tokens of the one before as context"
+               if s.get("window_stride") else "")
     head = (f"{s['split_records']:,} of {s['records']:,} training records are longer than max_length="
-            f"{s['max_length']} tokens and were split into windows of {s['max_length']} tokens, each record one "
-            f"privacy unit ({s['windows']:,} windows trained on in all)")
+            f"{s['max_length']} tokens and were split into windows of {s['max_length']} tokens{overlap}, each record "
+            f"one privacy unit ({s['windows']:,} windows trained on in all)")
     if not s["truncated_records"]:
         return head + f"; every token was trained on (max_windows={s['max_windows']} dropped none)"
     return (head + f"; max_windows={s['max_windows']} dropped {s['windows_dropped']:,} windows of "

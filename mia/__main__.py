@@ -207,8 +207,8 @@ def cmd_audit(args) -> int:
         attack_params={"k": args.k}, n_bootstrap=args.n_bootstrap, seed=args.seed,
         max_records=args.max_records, progress=not args.no_progress,
         # a run's records are scored in the shape it trained them in (splits.json), never a guess from the texts
-        **({"record_format": audit.run_sft_format(target), "max_windows": audit.run_max_windows(target)}
-           if run_dir and not args.members else {}))
+        **({"record_format": audit.run_sft_format(target), "max_windows": audit.run_max_windows(target),
+            "window_stride": audit.run_window_stride(target)} if run_dir and not args.members else {}))
     rep = {"checkpoint": str(target), "reference": args.reference, **rep}
     return _write_audit(args, rep, scores, out=out, run_dir=run_dir, bound=bound, write=report.write_audit_report)
 

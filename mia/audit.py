@@ -156,6 +156,13 @@ def run_max_windows(run_dir: str | Path) -> int | None:
     return rec.get("max_windows") if rec.get("long_records") == "split" else None
 
 
+def run_window_stride(run_dir: str | Path) -> int:
+    """The overlap between a split run's windows (``splits.json``'s ``window_stride``; 0 when none)."""
+    path = Path(run_dir) / "splits.json"
+    rec = json.loads(path.read_text()) if path.is_file() else {}
+    return int(rec.get("window_stride") or 0) if rec.get("long_records") == "split" else 0
+
+
 def load_run_model(run_dir: str | Path, *, device: str = "cpu", dtype: str = "auto"):
     """``RUN_DIR/checkpoint`` via ``dpllm.checkpoint.load_model`` when present, else :func:`load_target`."""
     ckpt = Path(run_dir) / "checkpoint"
@@ -184,7 +191,7 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
               batch_size: int = 8, device=None, attack_params: dict | None = None,
               n_bootstrap: int = 1000, seed: int = 0, max_records: int | None = None,
               progress: bool = True, blind: bool = True, record_format: str | None = GUESS,
-              max_windows: int | None = None) -> tuple[dict, dict]:
+              max_windows: int | None = None, window_stride: int = 0) -> tuple[dict, dict]:
     """Compute signals once, score each attack and evaluate it.
 
     Args:
@@ -208,6 +215,7 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
             from the texts (files of records with no run behind them).
         max_windows: a run that split long records (:func:`run_max_windows`): each record is scored over its
             first ``max_windows`` windows of ``max_length`` tokens, as one unit.
+        window_stride: that run's overlap between windows (:func:`run_window_stride`).
 
     Returns:
         ``(report, scores)``: the report dict written to ``mia_report.json`` and
@@ -225,7 +233,7 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
     members, nonmembers = _subsample(members, max_records, rng), _subsample(nonmembers, max_records, rng)
     texts = members + nonmembers
     common = dict(max_length=max_length, batch_size=batch_size, device=device, progress=progress,
-                  record_format=record_format, max_windows=max_windows)
+                  record_format=record_format, max_windows=max_windows, window_stride=window_stride)
     sig = compute_signals(model, tokenizer, texts, desc="target", **common)
     ref_sig = None
     if reference is not None and any(attacks_mod.ATTACKS[n].needs_reference for n in names):
@@ -233,6 +241,7 @@ def run_audit(model, tokenizer, members: list[str], nonmembers: list[str], *,
     n_m = len(members)
     report = {"n_members": n_m, "n_nonmembers": len(nonmembers), "max_length": max_length,
               **({"max_windows": max_windows} if max_windows else {}),
+              **({"window_stride": window_stride} if max_windows and window_stride else {}),
               "fprs": list(DEFAULT_FPRS), "attack_params": attack_params or {}, "seed": seed,
               "n_bootstrap": n_bootstrap, "ci_confidence": 0.95,
               "mean_loss": {"members": float(sig.loss[:n_m].mean()),

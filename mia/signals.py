@@ -164,6 +164,7 @@ def compute_signals(
     desc: str = "signals",
     record_format: str | None = GUESS,
     max_windows: int | None = None,
+    window_stride: int = 0,
 ) -> Signals:
     """Score every record with one forward pass (batched) and return its signals.
 
@@ -181,6 +182,8 @@ def compute_signals(
         record_format: The records' shape as trained (see :func:`sft_answer_masks`); :data:`GUESS` by default.
         max_windows: Score each record over its first ``max_windows`` windows of ``max_length`` tokens, as a run
             with ``long_records: split`` trained it (text records only; None: one row, truncated).
+        window_stride: with ``max_windows``, the run's overlap (``data.window_stride``): each window after a
+            record's first repeats that many tokens of the one before as context, scored once (in the window before).
 
     Returns:
         The records' :class:`Signals`.
@@ -200,11 +203,13 @@ def compute_signals(
     if answers is None and max_windows and max_length:
         from dpllm.windows import cut
 
-        ids, owner = [], []
+        ids, owner, repeated = [], [], []
         for r, full in enumerate(tokenizer(list(texts), truncation=False, verbose=False)["input_ids"]):
-            windows = cut(full, max_length=max_length, max_windows=max_windows)[0]
+            windows = cut(full, max_length=max_length, max_windows=max_windows, stride=window_stride)[0]
             ids += windows
             owner += [r] * len(windows)
+            # a later window's tokens 1..s-1 are context (labels -100 in training): their predictions are dropped
+            repeated += [0] + [max(0, window_stride - 1)] * (len(windows) - 1)
     elif answers is None:
         ids = tokenize_records(tokenizer, texts, max_length=max_length, context_length=model_context_length(model))
     else:
@@ -245,6 +250,8 @@ def compute_signals(
             if answers is not None:  # position t predicts token t + 1: keep the answer's predictions only
                 keep = np.asarray(answers[i][1:k + 1], dtype=bool)
                 logprobs[i], mus[i], sigmas[i] = logprobs[i][keep], mus[i][keep], sigmas[i][keep]
+            elif owner is not None and repeated[i]:  # overlap: each token scored once, as trained
+                logprobs[i], mus[i], sigmas[i] = (v[repeated[i]:] for v in (logprobs[i], mus[i], sigmas[i]))
         del logits
         bar.update(len(batch))
     bar.close()

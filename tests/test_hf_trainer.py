@@ -208,8 +208,8 @@ def test_unsafe_trainer_inputs_are_refused(tmp_path, tiny):
 
     with pytest.raises(ConfigError, match="no length or random access"):
         make(train_dataset=Stream())
-    with pytest.raises(ConfigError, match="privacy_unit='user'"):
-        make(privacy_args=PrivacyArguments(privacy_unit="user"))
+    with pytest.raises(ConfigError, match="privacy_unit='group'"):
+        make(privacy_args=PrivacyArguments(privacy_unit="group"))
     packing_args = _args(tmp_path / "run")
     packing_args.packing = True  # TRL's SFTConfig(packing=True)
     with pytest.raises(ConfigError, match="packing"):

@@ -46,7 +46,7 @@ def test_truncated_records_are_counted_in_the_console_report_and_dpllm_report(tm
     assert len(warned) == 1 and warned[0].getMessage().startswith("[private] data: ")
     line = warned[0].getMessage()
     assert f"{len(lost)} of {len(full)} training records" in line and f"max {lost[-1]})" in line
-    assert f"max_length={max(full)} keeps every record whole" in line and "issue 48" in line
+    assert f"max_length={max(full)} keeps every record whole" in line and "long_records: split" in line
     capsys.readouterr()
     assert report_main([str(out)]) == 0
     assert f"data: {len(lost)} of {len(full)} training records" in capsys.readouterr().out

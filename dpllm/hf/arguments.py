@@ -39,9 +39,34 @@ class PrivacyArguments:
     grad_sample_mode: str = _f("auto", "'auto' (bk where it applies, else Opacus hooks or ghost), 'bk', 'hooks' or "
                                        "'ghost' (see dpllm's PrivacyConfig).")
     privacy_unit: str = _f("record", "The protected unit: 'record' (one row of train_dataset is one record; packed "
-                                     "rows are refused) or 'sequence' (a declaration: each row is a packed block of "
-                                     "tokens, as run_clm's group_texts makes them, and ε protects one block; a record "
-                                     "cut across two blocks gets the ε of a group of 2, reported beside it).")
+                                     "rows are refused), 'user' (all records of one person: rows grouped by the "
+                                     "user_column; user_sampling says how) or 'sequence' (a declaration: each row is a "
+                                     "packed block of tokens, as run_clm's group_texts makes them, and ε protects one "
+                                     "block; a record cut across two blocks gets the ε of a group of 2, reported "
+                                     "beside it).")
+    user_column: str = _f("user", "privacy_unit='user': the column naming each row's user (train_dataset, and "
+                                  "eval_dataset if given: held-out rows must be of other users).")
+    user_sampling: str = _f("uls", "privacy_unit='user': 'uls' (Poisson-sample users; each sampled user adds one "
+                                   "clipped gradient, the mean over its records; bk or hooks), 'els' (sample records "
+                                   "of the max_records_per_user-capped data; σ calibrated so the user-level ε by "
+                                   "tight group privacy meets target_epsilon) or 'record' (record-level DP; the report "
+                                   "adds the user-level ε group privacy gives). As the recipe's privacy.user_sampling.")
+    max_records_per_user: Optional[int] = _f(None, "privacy_unit='user': k, keep at most this many records of each "
+                                                   "user (chosen with secret randomness); required by "
+                                                   "user_sampling='els'.")
+    long_records: str = _f("truncate", "A record longer than window_length: 'truncate' (rows are trained as "
+                                       "tokenized) or 'split' (rows hold whole records, tokenized without truncation; "
+                                       "each is cut into consecutive windows of window_length tokens, all trained, "
+                                       "and stays one privacy unit: its windows are sampled together and their "
+                                       "summed gradient is clipped once; the ε is the record level's).")
+    window_length: Optional[int] = _f(None, "long_records='split': tokens per window (the recipe's data.max_length); "
+                                            "required with split. Held-out rows are evaluated on their first "
+                                            "window_length tokens.")
+    max_windows: int = _f(8, "long_records='split': train on at most this many windows of a record, its first ones "
+                             "(≤ per_device_train_batch_size: a record's windows go through one backward pass).")
+    window_stride: int = _f(0, "long_records='split': tokens each window after a record's first repeats from the "
+                               "window before (the overlap Hugging Face tokenizers call stride), as context only "
+                               "(labels -100): every token's loss counts once. < window_length.")
     logical_batch_size: int = _f(64, "Expected records per optimizer step over all processes (Poisson "
                                      "sampling); replaces gradient accumulation.")
     record_text_column: str = _f("text", "Column with each record's text, kept in the run directory for audits "
@@ -66,7 +91,16 @@ class PrivacyArguments:
             accountant=self.accountant, grad_sample_mode=self.grad_sample_mode, clipping=self.clipping,
             clipping_r=self.clipping_r, clipping_s=self.clipping_s, secure_mode=self.secure_mode,
             reproducible_noise=self.reproducible_noise, noise_schedule=self.noise_schedule,
-            noise_schedule_end=self.noise_schedule_end, noise_schedule_pieces=self.noise_schedule_pieces)
+            noise_schedule_end=self.noise_schedule_end, noise_schedule_pieces=self.noise_schedule_pieces,
+            user_sampling=self.user_sampling)
+
+    def data_config(self, **kw) -> DataConfig:
+        """The recipe's data options these arguments set (the unit, users, long records), plus ``kw``."""
+        split = self.long_records == "split"
+        return DataConfig(privacy_unit=self.privacy_unit, user_column=self.user_column,
+                          max_records_per_user=self.max_records_per_user, long_records=self.long_records,
+                          max_windows=self.max_windows, window_stride=self.window_stride,
+                          **({"max_length": self.window_length} if split and self.window_length else {}), **kw)
 
 
 # TrainingArguments value → why it cannot run under DPTrainer and what to do instead.
@@ -142,10 +176,12 @@ def refuse_unsafe(args, privacy: PrivacyArguments, *, data_collator=None, comput
     if str(getattr(args.save_strategy, "value", args.save_strategy)) == "best":
         no("save_strategy='best' is not supported; use 'steps' (resumable checkpoints every save_steps steps, "
            "under OUTPUT_DIR/checkpoints/) or 'no'")
-    if privacy.privacy_unit not in ("record", "sequence"):
-        no(f"privacy_unit={privacy.privacy_unit!r}: DPTrainer supports 'record' (one row of train_dataset is one "
-           "record) and 'sequence' (one row is a packed block of tokens); for users, run recipes/finetune_llm.py "
-           "with data.privacy_unit: user")
+    if privacy.privacy_unit not in ("record", "sequence", "user"):
+        no(f"privacy_unit={privacy.privacy_unit!r}: choose 'record' (one row of train_dataset is one record), 'user' "
+           "(all rows of one user, named by user_column) or 'sequence' (one row is a packed block of tokens)")
+    if privacy.long_records == "split" and privacy.window_length is None:
+        no("long_records='split' needs window_length=N, the tokens per window (the recipe's data.max_length); rows "
+           "hold whole records and are cut into windows of N tokens")
     if compute_loss_func is not None:
         no("compute_loss_func replaces the per-record loss that Opacus clips; drop it (labels of -100 already "
            "mask tokens out of the loss)")
@@ -163,9 +199,17 @@ def _check_numbers(args, privacy: PrivacyArguments, no) -> None:
         validate(RunConfig(train=TrainConfig(learning_rate=args.learning_rate, weight_decay=args.weight_decay,
                                              logical_batch_size=privacy.logical_batch_size,
                                              physical_batch_size=args.per_device_train_batch_size),
-                           privacy=privacy.privacy_config()))
+                           data=privacy.data_config(), privacy=privacy.privacy_config()))
     except ConfigError as err:
-        no(f"{err}".replace("physical_batch_size", "per_device_train_batch_size"))
+        no(trainer_names(f"{err}"))
+
+
+def trainer_names(message: str) -> str:
+    """A recipe message with DPTrainer's names for the options it mentions."""
+    message = message.replace("physical_batch_size", "per_device_train_batch_size")
+    if "window" in message:  # the window length of long_records: split is DPTrainer's window_length
+        message = message.replace("max_length", "window_length")
+    return message
 
 
 def _check_collator(collator, no) -> None:
@@ -230,8 +274,8 @@ def run_config(args, privacy: PrivacyArguments, *, model_name: str, finetuning: 
     eval_every = every(args.eval_strategy, args.eval_steps or args.logging_steps) if has_eval else 0
     cfg = RunConfig(
         model=ModelConfig(model_name_or_path=model_name, finetuning=finetuning, quantization=quantization),
-        data=DataConfig(dataset=records_path, text_column="text", max_length=max(2, max_length), min_chars=0,
-                        privacy_unit=privacy.privacy_unit),
+        data=privacy.data_config(dataset=records_path, text_column="text", min_chars=0,
+                                 **({} if privacy.long_records == "split" else {"max_length": max(2, max_length)})),
         train=TrainConfig(output_dir=args.output_dir, overwrite_output_dir=privacy.overwrite_output_dir,
                           max_steps=args.max_steps if by_steps else None, epochs=epochs,
                           logical_batch_size=privacy.logical_batch_size,

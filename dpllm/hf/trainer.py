@@ -17,6 +17,12 @@ continues from the newest one with the same batches, noise and accountant as an 
 
 After training ``trainer.model`` is the plain model again (Opacus's hooks removed), so
 ``trainer.model.generate(...)`` works as on any transformers model.
+
+The privacy unit is the recipe's, chosen in :class:`~dpllm.hf.arguments.PrivacyArguments`: one row (``record``,
+the default), a declared packed block (``sequence``), a user (``user``: rows grouped by ``user_column``; ``setup_data``
+hands them to the recipe's contribution bound, :meth:`dpllm.privacy.run.RunPrivacy.bound_contributions`, and the
+engine samples and clips users as in a recipe run), or, with ``long_records="split"``, one record over the windows
+``setup_model`` cuts from its row (:class:`dpllm.windows.WindowedRecords`). Nothing here samples, clips or accounts.
 """
 
 from __future__ import annotations
@@ -31,10 +37,10 @@ from typing import Optional
 from transformers import Trainer
 from transformers.trainer_utils import TrainOutput
 
-from dpllm import data, resume, rundir
+from dpllm import data, resume, rundir, truncation
 from dpllm.config import TRAINER_OPTIONS, ConfigError, RunConfig
 from dpllm.distributed import barrier, check_parallelism, warn_if_fewer_processes, world_of, wrap_model
-from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config
+from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe, run_config, trainer_names
 from dpllm.hf.records import PadRecords, Rows, rows_of, trainer_rows
 from dpllm.io import looks_local
 from dpllm.models import (
@@ -50,6 +56,7 @@ from dpllm.run_data import RunData
 from dpllm.sft import SFTArguments, is_untokenized_sft
 from dpllm.train import Trainer as RunTrainer
 from dpllm.train import seed_everything
+from dpllm.windows import WindowedRecords
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +238,8 @@ class HFRun(RunTrainer):
             rundir.check_output_dir(self.out, overwrite=self.t.overwrite_output_dir, names=TRAINER_OPTIONS)
 
     def setup_data(self) -> None:
+        if self.cfg.data.privacy_unit == "user":
+            return self._setup_users()
         train, heldout = self.train_rows.texts, self.eval_rows.texts
         records = list(dict.fromkeys(train + heldout))  # unique, in order: ids index records.jsonl
         index = {t: i for i, t in enumerate(records)}
@@ -250,6 +259,39 @@ class HFRun(RunTrainer):
         log.info("[private] data format: %s", f"{self.data.sft_format} records, loss on {self.cfg.data.loss_on} tokens"
                  if self.data.sft_format else "token rows, loss on " + ("the tokens their labels keep (-100 elsewhere)"
                                                                         if masked else "all tokens"))
+
+    def _setup_users(self) -> None:
+        """privacy_unit='user': records are the rows' distinct (user, text) pairs; the recipe's contribution bound
+        (:meth:`dpllm.privacy.run.RunPrivacy.bound_contributions`: at most k records per user, a secret choice)
+        decides the training rows. Held-out rows must be of other users (the user-level audit's non-members)."""
+        train, heldout = _distinct(self.train_rows), _distinct(self.eval_rows)
+        shared = {self.train_rows.users[i] for i in train} & {self.eval_rows.users[i] for i in heldout}
+        if shared:
+            raise ConfigError(f"DPTrainer: privacy_unit='user': {len(shared)} user(s) of eval_dataset also have rows "
+                              f"in train_dataset (e.g. {sorted(shared)[0]!r}); held-out rows must be of other users "
+                              "(split the users, not the rows, between the two datasets)")
+        records = [self.train_rows.texts[i] for i in train] + [self.eval_rows.texts[i] for i in heldout]
+        users = [self.train_rows.users[i] for i in train] + [self.eval_rows.users[i] for i in heldout]
+        n = len(train)
+        splits = data.Splits(public=[], train=list(range(n)), heldout=list(range(n, len(records))),
+                             users={"train": sorted(set(users[:n])), "heldout": sorted(set(users[n:])), "public": []},
+                             rule={"rule": "given: train_dataset and eval_dataset, as passed to DPTrainer (users "
+                                           "split between them)"})
+        try:
+            kept = self.privacy.bound_contributions(list(range(n)), users=users, texts=records, splits=splits,
+                                                    canaries=[], resumed=self.resume_from is not None,
+                                                    stage=resume.config_key(self.cfg), world=self.world,
+                                                    user_column=self.cfg.data.user_column)
+        except ConfigError as err:  # the recipe's words, DPTrainer's option names
+            raise ConfigError(f"DPTrainer: {trainer_names(str(err))}") from None
+        self.train_rows = self.train_rows.select([train[i] for i in kept])  # dataset position = index in kept
+        train_texts = [records[i] for i in kept]
+        self.data = RunData(records=records, splits=splits, train_texts=train_texts,
+                            eval_texts=[records[i] for i in splits.heldout],
+                            trained_hashes={data.sha256(t) for t in train_texts},
+                            heldout_hashes={data.sha256(records[i]) for i in splits.heldout}, users=users)
+        log.info("privacy unit: one user (PrivacyArguments(privacy_unit='user', user_sampling=%r)): %d training users",
+                 self.p.user_sampling, len(self.privacy.user_records))
 
     def setup_plan(self) -> None:
         super().setup_plan()
@@ -291,24 +333,46 @@ class HFRun(RunTrainer):
         self.model = wrap_model(model, dp=True, world=self.world, accelerator=self.accelerator,
                                 mixed_precision=self.mp)
         self.train_ds, self.eval_ds = self.train_rows, self.eval_rows
+        d = self.cfg.data
+        if d.long_records == "split":  # each row a window; its source record is the unit (dpllm.windows)
+            rows = self.train_rows.items
+            self.train_ds = WindowedRecords.of_rows([x["input_ids"] for x in rows], [x["labels"] for x in rows],
+                                                    max_length=d.max_length, max_windows=d.max_windows,
+                                                    stride=d.window_stride)
+            self.privacy.set_windows(self.train_ds.record_of)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.collate = PadRecords(pad if pad is not None else 0)
         self.optimizer = self.hf.create_optimizer(model)
         self.scheduler = self.hf.create_scheduler(num_training_steps=self.steps, optimizer=self.optimizer)
 
+    def log_truncation(self) -> None:
+        """As dpllm's, with DPTrainer's names for the options a split run's line suggests."""
+        s = self.truncation
+        if s and s.get("long_records") == "split" and self.world.is_main:
+            (log.warning if s.get("truncated_records") else log.info)("[private] data: %s",
+                                                                      trainer_names(truncation.describe(s)))
+        else:
+            super().log_truncation()
+
     def setup_run_dir(self) -> None:
         """As dpllm's, plus records.jsonl: the texts splits.json indexes (members and held-out)."""
         if self.world.is_main and self.resume_from is not None:
             self.lock = rundir.RunLock(self.out).acquire()
-            if (self.out / RECORDS).read_text() != _records_jsonl(self.data.records):
+            if (self.out / RECORDS).read_text() != self._records_jsonl():
                 raise ConfigError(f"cannot resume {self.out}: train_dataset / eval_dataset differ from the run's "
                                   f"{RECORDS}; resume with the same data, or start a new run")
             resume.clean_partial_writes(self.out)
         elif self.world.is_main:  # the data live in memory (records.jsonl is written here): no path to protect
             self.lock = rundir.RunLock(self.out).acquire()
-            rundir.describe(self.out, self.cfg, self.data, user_unit=False, names=TRAINER_OPTIONS, protected=[],
-                            files={RECORDS: _records_jsonl(self.data.records)})
+            rundir.describe(self.out, self.cfg, self.data, user_unit=self.privacy.user_unit, names=TRAINER_OPTIONS,
+                            protected=[], files={RECORDS: self._records_jsonl()})
         barrier(self.world)
+
+    def _records_jsonl(self) -> str:
+        """records.jsonl: the texts splits.json indexes, with each one's user at privacy_unit='user' (so the
+        user-level audit reads the run's users as it reads a recipe run's data file)."""
+        users = self.data.users
+        return _records_jsonl(self.data.records, users, self.cfg.data.user_column)
 
     # ---- the Trainer's callbacks ----------------------------------------------------------------------
 
@@ -366,8 +430,22 @@ class HFRun(RunTrainer):
 IN_MEMORY = "(in-memory model)"
 
 
-def _records_jsonl(texts) -> str:
-    return "".join(json.dumps({"text": t}) + "\n" for t in texts)
+def _records_jsonl(texts, users=None, user_column: str = "user") -> str:
+    if users is None:
+        return "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    return "".join(json.dumps({"text": t, user_column: u}) + "\n" for t, u in zip(texts, users))
+
+
+def _distinct(rows: Rows) -> list[int]:
+    """Positions of the first row of each distinct (user, text): one user's repeated text is one record (the cap
+    counts distinct records, as the recipe's user-level deduplication does)."""
+    first: dict = {}
+    for i, key in enumerate(zip(rows.users or [], rows.texts)):
+        first.setdefault(key, i)
+    if len(first) < len(rows):
+        log.info("privacy_unit='user': %d row(s) repeat a text of the same user and are dropped (one record)",
+                 len(rows) - len(first))
+    return sorted(first.values())
 
 
 def _rows(hf: DPTrainer, name: str) -> Rows:
@@ -381,9 +459,21 @@ def _rows(hf: DPTrainer, name: str) -> Rows:
             raise ConfigError(f"DPTrainer: privacy_unit='sequence' declares each row a packed block of tokens, but "
                               f"{name} holds untokenized chat / instruction records (one conversation per row); use "
                               "privacy_unit='record'")
+        if p.privacy_unit == "user" or p.long_records == "split":
+            raise ConfigError(f"DPTrainer: {name} holds untokenized chat / instruction records; privacy_unit='user' "
+                              "and long_records='split' with them are not yet supported by DPTrainer: use "
+                              "recipes/finetune_llm.py (privacy_unit: user), or privacy_unit='record' with "
+                              "long_records='truncate'")
         loss_on = hf.sft_args.loss_on if name == "train_dataset" else "answer"
         return trainer_rows(dataset, hf.processing_class, hf.sft_args, name=name, loss_on=loss_on)
-    return rows_of(dataset, hf.processing_class, text_column=p.record_text_column, name=name, unit=p.privacy_unit)
+    split = p.long_records == "split"
+    rows = rows_of(dataset, hf.processing_class, text_column=p.record_text_column, name=name, unit=p.privacy_unit,
+                   user_column=p.user_column if p.privacy_unit == "user" else None,
+                   whole=split and name == "train_dataset")
+    if split and name == "eval_dataset":  # held-out loss on each record's first window, as the recipe's
+        for x in rows.items:
+            x["input_ids"], x["labels"] = x["input_ids"][: p.window_length], x["labels"][: p.window_length]
+    return rows
 
 
 def _model_name(model) -> str:
