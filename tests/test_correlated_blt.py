@@ -116,8 +116,12 @@ def test_sensitivity_equals_brute_force_over_patterns(b, k):
 def test_closed_form_sensitivity_at_scale_and_refusals():
     blt = B.BLT.from_decays([0.9995, 0.99, 0.9], [0.997, 0.95, 0.5])
     for b in (100, 1000, 7):
-        want = B.toeplitz_sensitivity(blt.coefs(1000), min_separation=b)
+        c = blt.coefs(1000)
+        want = np.linalg.norm(sum(np.concatenate([np.zeros(j * b), c[:1000 - j * b]]) for j in range(-(-1000 // b))))
+        assert B.toeplitz_sensitivity(c, min_separation=b) == pytest.approx(want, rel=1e-10)
         assert B.blt_sensitivity(blt, steps=1000, min_separation=b) == pytest.approx(want, rel=1e-10)
+        s = B.BLTStrategy(blt, steps=1000, min_separation=b)
+        assert s.sensitivity() == pytest.approx(want, rel=1e-10)
     assert B.participations(1000, 100) == 10 and B.participations(1001, 100) == 11
     with pytest.raises(ValueError, match="sum\\(omega\\) <= 1"):
         B.blt_sensitivity(B.BLT([0.9, 0.5], [0.8, 0.4]), steps=10, min_separation=1)
@@ -201,6 +205,8 @@ def test_state_dict_resume_continues_exactly(multi, tmp_path):
         assert torch.equal(a, b)  # the same arithmetic on the same numbers, in the same order
     with pytest.raises(ValueError, match="another strategy"):
         B.optimize_blt(T, 1, 16).recurrence().load_state_dict(first.state_dict())
+    with pytest.raises(ValueError, match="same buffer dtype"):
+        multi.recurrence(dtype=torch.float64).load_state_dict(first.state_dict())
 
 
 def test_recurrence_refuses_misuse(multi):
@@ -235,6 +241,14 @@ def test_accounting_is_one_gaussian_mechanism(multi):
     acc.compose(B.dp_event(multi, noise_multiplier=sigma))
     pld_eps = acc.get_epsilon(delta)
     assert eps <= pld_eps <= eps * 1.001  # dp-accounting's PLD is pessimistic, and close
+    # dpllm's own accountants, fed the run as one Gaussian mechanism (q = 1, one step): never below the exact ε
+    from dpllm.privacy import accounting
+
+    entry = B.history_entry(multi, noise_multiplier=sigma)
+    assert entry == (pytest.approx(1 / mu), 1.0, 1)
+    for name, slack in (("pld", 1.001), ("prv", 1.01), ("rdp", 1.2)):
+        got = accounting.compute_epsilon_history(history=[entry], delta=delta, accountant=name, strict=True)
+        assert eps <= got <= slack * eps, name
     # DP-SGD on the same schema: k = 4 participations, μ = √4/σ
     assert B.gaussian_mu(B.optimize_blt(T, 0, 16), noise_multiplier=sigma) == pytest.approx(0.5)
 

@@ -162,10 +162,13 @@ def toeplitz_sensitivity(coefs, *, min_separation: int, max_participations: int 
     c = np.asarray(coefs, dtype=np.float64)
     if np.any(c < 0) or np.any(np.diff(c) > 1e-12 * max(1.0, abs(c[0]))):
         raise ValueError("the min-separation sensitivity formula needs non-negative, non-increasing coefficients")
-    k = participations(len(c), min_separation, max_participations)
-    v = np.zeros_like(c)
-    for j in range(k):
-        v[j * min_separation:] += c[:len(c) - j * min_separation]
+    n, b = len(c), min_separation
+    k = participations(n, b, max_participations)
+    # Σ_{j<k} shift_{jb}(c): the sum over all j of the shifts (a cumulative sum along steps ≡ t mod b), minus
+    # the same sum shifted by kb
+    cs = np.cumsum(np.concatenate([c, np.zeros(-n % b)]).reshape(-1, b), axis=0).reshape(-1)[:n]
+    v = cs.copy()
+    v[k * b:] -= cs[:max(n - k * b, 0)]
     return float(np.sqrt(np.dot(v, v)))
 
 
@@ -272,6 +275,8 @@ class BLTRecurrence:
             self._buffers[key] = buf
         elif buf.shape[1:] != z.shape:
             raise ValueError(f"parameter {key}: draw of shape {tuple(z.shape)}, buffers of {tuple(buf.shape[1:])}")
+        elif buf.device != z.device:  # restored from a checkpoint loaded on another device
+            buf = self._buffers[key] = buf.to(z.device)
         om, th = self._const(buf, z.dim())
         x = torch.tensordot(om, buf, dims=1).neg_().add_(z.to(buf.dtype))
         buf.mul_(th).add_(x)
@@ -297,6 +302,9 @@ class BLTRecurrence:
                 or state["omega"] != self.blt.omega.tolist():
             raise ValueError("the saved noise state belongs to another strategy (mechanism or BLT parameters "
                              "differ); resume with the strategy the run started with")
+        if state["dtype"] != (None if self.dtype is None else str(self.dtype)):
+            raise ValueError(f"the saved noise buffers are {state['dtype'] or 'in the draws dtype'}; resume with "
+                             f"the same buffer dtype (this recurrence has {self.dtype})")
         self._buffers = {int(k): v.clone() for k, v in state["buffers"].items()}
         self._step = int(state["step"])
         self._seen = set()
@@ -324,8 +332,11 @@ class BLTStrategy:
     def sensitivity(self, steps: int | None = None) -> float:
         """sens(C, b, k) over ``steps`` (default: the steps it was built for), k = ⌈steps/b⌉ capped."""
         n = self.steps if steps is None else steps
-        return blt_sensitivity(self.blt, steps=n, min_separation=self.min_separation,
-                               max_participations=self.max_participations)
+        kw = dict(min_separation=self.min_separation, max_participations=self.max_participations)
+        k = participations(n, **kw)
+        if k * k * max(self.blt.buffers, 1) ** 2 <= n:  # the closed form is cheaper (both are exact)
+            return blt_sensitivity(self.blt, steps=n, **kw)
+        return toeplitz_sensitivity(self.blt.coefs(n), **kw)
 
     def prefix_sum_rmse(self, steps: int) -> float:
         """RMSE per step on the prefix-sum workload, noise std 1, times sens(C, b, k): multiply by clip/μ."""
@@ -521,6 +532,16 @@ def dp_event(strategy: BLTStrategy, *, noise_multiplier: float, steps: int | Non
 
     return events.GaussianDpEvent(noise_multiplier=1.0 / gaussian_mu(strategy, noise_multiplier=noise_multiplier,
                                                                      steps=steps))
+
+
+def history_entry(strategy: BLTStrategy, *, noise_multiplier: float,
+                  steps: int | None = None) -> tuple[float, float, int]:
+    """The run as one ``(noise_multiplier, sample_rate, steps)`` entry for dpllm's accountants: (σ/sens, 1.0, 1).
+
+    A Poisson-sampled Gaussian with q = 1 and one step *is* the Gaussian mechanism, so the PRV/PLD/RDP chain
+    accounts it unchanged (and composes it with other stages).
+    """
+    return 1.0 / gaussian_mu(strategy, noise_multiplier=noise_multiplier, steps=steps), 1.0, 1
 
 
 def _delta_of(eps: float, mu: float) -> float:
