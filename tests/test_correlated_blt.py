@@ -149,6 +149,13 @@ def test_prefix_sum_rmse_against_dense_matrices_and_baselines(single, multi):
                                                                                                  min_separation=16))
 
 
+def test_auto_buffers_stop_when_one_more_buys_under_one_percent(single):
+    # T = 64, one epoch: 1 buffer 2.2162, 2 buffers 2.1799 (1.7% lower), 3 buffers 2.1797 (0.01% lower)
+    picked = B.choose_blt(T, T)
+    assert picked.blt.buffers == 2 and picked.prefix_sum_rmse(T) == pytest.approx(single.prefix_sum_rmse(T))
+    assert B.choose_blt(T, T, rtol=1.05).blt.buffers == 1
+
+
 def test_dense_toeplitz_baseline_is_below_every_blt():
     n = 32
     c = B.optimal_toeplitz_coefs(steps=n, min_separation=8)
