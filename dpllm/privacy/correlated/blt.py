@@ -24,11 +24,15 @@ geometric series in closed form (:func:`blt_sensitivity`, O(k²d²), independent
 
 **Accounting: no amplification, one Gaussian mechanism.** Amplification by sampling is proven for *banded*
 strategies under cyclic Poisson sampling (Choquette-Choo et al. 2023, Thm 1); a BLT is not banded (every
-coefficient is non-zero), and for balls-in-bins / b-min-sep sampling only Monte-Carlo estimates exist
-(jax_privacy's are experimental). We therefore account the rigorous way: ``Ĝ`` is post-processing of
-``CG + Z``, a Gaussian mechanism with sensitivity ``sens(C, b, k)·clip`` and noise ``σ·clip``, so the whole run
-is ``μ``-GDP with ``μ = sens(C, b, k)/σ`` (adaptive gradients included: Denisov et al. 2022), and
-(ε, δ) follows exactly from μ (:func:`epsilon_for_mu`) or from dp-accounting (:func:`dp_event`).
+coefficient is non-zero). For non-banded strategies under Poisson, balls-in-bins or b-min-sep sampling the
+published analyses (MMCC, Choquette-Choo et al. 2024, and later) are not in dp-accounting, and jax_privacy
+accounts them only by Monte Carlo (experimental). We therefore account the rigorous way: ``Ĝ`` is
+post-processing of ``CG + Z``, a Gaussian mechanism with sensitivity ``sens(C, b, k)·clip`` and noise
+``σ·clip``, so the whole run is ``μ``-GDP with ``μ = sens(C, b, k)/σ`` (gradients chosen adaptively included:
+Denisov et al. 2022; Choquette-Choo et al. 2022 for (k, b)-participation), and (ε, δ) follows exactly from μ
+(:func:`epsilon_for_mu`), from dp-accounting (:func:`dp_event`) or from dpllm's accountants
+(:func:`history_entry`). μ is for the steps actually run: sens grows with T, so a run that goes past the T the
+strategy was optimised for is accounted with ``sensitivity(steps_run)``.
 
 **The sampler this accounting assumes** (pair it with nothing else): a *fixed-participation cyclic* sampler.
 Records are assigned to ``b = min_separation`` groups once, each record's group decided from that record alone
