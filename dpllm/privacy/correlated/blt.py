@@ -314,6 +314,9 @@ class BLTStrategy:
     """A BLT strategy for ``steps`` steps with participations at least ``min_separation`` apart."""
 
     name = NAME
+    # what the accounting below assumes (module docstring): the wiring pairs the strategy with this sampler only
+    sampler = "cyclic_fixed"  # b groups by keyed hash of each record, step t = all of group t mod b
+    accounting = "gaussian_mechanism"  # the whole run is one Gaussian mechanism, μ = sens(C, b, k)/σ; no amplification
 
     def __init__(self, blt: BLT, *, steps: int, min_separation: int, max_participations: int | None = None,
                  momentum: float = 0.0):
@@ -344,7 +347,8 @@ class BLTStrategy:
 
     def to_json(self) -> dict:
         inv = self.blt.inverse()
-        return {"mechanism": NAME, "buffers": self.blt.buffers, "steps": self.steps,
+        return {"mechanism": NAME, "sampler": self.sampler, "accounting": self.accounting,
+                "buffers": self.blt.buffers, "steps": self.steps,
                 "min_separation": self.min_separation, "max_participations": self.max_participations,
                 "momentum": self.momentum, "theta": self.blt.theta.tolist(), "omega": self.blt.omega.tolist(),
                 "inverse_theta": inv.theta.tolist(), "inverse_omega": inv.omega.tolist(),
