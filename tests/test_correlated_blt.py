@@ -84,6 +84,13 @@ def test_float32_draws_with_float64_buffers(multi):
     assert xs[0].dtype == torch.float32 and rec.state_dict()["buffers"][7].dtype == torch.float64
     want = solve_triangular(multi.blt.matrix(T), z.double().numpy(), lower=True)
     np.testing.assert_allclose(torch.stack(xs).double().numpy(), want, atol=2e-6)  # float32 rounding of x only
+    # bf16 draws: the buffers stay float32 (bf16 would round θ·b), and low-precision buffers are refused
+    low = multi.recurrence()
+    assert low.apply(0, z[0].bfloat16()).dtype == torch.bfloat16
+    low.end_step()
+    assert low.state_dict()["buffers"][0].dtype == torch.float32
+    with pytest.raises(ValueError, match="float32 or torch.float64"):
+        multi.recurrence(dtype=torch.bfloat16)
 
 
 def _brute_force_sensitivity(c: np.ndarray, b: int, k: int) -> float:

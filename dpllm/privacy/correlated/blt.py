@@ -241,13 +241,19 @@ class BLTRecurrence:
     """``x_t = (C⁻¹z)_t`` computed online, one parameter at a time, with d buffers per parameter.
 
     Call :meth:`apply` once per parameter per step with that step's fresh N(0, σ²clip²) draw, then
-    :meth:`end_step`. The buffers are secret state (they determine future noise): save :meth:`state_dict`
-    only with the resumable RNG state (owner-only files under ``checkpoints/``).
+    :meth:`end_step`. The analysis is for exact arithmetic: buffers are kept in float32 at least (bf16 and
+    fp16 draws get float32 buffers), so their rounding is that of the float32 noise itself; float64 buffers
+    (``dtype=torch.float64``, twice the memory) keep it at float64's for long runs (decays near 1).
+    The buffers are secret state (they determine future noise): save :meth:`state_dict` only with the
+    resumable RNG state (owner-only files under ``checkpoints/``).
     """
 
     def __init__(self, blt: BLT, *, dtype: torch.dtype | None = None):
+        if dtype not in (None, torch.float32, torch.float64):
+            raise ValueError(f"BLT buffers in {dtype} would round the noise's correlation away; use torch.float32 "
+                             "or torch.float64")
         self.blt = blt
-        self.dtype = dtype  # None: the buffers take each draw's dtype
+        self.dtype = dtype  # None: the draw's dtype, at least float32 (bf16/fp16 draws get float32 buffers)
         self.extra_tensors_per_parameter = blt.buffers
         self._buffers: dict[int, torch.Tensor] = {}
         self._seen: set[int] = set()
@@ -267,7 +273,8 @@ class BLTRecurrence:
             if self._step > 0:
                 raise RuntimeError(f"parameter {key} first appears at step {self._step}; every noised parameter "
                                    "must be noised from the first step on")
-            buf = torch.zeros((self.blt.buffers, *z.shape), dtype=self.dtype or z.dtype, device=z.device)
+            dtype = self.dtype or (z.dtype if z.dtype == torch.float64 else torch.float32)
+            buf = torch.zeros((self.blt.buffers, *z.shape), dtype=dtype, device=z.device)
             self._buffers[key] = buf
         elif buf.shape[1:] != z.shape:
             raise ValueError(f"parameter {key}: draw of shape {tuple(z.shape)}, buffers of {tuple(buf.shape[1:])}")
