@@ -19,7 +19,7 @@ buffers of each parameter (``extra_tensors_per_parameter = d`` model-sized tenso
 **Sensitivity under b-min-separation.** A record that takes part in at most k steps, any two at least
 b apart, changes ``CG`` by at most ``sens(C, b, k)·clip`` in Frobenius norm. When C's coefficients are
 non-negative and non-increasing (true here) the worst pattern is k participations exactly b apart from step
-0 (Choquette-Choo et al. 2024, arXiv 2405.13763, Thm 2), so ``sens² = ‖Σ_{j<k} C·e_{jb}‖²``: a sum of
+0 (arXiv 2405.13763, Thm 2; jax_privacy computes it the same way), so ``sens² = ‖Σ_{j<k} C·e_{jb}‖²``: a sum of
 geometric series in closed form (:func:`blt_sensitivity`, O(k²d²), independent of T).
 
 **Accounting: no amplification, one Gaussian mechanism.** Amplification by sampling is proven for *banded*
