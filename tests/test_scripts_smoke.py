@@ -51,6 +51,7 @@ OWN_PROCESS = {"scripts/bench_fsdp_loading.py"}
 # cited, and already run by another test (not repeated here)
 COVERED = {
     "scripts/fft_rounding.py": "tests/test_pld_fallback.py (spread, prv_error)",
+    "scripts/mf_errors.py": "tests/test_correlated_blt.py (--smoke, checks the table's order)",
     "scripts/qlora_memory.py": "tests/test_qlora_runs.py (the 4-bit term)",
     "recipes/finetune_llm.py": "tests/test_train.py and a dozen others",
     "recipes/demo.py": "tests/test_train.py (--quick)",
