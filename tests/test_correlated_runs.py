@@ -76,6 +76,11 @@ def test_a_banded_run_trains_reports_and_recomputes(tmp_path):
     from dpllm.privacy.report import PrivacyReport
 
     assert "4-banded correlated noise" in PrivacyReport.read(out).summary()
+    from dpllm.export import model_card, release_report
+
+    released = release_report(PrivacyReport.read(out))
+    assert released.correlated_noise["accounted_steps"] == 2  # the bundle's report recomputes ε as the run's
+    assert "4-banded matrix factorization" in model_card(released, lora=False, has_base=False)
 
 
 def test_one_band_is_todays_dp_sgd_run_exactly(tmp_path, monkeypatch):
