@@ -220,7 +220,8 @@ class PrivacyConfig:
     noise_schedule_pieces: int = _f(10, "Constant pieces of a linear or exponential schedule (2–4: step decay).")
     noise: str = _f("independent", "How the noise is made (dpllm.privacy.correlated): 'independent' (DP-SGD) or "
                                    "'banded' (BandMF: noise correlated over `bands` steps, records sampled in "
-                                   "bands cyclic groups; bk only; keeps bands−1 model-sized tensors per process).")
+                                   "bands cyclic groups; bk only; keeps bands−1 noise tensors of the trainable "
+                                   "parameters' size per process; docs/privacy.md).")
     bands: str = _f("auto", "noise: banded: the number of bands b (≤ ⌈N/B⌉), or 'auto' (the b of 1, 2, 4, ..., 32 "
                             "with the least expected error at target_epsilon; dpllm plan shows the comparison).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
@@ -649,8 +650,9 @@ def quantile_problem(cfg: RunConfig) -> Optional[str]:
 def correlated_problem(cfg: RunConfig) -> Optional[str]:
     """Why ``noise: banded`` cannot run with this configuration (dpllm.privacy.correlated), or None.
 
-    What runs: bk on one process or under DDP (rank 0 noises and keeps the recurrence), record level, a constant
-    σ, flat clipping. The rest is refused in one line each until it is built (issue 45).
+    What runs: bk on one process, under DDP (rank 0 noises and keeps the recurrence) or FSDP2 (each process over its
+    shards), record level, a constant σ, flat clipping.
+    The rest is refused in one line each until it is built (issue 45).
     """
     p, d = cfg.privacy, cfg.data
     if p.noise not in ("independent", "banded"):

@@ -192,14 +192,8 @@ def make_private(
     # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
     guard_record_independence(model, max_length=max_length)
     recurrence = noise.recurrence() if noise is not None else None
-    if recurrence is not None:
-        from dpllm.distributed import is_sharded
-
-        if mode != "bk":
-            raise ValueError(f"privacy.noise: banded needs grad_sample_mode bk; {mode} runs here ({choice.reason})")
-        if is_sharded(model):
-            raise ValueError("privacy.noise: banded is not yet supported under FSDP2 (issue 45); use DDP or one "
-                             "process")
+    if recurrence is not None and mode != "bk":
+        raise ValueError(f"privacy.noise: banded needs grad_sample_mode bk; {mode} runs here ({choice.reason})")
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
             engine=engine, model=model, optimizer=optimizer,

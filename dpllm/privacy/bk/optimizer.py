@@ -71,7 +71,8 @@ class ShardedLeanAccumulation(LeanAccumulation):
     """The FSDP2 variant: ``p.grad`` is a DTensor whose local part is this process's shard of the clipped sum
     over all processes; the noise is drawn for that local part alone, from this process's generator.
 
-    Opacus's ``_generate_noise`` sized by the DTensor would draw the *global* shape on every process.
+    Opacus's ``_generate_noise`` sized by the DTensor would draw the *global* shape on every process. Banded noise:
+    the recurrence keeps the past noise of this process's shards only (b−1 shard-sized tensors per parameter).
     ``expected_batch_size`` is the global one: the shards hold sums over all processes, not means.
     """
 
@@ -79,14 +80,18 @@ class ShardedLeanAccumulation(LeanAccumulation):
         import torch
 
         sigma = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
-        for p in self.params:
+        rec = self.recurrence  # banded noise: this process's recurrence over its own shards
+        for i, p in enumerate(self.params):
             _check_processed_flag(p.summed_grad)
             with torch.no_grad():
                 local = p.summed_grad.to_local()  # the DTensor's own storage: noised in place
-                local.add_(_generate_noise(std=sigma * self.max_grad_norm, reference=local, generator=self.generator,
-                                           secure_mode=self.secure_mode))
+                noise = _generate_noise(std=sigma * self.max_grad_norm, reference=local, generator=self.generator,
+                                        secure_mode=self.secure_mode)
+                local.add_(noise if rec is None else rec.apply(i, noise))
             p.grad = p.summed_grad
             _mark_as_processed(p.summed_grad)
+        if rec is not None:
+            rec.end_step()
 
 
 class QuantileAccumulation(LeanAccumulation):

@@ -148,6 +148,9 @@ class BandedRecurrence:
         self._applied.add(key)
         past = self.history.get(key, [])
         x = z
+        if past and past[0].shape != z.shape:  # a state saved for other shards (another process count)
+            raise RuntimeError(f"noise recurrence: parameter {key} has past noise of shape {tuple(past[0].shape)}, "
+                               f"this step's draw {tuple(z.shape)}; resume on the process count the run used")
         for cj, prev in zip(self.coefficients[1:], past):
             x.sub_(prev, alpha=cj)
         c0 = self.coefficients[0]
