@@ -76,6 +76,10 @@ def test_a_banded_run_trains_reports_and_recomputes(tmp_path):
     from dpllm.privacy.report import PrivacyReport
 
     assert "4-banded correlated noise" in PrivacyReport.read(out).summary()
+    from dpllm import compliance
+
+    single = {i.name: i for i in compliance.check(out)}["single_epoch"]
+    assert "= 2 (⌈8/4⌉ steps of its cyclic group) = 0.533 expected passes" in single.evidence
     from dpllm.export import model_card, release_report
 
     released = release_report(PrivacyReport.read(out))
