@@ -139,3 +139,21 @@ def test_plan_compares_dp_sgd_with_the_bands_auto_picks(capsys):
                      "--delta", "1e-5", "--noise", "banded", "--bands", "4", "--epsilons", ""]) == 0
     out = capsys.readouterr().out
     assert "b = 4" in out and "← chosen" in out and "(1.00× DP-SGD)" in out
+
+
+def test_the_accounted_history_is_the_reduction_of_every_step_taken():
+    """The accountant hook counts every optimizer step at (σ, q_b); the history ε is read from holds ⌈n/b⌉ of
+    them, over the whole run (a run split in two entries, e.g. by a resume, must not round up twice)."""
+    from types import SimpleNamespace
+
+    from dpllm.privacy.engine import PrivateTraining
+    from dpllm.privacy.plan import PrivacyPlan
+
+    plan = PrivacyPlan(num_records=100, sample_rate=0.4, steps=8, noise_multiplier=1.0, delta=1e-5,
+                       accountant="rdp", expected_batch_size=10, prior_history=((2.0, 0.1, 5),),
+                       noise={"mechanism": "banded", "bands": 4})
+    engine = SimpleNamespace(accountant=SimpleNamespace(history=[(1.0, 0.4, 3), (1.0, 0.4, 5)]))
+    private = PrivateTraining(model=None, optimizer=None, criterion=None, data_loader=None, engine=engine, plan=plan)
+    assert private.history() == [(2.0, 0.1, 5), (1.0, 0.4, 2)] and private.steps_taken() == 8
+    assert plan.stage_history(8) == [(1.0, 0.4, 2)] and plan.stage_history(5) == [(1.0, 0.4, 2)]
+    assert plan.stage_history(4) == [(1.0, 0.4, 1)]

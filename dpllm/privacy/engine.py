@@ -66,9 +66,16 @@ class PrivateTraining:
         """The accounted history after any prior stages: what the accountant recorded (Opacus's optimizer hook,
         one entry per (σ, q) run of optimizer steps); under b-banded noise n steps are the DP-SGD event's
         ⌈n/b⌉ (:mod:`dpllm.privacy.correlated`)."""
-        b = self.plan.bands
+        b, runs = self.plan.bands, []
+        if b == 1:
+            return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
+        for s, q, n in self.engine.accountant.history:  # one run per (σ, q): ⌈·/b⌉ of a split run could count more
+            if runs and runs[-1][:2] == (s, q):
+                runs[-1] = (s, q, runs[-1][2] + n)
+            else:
+                runs.append((s, q, n))
         return [tuple(h) for h in self.plan.prior_history] + [
-            (h[0], h[1], accounted_steps(h[2], b)) for h in self.engine.accountant.history]
+            (s, q, accounted_steps(n, b)) for s, q, n in runs]
 
     def set_users(self, users, *, reduction: str = "mean") -> None:
         """ULS: the user of each row of the next physical batch (the bk module or the hooks optimizer clips
