@@ -129,7 +129,7 @@ def _single_epoch(report) -> Item:
     steps = c["accounted_steps"] if c else report.steps
     one_pass = passes_warning(q, steps) is None
     ev = (f"privacy_report.json: sample_rate = {q:.4g} × steps = {steps}"
-          + (f" (⌈{report.steps}/{c['bands']}⌉ steps of its cyclic group)" if c else "")
+          + (f" (⌈{report.steps}/{c['bands']}⌉ steps of its cyclic group)" if c and c["bands"] > 1 else "")
           + f" = {q * steps:.3g} expected passes")
     return Item("single_epoch", req, MET if one_pass else NOT_MET,
                 ev + ("" if one_pass else "; multi-epoch training needs a justification in the model risk "

@@ -326,7 +326,7 @@ def plain_reading(report: PrivacyReport, record_kind: str | None, *, source: str
 def correlated_note(report: PrivacyReport) -> str:
     """The card's sentence on correlated noise (``privacy.noise: banded``), or "" for DP-SGD's independent noise."""
     c = report.correlated_noise
-    if not c:
+    if not c or c["mechanism"] == "independent":
         return ""
     return (f" The noise was correlated across steps ({c['bands']}-banded matrix factorization): the records were "
             f"split into {c['bands']} groups by a keyed hash of each record's own text, each step Poisson-sampled one "

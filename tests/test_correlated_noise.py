@@ -207,3 +207,24 @@ def test_auto_picks_the_least_expected_error():
     assert rows[32]["prefix_sum_rmse"] < rows[many.bands]["prefix_sum_rmse"]  # ... which more bands outgrow
     assert many.to_json()["auto"] and many.to_json()["accounted_steps"] == math.ceil(400 / many.bands)
     assert many.sample_rate == many.bands * 250 / 10_000
+
+
+def test_auto_keeps_dp_sgd_where_banding_does_not_pay_and_the_plan_says_so():
+    """Two steps at ε = 1: σ(2) for the denser group sampling outgrows the error banding saves (seen σ·RMSE 1.66
+    for b = 1 against 1.91 for b = 2); the plan then is DP-SGD's, and records the comparison that chose it."""
+    from dpllm.privacy.plan import plan_privacy
+    from dpllm.privacy.report import PrivacyReport
+
+    n = build("banded", "auto", steps=2, num_records=1000, batch=100, target_epsilon=1.0, delta=1e-5)
+    assert n.bands == 1 and not n.correlated and n.recurrence() is None
+    assert n.choice[0]["error"] < n.choice[1]["error"]
+    plan = plan_privacy(num_records=1000, logical_batch_size=100, steps=2, target_epsilon=1.0, delta=1e-5,
+                        accountant="prv", noise=n)
+    dpsgd = plan_privacy(num_records=1000, logical_batch_size=100, steps=2, target_epsilon=1.0, delta=1e-5,
+                         accountant="prv")
+    assert plan.history == dpsgd.history and plan.noise["mechanism"] == "independent" and plan.bands == 1
+    report = PrivacyReport(enabled=True, num_records=1000, steps=2, logical_batch_size=100, physical_batch_size=100,
+                           epsilon=1.0, delta=1e-5, accountant="prv", noise_multiplier=plan.noise_multiplier,
+                           sample_rate=plan.sample_rate, max_grad_norm=1.0, clipping="flat",
+                           correlated_noise=plan.noise)
+    assert "bands=auto chose independent noise" in report.summary()

@@ -233,7 +233,8 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
     scheduled = schedule is not None and not schedule.is_constant
     if scheduled:
         schedule.lengths(steps)  # refuses fewer steps than pieces, before any accounting
-    correlated = noise.to_json() if noise is not None and noise.correlated else None
+    # banded noise, or bands: auto's comparison that chose DP-SGD (kept so the report says why)
+    correlated = noise.to_json() if noise is not None and (noise.correlated or noise.choice) else None
     if correlated is not None:
         if scheduled:
             raise PrivacyPlanError("a noise schedule with correlated noise is not yet supported (issue 45)")

@@ -202,8 +202,9 @@ class PrivacyReport:
                       + (f"ε = {eps2:.3f}" if eps2 is not None else "an unbounded ε") + secret)
         c = self.correlated_noise
         steps = (f"steps = {self.steps} ({c['bands']}-banded correlated noise, cyclic sampling over {c['bands']} "
-                 f"groups: accounted as {c['accounted_steps']} DP-SGD steps at the group's q)" if c else
-                 f"steps = {self.steps}")
+                 f"groups: accounted as {c['accounted_steps']} DP-SGD steps at the group's q)"
+                 if c and c["mechanism"] != "independent" else
+                 f"steps = {self.steps}" + (" (bands=auto chose independent noise)" if c else ""))
         return (f"(ε = {self.epsilon:.3f}, δ = {self.delta:g}) via {via}; "
                 f"{sigma}, q = {self.sample_rate:.4g}, {steps}, "
                 f"C = {self.max_grad_norm:g}, clipping = {self.clipping}, "
@@ -222,7 +223,9 @@ class PrivacyReport:
         if self.data:
             lines.append("data: " + truncation.describe(self.data))
         c = self.correlated_noise
-        if c:
+        if c and c["mechanism"] == "independent":
+            lines.append("noise: independent (DP-SGD): bands=auto found no b with a smaller expected error")
+        elif c:
             lines.append(f"noise: {c['mechanism']} matrix factorization, b = {c['bands']} bands (coefficients "
                          f"{', '.join(f'{v:.4g}' for v in c['coefficients'][:6])}{', ...' if c['bands'] > 6 else ''}), "
                          f"prefix-sum RMSE {c['prefix_sum_rmse']:.4g} per unit of noise over {c['steps']} steps; "
