@@ -125,9 +125,12 @@ def _single_epoch(report) -> Item:
     if not report.enabled:
         return Item("single_epoch", req, NA, "privacy_report.json: enabled = false")
     q = report.sample_rate or 0.0
-    one_pass = passes_warning(q, report.steps) is None
-    ev = (f"privacy_report.json: sample_rate = {q:.4g} × steps = {report.steps} = {q * report.steps:.3g} expected "
-          "passes")
+    c = report.correlated_noise  # banded: a record's group is sampled (at q_b) on ⌈T/b⌉ of the T steps
+    steps = c["accounted_steps"] if c else report.steps
+    one_pass = passes_warning(q, steps) is None
+    ev = (f"privacy_report.json: sample_rate = {q:.4g} × steps = {steps}"
+          + (f" (⌈{report.steps}/{c['bands']}⌉ steps of its cyclic group)" if c and c["bands"] > 1 else "")
+          + f" = {q * steps:.3g} expected passes")
     return Item("single_epoch", req, MET if one_pass else NOT_MET,
                 ev + ("" if one_pass else "; multi-epoch training needs a justification in the model risk "
                                           "documentation"))

@@ -62,7 +62,8 @@ RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_siz
                    "accountant", "accountant_method", "target_epsilon", "noise_multiplier", "sample_rate",
                    "max_grad_norm", "clipping", "sensitivity", "grad_sample_mode", "poisson_sampling", "secure_mode",
                    "noise_secret", "history", "model_adjustments", "versions", "noise_schedule", "sequence_level",
-                   "adaptive_clipping")  # clipping: quantile: γ, η, σ_b, σ_g and C, a function of noised counts
+                   "adaptive_clipping",  # clipping: quantile: γ, η, σ_b, σ_g and C, a function of noised counts
+                   "correlated_noise")  # noise: banded: b, coefficients, q_b, ⌈T/b⌉ (functions of q and T, released)
 # Not "note" (free text, could say anything) and not "warnings": they quote data-dependent counts (records removed as
 # duplicates, the expected batch q·N, a logical batch capped at N) for the operator, who reads them in the private run.
 # A stage's name is its output directory's (it may name the data: "runs/patients_2024"): released as "stage i".
@@ -322,6 +323,17 @@ def plain_reading(report: PrivacyReport, record_kind: str | None, *, source: str
             "apart.")
 
 
+def correlated_note(report: PrivacyReport) -> str:
+    """The card's sentence on correlated noise (``privacy.noise: banded``), or "" for DP-SGD's independent noise."""
+    c = report.correlated_noise
+    if not c or c["mechanism"] == "independent":
+        return ""
+    return (f" The noise was correlated across steps ({c['bands']}-banded matrix factorization): the records were "
+            f"split into {c['bands']} groups by a keyed hash of each record's own text, each step Poisson-sampled one "
+            f"group in turn at the rate q above, and ε is that of DP-SGD over ⌈{c['steps']}/{c['bands']}⌉ = "
+            f"{c['accounted_steps']} steps at that rate (Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 1).")
+
+
 def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind: str | None = None) -> str:
     """README.md for the bundle, written from the *released* report (:func:`release_report`) only: the
     guarantee, what one protected unit is (:func:`record_unit`; ``record_kind`` is the record shape the publisher
@@ -345,6 +357,7 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind
                      + (" User level ("
                         f"{'at most ' + str(cap) + ' records per user' if cap else 'no cap on records per user'}"
                         f"): {user['group_privacy']}." if user else "")
+                     + correlated_note(report)
                      + "\n\n" + record_unit(report, record_kind) + truncation_note(report))
         size = ("" if report.num_records is None else f" N = {report.num_records:,} records was declared public by the "
                 "publisher; an adversary learns it exactly, which is only harmless if it was public already.")

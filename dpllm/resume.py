@@ -160,7 +160,8 @@ def _flat(d: dict) -> dict:
 # Options added after a run may have started: absent from its saved config they mean this value, and at this value
 # they are left out of the key, so a run started before them resumes with the same config and the same key.
 ADDED_LATER = {"model.quantization": "none", "data.record_fraction": None, "data.long_records": "truncate",
-               "data.max_windows": 8, "data.window_stride": 0}
+               "data.max_windows": 8, "data.window_stride": 0, "privacy.noise": "independent",
+               "privacy.bands": "auto"}
 
 
 def config_key(cfg: RunConfig) -> str:
@@ -415,6 +416,9 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
         scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
         saved = sc.saved_ranks(ckpt)  # each process reads its own file; on another count, rank 0's sampler
         own = sc.load_rng(ckpt, world.rank if saved == world.size else 0)
+        if saved != world.size and (own.get("noise_recurrence") or {}).get("history"):
+            raise ConfigError(f"cannot resume {ckpt} on {world.size} process(es): its banded noise keeps each of its "
+                              f"{saved} processes' past noise for that process's shards; resume on {saved} processes")
         _set_rng_state(own if saved == world.size else _without_noise(own, saved, world), generators)
         return state
     _load_model(model, ckpt, world)

@@ -239,7 +239,7 @@ class Trainer:
         if self.dp:
             self.model, self.optimizer, self.criterion, self.batches = self.privacy.attach(
                 model=self.model, optimizer=self.optimizer, dataset=self.train_ds, collate_fn=self.collate,
-                generators=self.generators, world=self.world)
+                generators=self.generators, world=self.world, texts=self.data.train_texts)
         else:
             self.batches = ShuffledBatchSampler(num_samples=len(self.train_ds), batch_size=self.t.logical_batch_size,
                                                 seed=self.t.seed, rank=self.world.rank, world_size=self.world.size)
@@ -259,8 +259,8 @@ class Trainer:
                               previous_stage=ledger.previous_stage(self.source))
             if self.t.eval_every:
                 self.initial_eval = self.evaluate()
-        if not self.dp:
-            self.batches.start = self.step  # non-private batches are a function of the step: no state to restore
+        if not self.dp or hasattr(self.batches, "start"):  # non-private batches, and whose turn it is under cyclic
+            self.batches.start = self.step  # sampling (dpllm.privacy.correlated), are functions of the step
 
     def train_steps(self) -> None:
         """The loop: this process's share of the next logical batch → one optimizer step, until done."""

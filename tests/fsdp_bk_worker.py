@@ -137,6 +137,42 @@ def noise(rank) -> dict:
             "first_rank1": gathered[1].tolist()}
 
 
+def banded(rank) -> dict:
+    """privacy.noise: banded under FSDP2: each process runs the recurrence over its own shards' draws; the noise
+    its optimizer adds equals the recurrence applied to draws from its own generator, step after step."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    from dpllm.privacy.bk.optimizer import ShardedLeanAccumulation
+    from dpllm.privacy.correlated.banded import BandMF
+
+    model = shard_model(build("tiny-llama", "full", dtype=torch.float32)[0])
+    strategy = BandMF.optimized(bands=3, steps=8)
+    opt = ShardedLeanAccumulation(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=2.0,
+                                  max_grad_norm=0.5, expected_batch_size=1,
+                                  generator=torch.Generator().manual_seed(50 + rank))
+    opt.recurrence = strategy.recurrence()
+    steps = []
+    for _ in range(4):
+        for p in opt.params:
+            p.summed_grad = torch.zeros_like(p)
+        opt.add_noise()
+        steps.append([p.grad.to_local().detach().clone() for p in opt.params])
+    g, mine, worst = torch.Generator().manual_seed(50 + rank), strategy.recurrence(), 0.0
+    for added in steps:
+        for key, x in enumerate(added):
+            want = mine.apply(key, _generate_noise(std=1.0, reference=x, generator=g))
+            worst = max(worst, float((x - want).abs().max()))
+        mine.end_step()
+    first = torch.cat([x.flatten() for x in steps[0]])
+    gathered = [torch.zeros(0)] * 2
+    dist.all_gather_object(gathered, first[:2048])
+    shapes = [list(x.shape) for x in steps[0]]
+    return {"max_abs_diff": worst, "history": len(opt.recurrence.history[0]), "shapes": shapes,
+            "global_shapes": [list(p.shape) for p in opt.params], "first_rank0": gathered[0].tolist(),
+            "first_rank1": gathered[1].tolist(), "step_corr": float(torch.corrcoef(torch.stack(
+                [torch.cat([x.flatten() for x in steps[0]]), torch.cat([x.flatten() for x in steps[1]])]))[0, 1])}
+
+
 class RawUse(torch.nn.Module):
     """A tied output computed as ``h @ emb.weight.T``: the weight is used outside its own layer."""
 
@@ -212,6 +248,7 @@ if __name__ == "__main__":
         "empty_share": equivalence("tiny-gpt2", "full", rank=rank, micro=2, shares=[list(range(10)), []]),
         "noise": noise(rank),
         "mixed_precision": mixed_precision(rank),
+        "banded": banded(rank),
     }
     from tests.fsdp_worker import check  # the ghost_fsdp path, in the same launch
 

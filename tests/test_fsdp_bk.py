@@ -71,6 +71,25 @@ def test_each_process_noises_its_own_shard_once(found):
     assert abs(np.corrcoef(a[:m], b[:m])[0, 1]) < 5 / m ** 0.5  # independent streams
 
 
+def test_banded_noise_is_correlated_in_time_per_shard_and_independent_across_ranks(found):
+    """privacy.noise: banded under FSDP2: each process adds the recurrence of its own draws to its own shards
+    (b − 1 = 2 shard-sized tensors kept), consecutive steps' noise is correlated (x₀ = z₀/c₀, x₁ = (z₁ − c₁x₀)/c₀:
+    corr(x₀, x₁) = −c₁/sqrt(c₀² + c₁²) = −0.45), and the two processes' noise is independent."""
+    import numpy as np
+
+    from dpllm.privacy.correlated.banded import BandMF
+
+    r = found["banded"]
+    assert r["max_abs_diff"] < 1e-6 and r["history"] == 2
+    assert r["shapes"] != r["global_shapes"]  # shards, not the whole parameters
+    c = BandMF.optimized(bands=3, steps=8).coefficients
+    n = sum(int(np.prod(s)) for s in r["shapes"])
+    assert abs(r["step_corr"] + c[1] / (c[0] ** 2 + c[1] ** 2) ** 0.5) < 5 / n ** 0.5, (r["step_corr"], n)
+    a, b = np.array(r["first_rank0"]), np.array(r["first_rank1"])
+    m = min(len(a), len(b))
+    assert abs(np.corrcoef(a[:m], b[:m])[0, 1]) < 5 / m ** 0.5
+
+
 def test_mixed_precision_and_gathered_parameters_keep_the_hooks(found):
     """bf16 compute with fp32 shards and reduction, parameters kept gathered after forward: the clipped step
     matches the fp32 reference to bf16 precision (unit roundoff 2⁻⁸ ≈ 4e-3; we allow 3e-2 over the layers)."""

@@ -62,9 +62,11 @@ def kill_mid_run(killed, *extra, after="step-000004"):
 
 # new-token canaries grow the vocabulary before training: the resumed run must grow it the same way
 # a noise schedule's σ is a function of the step: the resumed run must continue it where the killed one stopped
+# banded noise: the recurrence's past noise and the cyclic group's turn must continue where the killed run stopped
 @pytest.mark.parametrize("extra", [(), ("--num_canaries", "50", "--canary_design", "new_token"),
-                                   ("--noise_schedule", "linear", "--noise_schedule_pieces", "4")],
-                         ids=["plain", "new_token_canaries", "noise_schedule"])
+                                   ("--noise_schedule", "linear", "--noise_schedule_pieces", "4"),
+                                   ("--noise", "banded", "--bands", "4")],
+                         ids=["plain", "new_token_canaries", "noise_schedule", "banded_noise"])
 def test_sigkill_then_resume_equals_uninterrupted(tmp_path, extra):
     killed = tmp_path / "killed"
     kill_mid_run(killed, *extra)
@@ -75,7 +77,8 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, extra):
 
     r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, tmp_path / "whole"))
     assert r1["steps"] == r2["steps"] == 24
-    pieces = (r1["noise_schedule"]["pieces_sigma_steps"] if "noise_schedule" in r1 else [[r1["noise_multiplier"], 24]])
+    pieces = (r1["noise_schedule"]["pieces_sigma_steps"] if "noise_schedule" in r1 else
+              [[r1["noise_multiplier"], 24 if "correlated_noise" not in r1 else 6]])  # banded: ⌈24/4⌉ accounted
     assert len(pieces) == (4 if "noise_schedule" in r1 else 1)
     assert r1["epsilon"] == r2["epsilon"] and r1["history"] == r2["history"] == [[s, r1["sample_rate"], n]
                                                                                  for s, n in pieces]

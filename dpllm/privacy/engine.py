@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dpllm.config import PrivacyConfig
 from dpllm.privacy import accounting
+from dpllm.privacy.correlated import accounted_steps
 from dpllm.privacy.plan import PrivacyPlan
 
 log = logging.getLogger(__name__)
@@ -59,10 +60,22 @@ class PrivateTraining:
     grad_sample_mode: str = ""  # the mode that ran: cfg.grad_sample_mode with "auto" resolved
     grad_sample_mode_reason: str = ""  # why that mode (dpllm.privacy.modes.choose_mode)
     quantile: Any = None  # clipping: quantile: its dpllm.privacy.quantile.QuantileClipping (C, the trajectory)
+    recurrence: Any = None  # privacy.noise: banded: the optimizer's noise recurrence (its state is secret)
 
     def history(self) -> list[tuple[float, float, int]]:
-        """Steps the accountant actually recorded (Opacus's optimizer hook), after any prior stages."""
-        return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
+        """The accounted history after any prior stages: what the accountant recorded (Opacus's optimizer hook,
+        one entry per (σ, q) run of optimizer steps); under b-banded noise n steps are the DP-SGD event's
+        ⌈n/b⌉ (:mod:`dpllm.privacy.correlated`)."""
+        b, runs = self.plan.bands, []
+        if b == 1:
+            return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
+        for s, q, n in self.engine.accountant.history:  # one run per (σ, q): ⌈·/b⌉ of a split run could count more
+            if runs and runs[-1][:2] == (s, q):
+                runs[-1] = (s, q, runs[-1][2] + n)
+            else:
+                runs.append((s, q, n))
+        return [tuple(h) for h in self.plan.prior_history] + [
+            (s, q, accounted_steps(n, b)) for s, q, n in runs]
 
     def set_users(self, users, *, reduction: str = "mean") -> None:
         """ULS: the user of each row of the next physical batch (the bk module or the hooks optimizer clips
@@ -78,6 +91,7 @@ class PrivateTraining:
             self.quantile.skip_next()
 
     def steps_taken(self) -> int:
+        """Optimizer steps taken (the accountant hook counts every one)."""
         return sum(int(h[2]) for h in self.engine.accountant.history)
 
     def epsilon(self) -> float:
@@ -102,6 +116,9 @@ def make_private(
     user_records: Optional[list[list[int]]] = None,
     physical_batch_size: Optional[int] = None,
     max_length: Optional[int] = None,
+    noise=None,
+    texts: Optional[list[str]] = None,
+    group_key: int = 0,
 ) -> PrivateTraining:
     """Wrap with Opacus: Poisson sampling, per-sample clipping (ghost or hooks), Gaussian noise.
 
@@ -123,6 +140,9 @@ def make_private(
         max_length: the longest record the run may see (``data.max_length``): the independence check adds one
             record of that length to the first batch (:mod:`dpllm.privacy.independence`, step 4). None: it does
             not (a caller that does not know it).
+        noise: correlated noise (:class:`dpllm.privacy.correlated.CorrelatedNoise`, the one the plan was made with):
+            its cyclic sampler over ``texts`` (each row's record text; groups keyed by ``group_key``, public) and
+            its noise recurrence in the bk optimizer. None: DP-SGD.
 
     Returns:
         A :class:`PrivateTraining` whose ``sampler`` (and ``data_loader`` over it) never ends: one
@@ -150,6 +170,15 @@ def make_private(
     sampler = PoissonBatchSampler(num_samples=len(dataset), sample_rate=plan.sample_rate, rank=rank,
                                   world_size=world_size,
                                   generator=engine.secure_rng if cfg.secure_mode else sampling_generator)
+    if noise is not None and noise.correlated:  # cyclic Poisson over the mechanism's groups (dpllm.privacy.correlated)
+        if user_records is not None or texts is None or len(texts) != len(dataset):
+            raise ValueError("privacy.noise: banded needs one text per training row to group the records, and no "
+                             "user-level sampling")
+        if noise.sample_rate != plan.sample_rate or noise.bands != plan.bands:
+            raise ValueError(f"the noise mechanism ({noise.bands} bands, q_b={noise.sample_rate}) is not the one the "
+                             f"plan accounts ({plan.bands} bands, q={plan.sample_rate}); a dpllm bug")
+        sampler = noise.sampler(texts=texts, key=group_key, generator=sampler.generator, rank=rank,
+                                world_size=world_size)
     if user_records is not None:  # ULS: the same draw over users (dpllm.privacy.user_level)
         from dpllm.privacy.user_level import UserPoissonBatchSampler
 
@@ -169,6 +198,9 @@ def make_private(
     check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
     # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
     guard_record_independence(model, max_length=max_length)
+    recurrence = noise.recurrence() if noise is not None else None
+    if recurrence is not None and mode != "bk":
+        raise ValueError(f"privacy.noise: banded needs grad_sample_mode bk; {mode} runs here ({choice.reason})")
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
             engine=engine, model=model, optimizer=optimizer,
@@ -177,6 +209,7 @@ def make_private(
             expected_batch_size=plan.expected_batch_size, world_size=world_size, noise_generator=noise_generator,
             secure_mode=cfg.secure_mode, per_user=user_records is not None, quantile=quantile)
         criterion = None
+        optimizer.recurrence = recurrence  # None: independent noise
     else:
         from dpllm.distributed import is_sharded, unsharded_parameters
         from dpllm.privacy.owners import guard_parameter_uses
@@ -195,7 +228,7 @@ def make_private(
     getattr(model, "forbid_grad_accumulation", lambda: None)()
     return PrivateTraining(model=model, optimizer=optimizer, criterion=criterion, data_loader=loader,
                            engine=engine, plan=plan, sampler=sampler, grad_sample_mode=mode,
-                           grad_sample_mode_reason=choice.reason, quantile=quantile)
+                           grad_sample_mode_reason=choice.reason, quantile=quantile, recurrence=recurrence)
 
 
 def count_noise_multiplier(cfg: PrivacyConfig, plan: PrivacyPlan) -> float:

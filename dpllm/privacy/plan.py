@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 from dpllm.privacy import accounting
 from dpllm.privacy.accounting import PrivacyPlanError
+from dpllm.privacy.correlated import accounted_steps
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +145,14 @@ class PrivacyPlan:
     # A non-constant noise schedule (dpllm.privacy.schedule.NoiseSchedule.to_json()); noise_multiplier is then σ₀,
     # the first piece's σ. None: one σ for every step.
     schedule: Optional[dict] = None
+    # Correlated noise (dpllm.privacy.correlated.CorrelatedNoise.to_json()): mechanism, bands b, coefficients, ...;
+    # sample_rate is then the group's rate q_b and the accounted event is (σ, q_b, ⌈steps/b⌉). None: DP-SGD.
+    noise: Optional[dict] = None
+
+    @property
+    def bands(self) -> int:
+        """b: the cyclic groups of correlated noise (1: every record may join every step)."""
+        return int(self.noise["bands"]) if self.noise else 1
 
     def _schedule(self):
         from dpllm.privacy.schedule import NoiseSchedule
@@ -153,8 +162,8 @@ class PrivacyPlan:
     def stage_history(self, steps: Optional[int] = None) -> list[tuple[float, float, int]]:
         """This stage's ``(σ, q, steps)`` entries after ``steps`` steps (default: all): one per schedule piece."""
         done = self.steps if steps is None else steps
-        if not self.schedule:
-            return [(self.noise_multiplier, self.sample_rate, done)]
+        if not self.schedule:  # banded: the DP-SGD event of the reduction (dpllm.privacy.correlated)
+            return [(self.noise_multiplier, self.sample_rate, accounted_steps(done, self.bands))]
         return self._schedule().history(self.noise_multiplier, self.sample_rate, self.steps, done=done)
 
     def sigma_at(self, step: int) -> float:
@@ -180,13 +189,15 @@ class PrivacyPlan:
                "prior_history": [list(h) for h in self.prior_history]}
         if self.schedule:
             out["schedule"] = dict(self.schedule)
+        if self.noise:
+            out["noise"] = dict(self.noise)
         return out
 
 
 def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, target_epsilon: Optional[float],
                  delta: float, accountant: str, noise_multiplier: Optional[float] = None,
                  prior_history: Optional[list] = None, data_notes: Sequence[str] = (),
-                 schedule=None) -> PrivacyPlan:
+                 schedule=None, noise=None) -> PrivacyPlan:
     """Check δ and ε, pick or check σ, and return the plan. Cheap: run it before loading any model.
 
     Args:
@@ -204,6 +215,8 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
             removed as duplicates, ...); recorded first among the plan's warnings.
         schedule: a :class:`dpllm.privacy.schedule.NoiseSchedule`; a non-constant one calibrates σ₀ (its first
             piece's σ; ``noise_multiplier`` gives σ₀ instead) so that the whole schedule meets the target.
+        noise: a correlated mechanism (:func:`dpllm.privacy.correlated.build`); σ is then calibrated for its event,
+            the group's rate q_b over ⌈steps/b⌉ steps (None or independent noise: q over ``steps``).
 
     Raises:
         PrivacyPlanError: δ ≥ 1/N, a non-finite ε or δ, an unreachable ε, or a given σ over the target.
@@ -220,12 +233,19 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
     scheduled = schedule is not None and not schedule.is_constant
     if scheduled:
         schedule.lengths(steps)  # refuses fewer steps than pieces, before any accounting
+    # banded noise, or bands: auto's comparison that chose DP-SGD (kept so the report says why)
+    correlated = noise.to_json() if noise is not None and (noise.correlated or noise.choice) else None
+    if correlated is not None:
+        if scheduled:
+            raise PrivacyPlanError("a noise schedule with correlated noise is not yet supported (issue 45)")
+        q = noise.sample_rate
     notes: tuple = ()
     while True:  # PRV, then PLD, then RDP (accounting.FALLBACK): the first that runs does the whole plan
         try:
             return _plan_with(accountant, num_records=num_records, batch=logical_batch_size, q=q, steps=steps,
                               target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                              prior=prior, notes=notes, data_notes=data_notes, schedule=schedule if scheduled else None)
+                              prior=prior, notes=notes, data_notes=data_notes, schedule=schedule if scheduled else None,
+                              noise=correlated)
         except accounting.AccountantUnavailable as err:
             if accountant not in accounting.FALLBACK:
                 raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
@@ -236,38 +256,42 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
 
 def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps: int,
                target_epsilon: Optional[float], delta: float, noise_multiplier: Optional[float], prior: tuple,
-               notes: tuple = (), data_notes: Sequence[str] = (), schedule=None) -> PrivacyPlan:
+               notes: tuple = (), data_notes: Sequence[str] = (), schedule=None,
+               noise: Optional[dict] = None) -> PrivacyPlan:
     """:func:`plan_privacy` with one accountant from start to end (raises AccountantUnavailable if it cannot run)."""
+    bands = int(noise["bands"]) if noise else 1
+    accounted = accounted_steps(steps, bands)  # banded: the DP-SGD event of the reduction; steps otherwise
     if noise_multiplier is None:
-        log.info("calibrating σ for ε=%g over %d steps at q=%.4g with the %s accountant%s", target_epsilon, steps, q,
-                 accountant, f" ({schedule.kind} noise schedule)" if schedule else "")
+        log.info("calibrating σ for ε=%g over %d steps at q=%.4g with the %s accountant%s", target_epsilon, accounted,
+                 q, accountant, f" ({schedule.kind} noise schedule)" if schedule else "")
         if schedule:
             from dpllm.privacy.schedule import calibrate
 
             sigma = calibrate(schedule, target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps,
                               accountant=accountant, prior_history=list(prior))
         else:
-            sigma = accounting.calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=q, steps=steps,
-                                               accountant=accountant, prior_history=list(prior),
+            sigma = accounting.calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=q,
+                                               steps=accounted, accountant=accountant, prior_history=list(prior),
                                                progress=lambda line: log.info("privacy plan: %s", line))
     else:
         sigma = float(noise_multiplier)
-    expected = int(num_records * q)
+    expected = int(num_records * sample_rate_for(num_records, batch))  # banded too: ≈ N/b records at q_b = b·q
     # The batch warning reads the noisiest piece of a schedule.
     noisiest = sigma * (max(schedule.multipliers()) if schedule else 1.0)
     data_notes = tuple(data_notes) + tuple(w for w in (capped_batch_warning(num_records, batch),
-                                                        passes_warning(q, steps),
+                                                        passes_warning(q, accounted),
                                                         noise_batch_warning(noisiest,
                                                                             expected_batch(num_records, batch)))
                                            if w)
     notes = tuple(notes) + data_notes
     plan = PrivacyPlan(num_records=num_records, sample_rate=q, steps=steps, noise_multiplier=sigma, delta=delta,
                        accountant=accountant, expected_batch_size=expected, prior_history=prior,
-                       warnings=notes, schedule=schedule.to_json() if schedule else None)
+                       warnings=notes, schedule=schedule.to_json() if schedule else None, noise=noise)
     eps = accounting.compute_epsilon_history(history=plan.history, delta=delta, accountant=accountant, strict=True)
     if target_epsilon is not None and eps > target_epsilon:
         raise PrivacyPlanError(
-            f"noise_multiplier={sigma:g}{' (σ₀ of the schedule)' if schedule else ''} over {steps:,} steps at sample "
+            f"noise_multiplier={sigma:g}{' (σ₀ of the schedule)' if schedule else ''} over {accounted:,} "
+            f"{'accounted steps of ' + str(bands) + '-banded noise' if noise else 'steps'} at sample "
             f"rate {q:.4g} gives ε={eps:.3f} > "
             f"target_epsilon={target_epsilon}; raise noise_multiplier, lower steps, or unset it to calibrate")
     for note in data_notes:

@@ -16,6 +16,12 @@ ELS samples records of the k-capped data and converts to users by group privacy.
     dpllm plan --unit user --sampling els --num-users 2000 --records-per-user 8 --num-records 12000 \
         --batch 256 --epochs 2 --target-epsilon 8 --delta 1e-4
 
+Correlated noise (docs/privacy.md, "Correlated noise"): ``--noise banded --bands auto|k`` adds, for the target ε,
+σ and the prefix-sum RMSE (in units of the clipping norm C: σ times the strategy's error at unit noise) of DP-SGD
+and of b-banded noise, for the b that ``bands: auto`` picks (or the given b):
+
+    dpllm plan --num-records 10000 --batch 250 --epochs 10 --target-epsilon 3 --delta 1e-5 --noise banded
+
 NSR = σ·C / (B·ḡ): the per-coordinate standard deviation of the Gaussian noise in the averaged clipped
 gradient (σ·C/B) over the mean per-example gradient norm ḡ (``--grad-norm``; ḡ ≤ C after clipping).
 The noise *vector* over d coordinates has norm ≈ √d times that, so compare NSRs between plans rather
@@ -244,6 +250,42 @@ def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, bat
     return {**plan, **info, "delta": delta, "record_delta": delta / k, "group_privacy": user_level.GROUP_PRIVACY}
 
 
+def correlated_table(*, num_records: int, batch: int, steps: int, target_epsilon: float, delta: float,
+                     bands="auto", accountant: str = "prv") -> dict:
+    """DP-SGD against b-banded noise at one target ε (``dpllm plan --noise banded``), as training would plan it.
+
+    Returns:
+        ``{"bands": the b training would use, "rows": [{"bands", "noise_multiplier", "prefix_sum_rmse",
+        "error"}]}``: b = 1 (DP-SGD) first, then every b ``auto`` tries (or the given b). ``error`` = σ·RMSE, the
+        root-mean-square noise per step in the prefix sums of the clipped gradient sums, in units of C.
+
+    Raises:
+        PrivacyPlanError: as :func:`dpllm.privacy.correlated.build` (b > ⌈N/B⌉, b > steps, ...).
+    """
+    from dpllm.privacy import correlated
+
+    chosen = correlated.build("banded", bands, steps=steps, num_records=num_records, batch=batch,
+                              target_epsilon=target_epsilon, delta=delta, accountant=accountant)
+    rows = list(chosen.choice) or correlated.compare_bands(sorted({1, chosen.bands}), steps=steps,
+                                                           num_records=num_records, batch=batch,
+                                                           target_epsilon=target_epsilon, delta=delta,
+                                                           accountant=accountant)
+    return {"bands": chosen.bands, "auto": correlated.parse_bands(bands) is None, "rows": [dict(r) for r in rows]}
+
+
+def format_correlated(table: dict) -> str:
+    """The human view of :func:`correlated_table`."""
+    lines = ["", f"correlated noise (banded MF; b = 1 is DP-SGD): b = {table['bands']}"
+             + (" picked by bands=auto (least σ·RMSE)" if table["auto"] else ""),
+             f"{'bands b':>8}  {'σ':>9}  {'RMSE(σ=1)':>9}  {'σ·RMSE (units of C)':>20}"]
+    dpsgd = table["rows"][0]["error"]
+    for r in table["rows"]:
+        mark = "  ← chosen" if r["bands"] == table["bands"] else ""
+        lines.append(f"{r['bands']:>8}  {r['noise_multiplier']:>9.4g}  {r['prefix_sum_rmse']:>9.4g}  "
+                     f"{r['error']:>20.4g}  ({r['error'] / dpsgd:.2f}× DP-SGD){mark}")
+    return "\n".join(lines)
+
+
 def format_plan(plan: dict) -> str:
     """The human view of :func:`plan_table`'s (or :func:`user_plan_table`'s) result."""
     lines = [] if plan.get("unit") != "user" else [
@@ -316,6 +358,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="σ over training, as privacy.noise_schedule (σ printed is the first piece's)")
     p.add_argument("--schedule-end", type=float, default=0.5, help="last piece's σ / first piece's (default 0.5)")
     p.add_argument("--schedule-pieces", type=int, default=10, help="constant pieces of the schedule (default 10)")
+    p.add_argument("--noise", choices=("independent", "banded"), default="independent",
+                   help="banded: also compare DP-SGD with banded correlated noise at --target-epsilon")
+    p.add_argument("--bands", default="auto", help="--noise banded: 'auto' (default) or the number of bands b")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -356,10 +401,20 @@ def cli_main(argv: list[str]) -> int:
                 schedule = NoiseSchedule(kind=args.noise_schedule, end=args.schedule_end, pieces=args.schedule_pieces)
                 plan = plan_table(num_records=args.num_records, **common, schedule=schedule,
                                   progress=lambda line: print(f"dpllm plan: {line}", file=sys.stderr, flush=True))
+            if args.noise == "banded":
+                if args.unit == "user" or args.target_epsilon is None or args.noise_schedule != "constant":
+                    raise PrivacyPlanError("--noise banded compares at --target-epsilon, for --unit record plans "
+                                           "with a constant σ")
+                print("dpllm plan: comparing banded correlated noise...", file=sys.stderr, flush=True)
+                plan["correlated_noise"] = correlated_table(
+                    num_records=args.num_records, batch=args.batch, steps=plan["steps"],
+                    target_epsilon=args.target_epsilon, delta=args.delta, bands=args.bands,
+                    accountant=plan["accountant"])
     except PrivacyPlanError as err:
         print(f"dpllm plan: error: {err}", file=sys.stderr)
         return 2
-    print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
+    print(json.dumps(plan, indent=2) if args.json else format_plan(plan) + (
+        format_correlated(plan["correlated_noise"]) if plan.get("correlated_noise") else ""))
     t = plan["target"] or plan["given_noise"]
     units = plan["num_users"] if plan.get("sampling") == "uls" else plan["num_records"]  # what a step samples
     warning = noise_batch_warning(t["noise_multiplier"], expected_batch(units, plan["batch"])) if t else None

@@ -87,6 +87,10 @@ class PrivacyReport:
     # "count_noise_multiplier" (σ_b), "gradient_noise_multiplier" (σ_g), "initial_max_grad_norm",
     # "final_max_grad_norm", "steps"}; noise_multiplier is the pair's σ, the one accounted
     adaptive_clipping: Optional[dict] = None
+    # privacy.noise: banded (dpllm.privacy.correlated): {"mechanism", "bands" (b), "coefficients", "group_sample_rate"
+    # (q_b, also sample_rate), "steps" (T), "accounted_steps" (⌈T/b⌉), "prefix_sum_rmse", "reduction", "auto" (the
+    # comparison bands: auto made)}; the history holds the DP-SGD event (σ, q_b, ⌈T/b⌉) that ε is computed from
+    correlated_noise: Optional[dict] = None
 
     @property
     def releasable(self) -> bool:
@@ -117,7 +121,7 @@ class PrivacyReport:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         for key in ("note", "user_level", "release", "noise_schedule", "grad_sample_mode_reason", "accountant_method",
-                    "sequence_level", "data", "adaptive_clipping"):
+                    "sequence_level", "data", "adaptive_clipping", "correlated_noise"):
             if out[key] is None:
                 del out[key]
         return out
@@ -196,8 +200,13 @@ class PrivacyReport:
             eps2 = seq.get("group_epsilon")
             secret = (f"; a sequence is {seq['tokens_per_sequence']:,} tokens, a record cut across 2 of them has "
                       + (f"ε = {eps2:.3f}" if eps2 is not None else "an unbounded ε") + secret)
+        c = self.correlated_noise
+        steps = (f"steps = {self.steps} ({c['bands']}-banded correlated noise, cyclic sampling over {c['bands']} "
+                 f"groups: accounted as {c['accounted_steps']} DP-SGD steps at the group's q)"
+                 if c and c["mechanism"] != "independent" else
+                 f"steps = {self.steps}" + (" (bands=auto chose independent noise)" if c else ""))
         return (f"(ε = {self.epsilon:.3f}, δ = {self.delta:g}) via {via}; "
-                f"{sigma}, q = {self.sample_rate:.4g}, steps = {self.steps}, "
+                f"{sigma}, q = {self.sample_rate:.4g}, {steps}, "
                 f"C = {self.max_grad_norm:g}, clipping = {self.clipping}, "
                 + (f"N = {self.num_records:,} {'sequences' if seq else 'records'} " if self.num_records is not None
                    else "N not released ")
@@ -213,6 +222,14 @@ class PrivacyReport:
             lines.append("unit: " + sequence_unit_words(self.sequence_level, self.epsilon))
         if self.data:
             lines.append("data: " + truncation.describe(self.data))
+        c = self.correlated_noise
+        if c and c["mechanism"] == "independent":
+            lines.append("noise: independent (DP-SGD): bands=auto found no b with a smaller expected error")
+        elif c:
+            lines.append(f"noise: {c['mechanism']} matrix factorization, b = {c['bands']} bands (coefficients "
+                         f"{', '.join(f'{v:.4g}' for v in c['coefficients'][:6])}{', ...' if c['bands'] > 6 else ''}), "
+                         f"prefix-sum RMSE {c['prefix_sum_rmse']:.4g} per unit of noise over {c['steps']} steps; "
+                         f"ε by the reduction: {c['reduction']}")
         a = self.adaptive_clipping
         if a:
             lines.append(f"clipping: C adapted to the {a['target_quantile']:g} quantile of the per-record norms "
@@ -232,6 +249,8 @@ class PrivacyReport:
             out["user_level"] = self.user_level
         if self.adaptive_clipping:
             out["adaptive_clipping"] = self.adaptive_clipping
+        if self.correlated_noise:
+            out["correlated_noise"] = self.correlated_noise
         return out
 
 

@@ -30,7 +30,7 @@ from typing import Optional
 from dpllm.checkpoint import library_versions
 from dpllm.config import ConfigError, RunConfig
 from dpllm.errors import DataError, TrainingError
-from dpllm.privacy import clipping, sequence_level, user_level
+from dpllm.privacy import clipping, correlated, sequence_level, user_level
 from dpllm.privacy.accounting import PrivacyPlanError, check_delta, method_note
 from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import count_noise_multiplier, make_private
@@ -40,6 +40,20 @@ from dpllm.privacy.report import PrivacyReport
 from dpllm.privacy.schedule import noise_schedule
 
 log = logging.getLogger(__name__)
+
+
+class RecurrenceState:
+    """The noise recurrence as an entry of the run's generators: a resumable checkpoint saves its state with the
+    generators' (owner-only ``rng_state.pt`` under ``checkpoints/``, :mod:`dpllm.resume`) and restores it."""
+
+    def __init__(self, recurrence):
+        self.recurrence = recurrence
+
+    def get_state(self) -> dict:
+        return self.recurrence.state_dict()
+
+    def set_state(self, state: dict) -> None:
+        self.recurrence.load_state_dict(state)
 
 
 class RunPrivacy:
@@ -60,6 +74,7 @@ class RunPrivacy:
         self.plan: Optional[PrivacyPlan] = None
         self.steps = 0
         self.private = None  # dpllm.privacy.engine.PrivateTraining under DP, set by the trainer's setup_privacy
+        self.noise = None  # dpllm.privacy.correlated.CorrelatedNoise under DP: sampler, recurrence, event (make_plan)
 
     # ---- the unit ------------------------------------------------------------------------------------
 
@@ -194,11 +209,14 @@ class RunPrivacy:
         sigma = p.noise_multiplier
         if self.els and self.group_size > 1 and (sigma is not None or target is not None):
             sigma, target, delta = self._els_sigma(sigma, sample_rate_for(n, batch))
-        if self.dp:
+        if self.dp:  # the noise mechanism first: banded noise changes q and the steps accounted (privacy.correlated)
+            self.noise = correlated.build(p.noise, p.bands, steps=self.steps, num_records=n, batch=batch,
+                                          target_epsilon=target, delta=delta, accountant=p.accountant,
+                                          noise_multiplier=sigma, prior_history=self.lineage.history)
             self.plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=self.steps,
                                      target_epsilon=target, delta=delta, accountant=p.accountant,
                                      noise_multiplier=sigma, prior_history=self.lineage.history,
-                                     data_notes=data_notes, schedule=noise_schedule(p))
+                                     data_notes=data_notes, schedule=noise_schedule(p), noise=self.noise)
             if p.clipping == "quantile":  # σ_b > σ/2, or the gradient's noise would be infinite: refused here,
                 check_count_noise(self.plan.noise_multiplier, count_noise_multiplier(p, self.plan))  # before loading
         for note in self.lineage.notes:
@@ -220,8 +238,11 @@ class RunPrivacy:
                                        "unset it")
         return sigma, None, delta / k
 
-    def attach(self, *, model, optimizer, dataset, collate_fn, generators: dict, world):
+    def attach(self, *, model, optimizer, dataset, collate_fn, generators: dict, world,
+               texts: Optional[list[str]] = None):
         """Wrap ``model`` and ``optimizer`` for this plan (:func:`dpllm.privacy.engine.make_private`).
+
+        ``texts`` (each training row's record text) group the records for correlated noise's cyclic sampling.
 
         Returns:
             ``(model, optimizer, criterion, sampler)``: what the loop steps, the loss reduction under ghost
@@ -233,7 +254,10 @@ class RunPrivacy:
             logical_batch_size=t.logical_batch_size, noise_generator=generators["noise"],
             sampling_generator=generators["sampling"], rank=world.rank, world_size=world.size,
             physical_batch_size=t.physical_batch_size, max_length=self.cfg.data.max_length,
+            noise=self.noise, texts=texts, group_key=self.cfg.data.split_seed,
             **({"user_records": self.user_records} if self.per_unit else {}))
+        if self.private.recurrence is not None:  # its state (past noise) is secret: saved with the generators'
+            generators["noise_recurrence"] = RecurrenceState(self.private.recurrence)
         log.info("privacy: σ=%.4g q=%.4g steps=%d target ε=%s δ=%g (%s), %d process(es)",
                  self.plan.noise_multiplier, self.plan.sample_rate, self.steps, self.p.target_epsilon,
                  self.p.target_delta, self.p.accountant, world.size)
@@ -285,6 +309,8 @@ class RunPrivacy:
         adaptive = self.adaptive_clipping()
         if adaptive is not None:
             out["adaptive_clipping"] = adaptive
+        if self.plan.noise:
+            out["correlated_noise"] = self.plan.noise
         return out
 
     def adaptive_clipping(self) -> Optional[dict]:
@@ -362,7 +388,7 @@ class RunPrivacy:
             max_grad_norm=p.max_grad_norm, clipping=p.clipping,
             # quantile: the sensitivity moved with C; the last C is in adaptive_clipping
             sensitivity=None if p.clipping == "quantile" else clipping.get(p.clipping).sensitivity(p),
-            adaptive_clipping=self.adaptive_clipping(),
+            adaptive_clipping=self.adaptive_clipping(), correlated_noise=plan.noise,
             grad_sample_mode=self.private.grad_sample_mode,
             grad_sample_mode_reason=self.private.grad_sample_mode_reason or None,
             poisson_sampling=True, secure_mode=p.secure_mode,

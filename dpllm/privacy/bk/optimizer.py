@@ -15,6 +15,10 @@ included) and changes only where the sums live:
 - ``add_noise``: the sum receives the noise in place and becomes ``p.grad`` (the result is bitwise
   Opacus's ``summed_grad + noise``; the noise tensor lives for one parameter at a time).
 
+Correlated noise (``privacy.noise: banded``, :mod:`dpllm.privacy.correlated`): ``recurrence`` turns each
+parameter's fresh draw ``z`` (from the same generator, in the same order) into this step's correlated noise
+``x_t = (C⁻¹z)_t`` before it is added; None (the default) adds the draw itself, as DP-SGD.
+
 Under DDP the class sits between Opacus's distributed optimizer and the base one, so rank 0's
 ``super().add_noise()`` lands here and the all-reduce stays Opacus's. Under FSDP2,
 :class:`ShardedLeanAccumulation` noises the shard that ``p.grad`` holds on this process, and no other
@@ -31,6 +35,8 @@ from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, 
 class LeanAccumulation(DPOptimizerFastGradientClipping):
     """``DPOptimizerFastGradientClipping`` that aliases the first gradient and adds noise in place."""
 
+    recurrence = None  # a dpllm.privacy.correlated NoiseRecurrence, or None (independent noise)
+
     def accumulate(self):
         for p in self.params:
             if p.summed_grad is not None:
@@ -44,12 +50,17 @@ class LeanAccumulation(DPOptimizerFastGradientClipping):
 
     def add_noise(self):
         sigma = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)  # as Opacus (adaptive clipping)
-        for p in self.params:
+        rec = self.recurrence
+        for i, p in enumerate(self.params):
             _check_processed_flag(p.summed_grad)
             noise = _generate_noise(std=sigma * self.max_grad_norm, reference=p.summed_grad,
                                     generator=self.generator, secure_mode=self.secure_mode)
+            if rec is not None:  # correlated: this step's x_t from the fresh draw and the parameter's past noise
+                noise = rec.apply(i, noise)
             p.grad = p.summed_grad.add_(noise).view_as(p)  # the sum is ours alone: no third tensor
             _mark_as_processed(p.summed_grad)
+        if rec is not None:
+            rec.end_step()
 
 
 class DistributedLeanAccumulation(DistributedDPOptimizerFastGradientClipping, LeanAccumulation):
@@ -60,7 +71,8 @@ class ShardedLeanAccumulation(LeanAccumulation):
     """The FSDP2 variant: ``p.grad`` is a DTensor whose local part is this process's shard of the clipped sum
     over all processes; the noise is drawn for that local part alone, from this process's generator.
 
-    Opacus's ``_generate_noise`` sized by the DTensor would draw the *global* shape on every process.
+    Opacus's ``_generate_noise`` sized by the DTensor would draw the *global* shape on every process. Banded noise:
+    the recurrence keeps the past noise of this process's shards only (b−1 shard-sized tensors per parameter).
     ``expected_batch_size`` is the global one: the shards hold sums over all processes, not means.
     """
 
@@ -68,14 +80,18 @@ class ShardedLeanAccumulation(LeanAccumulation):
         import torch
 
         sigma = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier)
-        for p in self.params:
+        rec = self.recurrence  # banded noise: this process's recurrence over its own shards
+        for i, p in enumerate(self.params):
             _check_processed_flag(p.summed_grad)
             with torch.no_grad():
                 local = p.summed_grad.to_local()  # the DTensor's own storage: noised in place
-                local.add_(_generate_noise(std=sigma * self.max_grad_norm, reference=local, generator=self.generator,
-                                           secure_mode=self.secure_mode))
+                noise = _generate_noise(std=sigma * self.max_grad_norm, reference=local, generator=self.generator,
+                                        secure_mode=self.secure_mode)
+                local.add_(noise if rec is None else rec.apply(i, noise))
             p.grad = p.summed_grad
             _mark_as_processed(p.summed_grad)
+        if rec is not None:
+            rec.end_step()
 
 
 class QuantileAccumulation(LeanAccumulation):

@@ -1,0 +1,210 @@
+"""How the noise is made: independent (DP-SGD) or correlated across steps (banded matrix factorization).
+
+One registry key per mechanism (:data:`MECHANISMS`) and one function, :func:`build`, that returns the three
+things that must go together as one :class:`CorrelatedNoise`: how records are sampled, how the noise of a
+step is made, and the DP-SGD event whose privacy the run has. The optimizer only asks it for the noise
+recurrence; the plan only asks it for the event; so a sampler and an accounting that do not belong
+together cannot be combined.
+
+The accounting argument (BandMF, b bands, T steps; Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 1):
+
+1. Records are split into b groups by a keyed hash of each record's own text (:mod:`.groups`); at step t
+   only group t mod b is sampled, each of its records with probability q_b = b·q (q = 1/⌈N/B⌉, so the
+   expected batch stays ≈ B). A record can therefore join only steps that are b apart, at most ⌈T/b⌉ of them.
+2. The noise is x = C⁻¹z with C b-banded and every column norm ≤ 1 (:mod:`.banded`): the columns of two
+   steps b apart have disjoint supports.
+3. Under that participation, the released ``G + C⁻¹Z`` is post-processing of ``CG + Z``, and Thm 1 shows that
+   it is as private as DP-SGD with the same σ, sampling rate q_b and ⌈T/b⌉ steps. That event goes to the
+   project's PRV/PLD/RDP accountants unchanged (jax_privacy's ``amplified_bandmf_event`` is the same
+   reduction). b = 1 is DP-SGD: q_1 = q, ⌈T/1⌉ = T.
+
+Example:
+    >>> n = build("banded", 2, steps=10, num_records=100, batch=10, noise_multiplier=1.0)
+    >>> n.bands, n.sample_rate, n.event(1.0)
+    (2, 0.2, (1.0, 0.2, 5))
+    >>> build("independent", "auto", steps=10, num_records=100, batch=10).event(1.0)
+    (1.0, 0.1, 10)
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+from dpllm.privacy import accounting
+from dpllm.privacy.accounting import PrivacyPlanError
+from dpllm.privacy.correlated.banded import BandMF
+from dpllm.privacy.correlated.base import Independent, NoiseRecurrence, Strategy
+from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler, assign_groups
+
+log = logging.getLogger(__name__)
+
+MECHANISMS = {"independent": Independent, "banded": BandMF}
+# bands: auto tries 1, 2, 4, ... up to this many (each band keeps one more model-sized tensor per parameter)
+AUTO_MAX_BANDS = 32
+REDUCTION = ("b-banded MF with cyclic Poisson sampling over b groups = DP-SGD with the same σ, the group's sampling "
+             "rate q_b and ceil(T/b) steps (Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 1)")
+
+
+def accounted_steps(steps: int, bands: int) -> int:
+    """⌈steps/bands⌉: the most steps one record can join under cyclic sampling over ``bands`` groups."""
+    return -(-int(steps) // int(bands))
+
+
+@dataclass(frozen=True)
+class CorrelatedNoise:
+    """A noise mechanism for one run: its strategy, the group sampling rate and the accounted event.
+
+    Attributes:
+        strategy: the strategy matrix (:class:`.base.Independent` or :class:`.banded.BandMF`).
+        sample_rate: q_b, each record's inclusion probability at a step of its group (q for DP-SGD).
+        steps: T, the optimizer steps of the run.
+        choice: ``bands: auto``'s comparison, one row per number of bands tried (empty otherwise).
+    """
+
+    strategy: Strategy
+    sample_rate: float
+    steps: int
+    choice: tuple = field(default_factory=tuple)
+
+    @property
+    def name(self) -> str:
+        return self.strategy.name
+
+    @property
+    def bands(self) -> int:
+        return self.strategy.min_separation
+
+    @property
+    def correlated(self) -> bool:
+        return self.name != "independent"
+
+    def event(self, noise_multiplier: float, steps: Optional[int] = None) -> tuple[float, float, int]:
+        """The DP-SGD event ``(σ, q_b, ⌈steps/b⌉)`` with this mechanism's privacy after ``steps`` (default: all)."""
+        return (float(noise_multiplier), self.sample_rate, accounted_steps(self.steps if steps is None else steps,
+                                                                           self.bands))
+
+    def sampler(self, *, texts: Sequence[str], key: int, generator, rank: int = 0, world_size: int = 1):
+        """The batch sampler: cyclic Poisson over ``bands`` groups of ``texts`` (plain Poisson for one band)."""
+        from dpllm.sampling import PoissonBatchSampler
+
+        if self.bands == 1:
+            return PoissonBatchSampler(num_samples=len(texts), sample_rate=self.sample_rate, generator=generator,
+                                       rank=rank, world_size=world_size)
+        return CyclicPoissonBatchSampler(groups=assign_groups(texts, bands=self.bands, key=key), bands=self.bands,
+                                         sample_rate=self.sample_rate, generator=generator, rank=rank,
+                                         world_size=world_size)
+
+    def recurrence(self) -> Optional[NoiseRecurrence]:
+        """A fresh noise recurrence for the optimizer (None for independent noise: the draw is the noise)."""
+        return self.strategy.recurrence() if self.correlated else None
+
+    def to_json(self) -> dict:
+        """What the plan, the report and the ledger record (and a resume must find unchanged)."""
+        out = {**self.strategy.to_json(), "group_sample_rate": self.sample_rate, "steps": self.steps,
+               "accounted_steps": accounted_steps(self.steps, self.bands),
+               "prefix_sum_rmse": self.strategy.prefix_sum_rmse(self.steps), "reduction": REDUCTION}
+        if self.choice:
+            out["auto"] = [dict(row) for row in self.choice]
+        return out
+
+
+def parse_bands(bands: Union[str, int]) -> Optional[int]:
+    """``"auto"`` → None; a positive integer (or its text) → that integer.
+
+    Raises:
+        PrivacyPlanError: anything else.
+    """
+    if isinstance(bands, str) and bands.strip().lower() == "auto":
+        return None
+    try:
+        b = int(str(bands).strip())
+    except ValueError:
+        b = 0
+    if b < 1 or str(b) != str(bands).strip():
+        raise PrivacyPlanError(f"privacy.bands={bands!r}: give 'auto' or a positive whole number of bands")
+    return b
+
+
+def _calibrate(*, target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str,
+               prior_history) -> float:
+    """σ for the target; the plan's fallback chain where an accountant cannot run."""
+    while True:
+        try:
+            return accounting.calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate,
+                                              steps=steps, accountant=accountant, prior_history=list(prior_history))
+        except accounting.AccountantUnavailable:
+            if accountant not in accounting.FALLBACK:
+                raise
+            accountant = accounting.FALLBACK[accountant]
+
+
+def auto_candidates(*, steps: int, batches_per_epoch: int) -> list[int]:
+    """1, 2, 4, ... up to min(T, ⌈N/B⌉, :data:`AUTO_MAX_BANDS`)."""
+    top = min(steps, batches_per_epoch, AUTO_MAX_BANDS)
+    return [2 ** i for i in range(int(math.log2(top)) + 1)] if top >= 1 else [1]
+
+
+def compare_bands(candidates: Sequence[int], *, steps: int, num_records: int, batch: int, target_epsilon: float,
+                  delta: float, accountant: str = "prv", prior_history=()) -> list[dict]:
+    """For each number of bands b: σ(b) calibrated to the target for (q_b, ⌈T/b⌉), the optimised strategy's
+    prefix-sum RMSE (noise std 1) and their product, the expected error in units of the clipping norm."""
+    k = math.ceil(num_records / batch)
+    rows = []
+    for b in candidates:
+        q_b = b / k
+        sigma = _calibrate(target_epsilon=target_epsilon, delta=delta, sample_rate=q_b,
+                           steps=accounted_steps(steps, b), accountant=accountant, prior_history=prior_history)
+        rmse = (Independent() if b == 1 else BandMF.optimized(bands=b, steps=steps)).prefix_sum_rmse(steps)
+        rows.append({"bands": b, "noise_multiplier": sigma, "prefix_sum_rmse": rmse, "error": sigma * rmse})
+    return rows
+
+
+def build(noise: str, bands: Union[str, int], *, steps: int, num_records: int, batch: int,
+          target_epsilon: Optional[float] = None, delta: Optional[float] = None, accountant: str = "prv",
+          noise_multiplier: Optional[float] = None, prior_history=()) -> CorrelatedNoise:
+    """The noise mechanism of a run of ``steps`` steps over ``num_records`` records at logical batch ``batch``.
+
+    Args:
+        noise: a key of :data:`MECHANISMS`.
+        bands: ``"auto"`` or b. ``banded`` with ``auto`` picks the b of 1, 2, 4, ... (≤ ⌈N/B⌉, ≤ T, ≤
+            :data:`AUTO_MAX_BANDS`) with the least σ(b)·RMSE(b), σ(b) calibrated to ``target_epsilon``.
+        target_epsilon, delta, accountant, prior_history: what ``auto`` calibrates with.
+        noise_multiplier: a given σ (``auto`` then cannot trade σ against error, and is refused).
+
+    Raises:
+        PrivacyPlanError: an unknown mechanism, bad bands, b > ⌈N/B⌉ (q_b would exceed 1) or b > T.
+    """
+    if noise not in MECHANISMS:
+        raise PrivacyPlanError(f"privacy.noise={noise!r}; choose one of {', '.join(MECHANISMS)}")
+    k = math.ceil(num_records / batch)
+    b = parse_bands(bands)
+    if noise == "independent":
+        if b not in (None, 1):
+            raise PrivacyPlanError(f"privacy.bands={bands} needs privacy.noise=banded (independent noise has 1 band)")
+        return CorrelatedNoise(strategy=Independent(), sample_rate=1.0 / k, steps=steps)
+    choice: tuple = ()
+    if b is None:
+        if target_epsilon is None or noise_multiplier is not None:
+            raise PrivacyPlanError("privacy.bands=auto trades σ against the correlated noise's error at a target ε: "
+                                   "set target_epsilon and leave noise_multiplier unset, or give bands as a number")
+        rows = compare_bands(auto_candidates(steps=steps, batches_per_epoch=k), steps=steps, num_records=num_records,
+                             batch=batch, target_epsilon=target_epsilon, delta=delta, accountant=accountant,
+                             prior_history=prior_history)
+        b = min(rows, key=lambda r: r["error"])["bands"]
+        choice = tuple(rows)
+        log.info("privacy plan: bands=auto picked b=%d (σ·RMSE %s)", b,
+                 ", ".join(f"b={r['bands']}: {r['error']:.4g}" for r in rows))
+    if b > k:
+        raise PrivacyPlanError(
+            f"privacy.bands={b} > ⌈N/B⌉ = {k} batches per epoch ({num_records:,} records at logical batch {batch:,}): "
+            f"each of the {b} groups would need a sampling rate b·B/N > 1; use bands ≤ {k}, a smaller logical batch "
+            "or more records")
+    if b > steps:
+        raise PrivacyPlanError(f"privacy.bands={b} > the run's {steps} steps; use bands ≤ {steps}")
+    strategy = Independent() if b == 1 and choice else BandMF.optimized(bands=b, steps=steps)
+    if isinstance(strategy, Independent):  # auto chose 1 band: DP-SGD itself, said so in the plan
+        return CorrelatedNoise(strategy=strategy, sample_rate=1.0 / k, steps=steps, choice=choice)
+    return CorrelatedNoise(strategy=strategy, sample_rate=b / k, steps=steps, choice=choice)
