@@ -51,6 +51,24 @@ def test_known_accountant_values_privacy_cliff_paper_setting():
         pytest.approx(13.74, abs=0.02)
 
 
+def test_rdp_is_opacus_rdp_accountant_with_each_piece_computed_once():
+    """dpllm's RDP ε (each (σ, q)'s orders cached, times the steps) is Opacus's RDPAccountant's, piece for piece;
+    the cache is keyed by σ and q both (a wrong key would return another piece's orders)."""
+    from opacus.accountants import create_accountant
+
+    from dpllm.privacy import accounting
+
+    histories = [[(1.5, 0.05, 30)], [(1.5, 0.05, 30), (2.0, 0.05, 10), (1.5, 0.1, 5)], [(3.0, 0.2, 7), (1.5, 0.05, 0)],
+                 [(1.5, 0.1, 30)], [(2.0, 0.05, 30)]]
+    for _ in range(2):  # the second pass reads every piece from the cache
+        for history in histories:
+            acc = create_accountant(mechanism="rdp")
+            acc.history = [h for h in history if h[2] > 0]
+            mine = accounting.compute_epsilon_history(history=history, delta=1e-5, accountant="rdp")
+            assert mine == pytest.approx(acc.get_epsilon(delta=1e-5), rel=1e-12), history
+    assert accounting.compute_epsilon_history(history=[(1.5, 0.05, 0)], delta=1e-5, accountant="rdp") == 0.0
+
+
 @pytest.mark.parametrize("accountant", ["prv", "rdp", "gdp"])
 def test_calibration_lands_at_or_just_under_target(accountant):
     sigma = calibrate_noise(target_epsilon=4.0, delta=1e-6, sample_rate=0.01, steps=500, accountant=accountant)

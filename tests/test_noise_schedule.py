@@ -58,13 +58,14 @@ def _independent_epsilon(history, accountant):
 @pytest.mark.parametrize("kind, end", [("linear", 0.5), ("exponential", 0.3), ("linear", 1.5)])
 def test_calibrated_schedule_meets_the_target_by_independent_composition(kind, end):
     s = NoiseSchedule(kind=kind, end=end, pieces=4)
-    sigma0 = schedule.calibrate(s, target_epsilon=4.0, delta=DELTA, sample_rate=Q, steps=STEPS, accountant="rdp")
+    # ε = 2 rather than 4: larger σ, whose RDP orders Opacus computes ~2x faster; the same 0.5% window
+    sigma0 = schedule.calibrate(s, target_epsilon=2.0, delta=DELTA, sample_rate=Q, steps=STEPS, accountant="rdp")
     history = s.history(sigma0, Q, STEPS)
     assert len(history) == 4 and [h[0] for h in history] == pytest.approx([sigma0 * m for m in s.multipliers()])
     eps = _independent_epsilon(history, "rdp")
-    assert eps <= 4.0 and eps > 4.0 - 0.02  # at the target, never over (tolerance 0.01 of the search)
+    assert eps <= 2.0 and eps > 2.0 - 0.01  # at the target, never over (tolerance 0.005 of the search)
     # Calibrated, not just safe: 1% less noise would miss the target.
-    assert _independent_epsilon(s.history(sigma0 * 0.99, Q, STEPS), "rdp") > 4.0
+    assert _independent_epsilon(s.history(sigma0 * 0.99, Q, STEPS), "rdp") > 2.0
 
 
 def test_schedule_after_an_earlier_stage_and_under_prv():
@@ -88,7 +89,7 @@ def test_training_follows_the_schedule_and_reports_it(tmp_path):
     train(parse_config(["--output_dir", str(out), "--max_steps", "8", "--logical_batch_size", "16",
                         "--physical_batch_size", "16", "--max_length", "32", "--tiny_hidden_size", "32",
                         "--max_records", "120", "--eval_every", "0", "--progress", "false", "--accountant", "rdp",
-                        "--target_epsilon", "4", "--noise_schedule", "exponential", "--noise_schedule_end", "0.25",
+                        "--target_epsilon", "1", "--noise_schedule", "exponential", "--noise_schedule_end", "0.25",
                         "--noise_schedule_pieces", "3"]))
     report = json.loads((out / "privacy_report.json").read_text())
     sigma0, q = report["noise_multiplier"], report["sample_rate"]
@@ -96,7 +97,8 @@ def test_training_follows_the_schedule_and_reports_it(tmp_path):
     assert report["history"] == [[sigma0, q, 3], [sigma0 * 0.5, q, 3], [sigma0 * 0.25, q, 2]]
     assert report["noise_schedule"]["kind"] == "exponential"
     eps = _independent_epsilon([tuple(h) for h in report["history"]], "rdp")
-    assert report["epsilon"] == pytest.approx(eps, rel=1e-9) and 3.98 < eps <= 4.0
+    # ε = 1 rather than 4: a larger σ, whose RDP Opacus computes 2-3x faster; the same 0.5% window
+    assert report["epsilon"] == pytest.approx(eps, rel=1e-9) and 0.995 < eps <= 1.0
     assert ledger.verify(out).ok
     assert "exponential schedule" in json.dumps(report) or "exponential" in report["noise_schedule"]["kind"]
 
@@ -154,10 +156,10 @@ def test_dptrainer_follows_a_schedule(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path / "hf"), report_to="none", disable_tqdm=True, use_cpu=True,
                              max_steps=6, per_device_train_batch_size=8, learning_rate=1e-3)
     trainer = DPTrainer(model=model, args=args, train_dataset=train, processing_class=tok,
-                        privacy_args=PrivacyArguments(target_epsilon=4.0, logical_batch_size=8, accountant="rdp",
+                        privacy_args=PrivacyArguments(target_epsilon=1.0, logical_batch_size=8, accountant="rdp",
                                                       noise_schedule="linear", noise_schedule_pieces=3))
     trainer.train()
     report = trainer.privacy_report
     s0, q = report.noise_multiplier, report.sample_rate
     assert [list(h) for h in report.history] == [[s0, q, 2], [s0 * 0.75, q, 2], [s0 * 0.5, q, 2]]
-    assert report.epsilon <= 4.0 and report.noise_schedule["kind"] == "linear"
+    assert 0.995 < report.epsilon <= 1.0 and report.noise_schedule["kind"] == "linear"

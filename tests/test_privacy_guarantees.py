@@ -8,8 +8,6 @@ import json
 import math
 import os
 import stat
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -47,20 +45,23 @@ def test_same_seed_same_config_draws_new_noise_and_batches(tmp_path):
     assert report_of(tmp_path / "a")["noise_secret"] is True
 
 
-def test_reproducible_noise_repeats_and_is_flagged(tmp_path):
+def test_reproducible_noise_repeats_and_is_flagged(tmp_path, capsys):
+    """The `dpllm` commands run in-process (`dpllm.cli.main`, what the console script calls; the script itself
+    runs as a subprocess in tests/test_bad_input.py::test_damaged_report_and_ledger_get_one_line)."""
+    from dpllm.cli import main as dpllm
+
     a = run(tmp_path, "a", "--reproducible_noise", "true")
     b = run(tmp_path, "b", "--reproducible_noise", "true")
     assert a["params_sha256"] == b["params_sha256"]
     assert report_of(tmp_path / "a")["noise_secret"] is False
-    dpllm = os.path.join(os.path.dirname(sys.executable), "dpllm")
-    shown = subprocess.run([dpllm, "report", str(tmp_path / "a")], capture_output=True, text=True, timeout=120)
-    assert shown.returncode == 0 and "NOT RELEASABLE" in shown.stdout and "reproducible" in shown.stderr
-    verified = subprocess.run([dpllm, "ledger", "verify", str(tmp_path / "a")], capture_output=True, text=True,
-                              timeout=120)
-    assert verified.returncode == 0 and "WARNING" in verified.stderr
-    refused = subprocess.run([dpllm, "export", str(tmp_path / "a"), "--out", str(tmp_path / "bundle")],
-                             capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 1 and "reproducible" in refused.stderr and not (tmp_path / "bundle").exists()
+    capsys.readouterr()
+    assert dpllm(["report", str(tmp_path / "a")]) == 0
+    shown = capsys.readouterr()
+    assert "NOT RELEASABLE" in shown.out and "reproducible" in shown.err
+    assert dpllm(["ledger", "verify", str(tmp_path / "a")]) == 0
+    assert "WARNING" in capsys.readouterr().err
+    assert dpllm(["export", str(tmp_path / "a"), "--out", str(tmp_path / "bundle")]) == 1
+    assert "reproducible" in capsys.readouterr().err and not (tmp_path / "bundle").exists()
 
 
 def test_generators_are_fresh_and_not_derived_from_the_seed():
