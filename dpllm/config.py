@@ -235,7 +235,8 @@ class PrivacyConfig:
                             "noise: blt: the number of cyclic groups b (BLT's min-separation).")
     buffers: str = _f("auto", "noise: blt: the BLT buffers d (1–8; each keeps one noise tensor of the trainable "
                               "parameters' size per process), or 'auto' (the fewest after which one more lowers the "
-                              "error by < 1%, at most 5). BLT runs in dpllm plan only for now (issue 45).")
+                              "error by less than a hundredth, at most 5). BLT runs in dpllm plan only for now "
+                              "(issue 45).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
                                          "ONLY): anyone with the config can regenerate them, so the run is marked "
                                          "noise_secret=false and is not releasable.")
