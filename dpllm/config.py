@@ -228,9 +228,15 @@ class PrivacyConfig:
     noise: str = _f("independent", "How the noise is made (dpllm.privacy.correlated): 'independent' (DP-SGD) or "
                                    "'banded' (BandMF: noise correlated over `bands` steps, records sampled in "
                                    "bands cyclic groups; bk only; keeps bands−1 noise tensors of the trainable "
-                                   "parameters' size per process; docs/privacy.md).")
+                                   "parameters' size per process; docs/privacy.md). 'blt' is compared by dpllm plan "
+                                   "--noise blt; training with it is refused until it is built (issue 45).")
     bands: str = _f("auto", "noise: banded: the number of bands b (≤ ⌈N/B⌉), or 'auto' (the b of 1, 2, 4, ..., 32 "
-                            "with the least expected error at target_epsilon; dpllm plan shows the comparison).")
+                            "with the least expected error at target_epsilon; dpllm plan shows the comparison). "
+                            "noise: blt: the number of cyclic groups b (BLT's min-separation).")
+    buffers: str = _f("auto", "noise: blt: the BLT buffers d (1–8; each keeps one noise tensor of the trainable "
+                              "parameters' size per process), or 'auto' (the fewest after which one more lowers the "
+                              "error by less than a hundredth, at most 5). BLT runs in dpllm plan only for now "
+                              "(issue 45).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
                                          "ONLY): anyone with the config can regenerate them, so the run is marked "
                                          "noise_secret=false and is not releasable.")
@@ -691,11 +697,18 @@ def correlated_problem(cfg: RunConfig) -> Optional[str]:
     The rest is refused in one line each until it is built (issue 45).
     """
     p, d = cfg.privacy, cfg.data
-    if p.noise not in ("independent", "banded"):
-        return f"privacy.noise={p.noise!r}; choose one of independent, banded"
+    if p.noise not in ("independent", "banded", "blt"):
+        return f"privacy.noise={p.noise!r}; choose one of independent, banded, blt"
     bands = str(p.bands).strip()
     if bands != "auto" and not (bands.isdigit() and int(bands) >= 1):
         return f"privacy.bands={p.bands!r}: give 'auto' or a positive whole number of bands"
+    buffers = str(p.buffers).strip()
+    if buffers != "auto" and not (buffers.isdigit() and 1 <= int(buffers) <= 8):
+        return f"privacy.buffers={p.buffers!r}: give 'auto' or a whole number of BLT buffers from 1 to 8"
+    if buffers != "auto" and p.noise != "blt":
+        return f"privacy.buffers={p.buffers} needs privacy.noise=blt"
+    if p.noise == "blt":  # dpllm.privacy.correlated.BLT_TRAINING (config sits below privacy)
+        return "noise: blt is available in dpllm plan; training with it is planned (issue 45): use noise: banded"
     if p.noise == "independent":
         return None if bands in ("auto", "1") else f"privacy.bands={p.bands} needs privacy.noise=banded"
     unsupported = [(p.grad_sample_mode not in ("auto", "bk"), f"grad_sample_mode={p.grad_sample_mode} (use bk)"),

@@ -31,8 +31,8 @@ def _rmse_materialized(c, steps: int) -> float:
     return float(np.sqrt(np.sum((A @ np.linalg.inv(materialize(c, steps))) ** 2) / steps))
 
 
-def test_registry_names_the_two_mechanisms():
-    assert set(MECHANISMS) == {"independent", "banded"}
+def test_registry_names_the_three_mechanisms():
+    assert set(MECHANISMS) == {"independent", "banded", "blt"}
 
 
 @pytest.mark.parametrize("bands,steps", [(1, 7), (3, 12), (5, 5)])
@@ -190,7 +190,7 @@ def test_build_refuses_what_it_cannot_account():
         with pytest.raises(PrivacyPlanError, match="positive whole number"):
             build("banded", bad, **kw, noise_multiplier=1.0)
     with pytest.raises(PrivacyPlanError, match="choose one of"):
-        build("blt", 2, **kw)
+        build("dense", 2, **kw)
     with pytest.raises(PrivacyPlanError, match="bands ≤ 3"):
         build("banded", 4, steps=3, num_records=1000, batch=100, noise_multiplier=1.0)
 

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from dpllm.privacy import accounting
 from dpllm.privacy.accounting import PrivacyPlanError
-from dpllm.privacy.correlated import accounted_steps
+from dpllm.privacy.correlated import AMPLIFIED, BLT_TRAINING, accounted_steps
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,15 @@ class PrivacyPlan:
     @property
     def bands(self) -> int:
         """b: the cyclic groups of correlated noise (1: every record may join every step)."""
+        self._check_amplified()
         return int(self.noise["bands"]) if self.noise else 1
+
+    def _check_amplified(self) -> None:
+        """Refuse a mechanism whose run is not the amplified DP-SGD event this plan accounts (BLT)."""
+        if self.noise and self.noise.get("accounting", AMPLIFIED) != AMPLIFIED:
+            # BLT is one Gaussian mechanism: (σ, q_b, ⌈T/b⌉) would under-report its ε
+            raise PrivacyPlanError(f"privacy.noise={self.noise.get('mechanism')!r} is one Gaussian mechanism, never "
+                                   f"amplified DP-SGD: {BLT_TRAINING}")
 
     def _schedule(self):
         from dpllm.privacy.schedule import NoiseSchedule
@@ -162,6 +170,7 @@ class PrivacyPlan:
     def stage_history(self, steps: Optional[int] = None) -> list[tuple[float, float, int]]:
         """This stage's ``(σ, q, steps)`` entries after ``steps`` steps (default: all): one per schedule piece."""
         done = self.steps if steps is None else steps
+        self._check_amplified()
         if not self.schedule:  # banded: the DP-SGD event of the reduction (dpllm.privacy.correlated)
             return [(self.noise_multiplier, self.sample_rate, accounted_steps(done, self.bands))]
         return self._schedule().history(self.noise_multiplier, self.sample_rate, self.steps, done=done)
@@ -234,6 +243,8 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
     if scheduled:
         schedule.lengths(steps)  # refuses fewer steps than pieces, before any accounting
     # banded noise, or bands: auto's comparison that chose DP-SGD (kept so the report says why)
+    if noise is not None and noise.accounting != AMPLIFIED:
+        raise PrivacyPlanError(BLT_TRAINING)
     correlated = noise.to_json() if noise is not None and (noise.correlated or noise.choice) else None
     if correlated is not None:
         if scheduled:

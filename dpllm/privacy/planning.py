@@ -251,26 +251,63 @@ def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, bat
 
 
 def correlated_table(*, num_records: int, batch: int, steps: int, target_epsilon: float, delta: float,
-                     bands="auto", accountant: str = "prv") -> dict:
-    """DP-SGD against b-banded noise at one target ε (``dpllm plan --noise banded``), as training would plan it.
+                     bands="auto", accountant: str = "prv", noise: str = "banded", buffers="auto") -> dict:
+    """DP-SGD, b-banded noise and BLT at one target ε (``dpllm plan --noise banded|blt``), as each would be run.
+
+    ``bands`` (and ``buffers``) apply to the mechanism named by ``noise``; the other correlated one uses ``auto``.
+    DP-SGD and BandMF are accounted as amplified DP-SGD (Poisson, or cyclic Poisson over b groups); BLT as one
+    Gaussian mechanism with μ = sens(C, b, ⌈T/b⌉)/σ (no amplification: :mod:`dpllm.privacy.correlated.blt`). Every
+    σ below is that of the strategy normalised to sensitivity 1 (BLT: 1/μ; training draws z at σ·sens), so
+    ``error`` = σ·RMSE is comparable across the three: the root-mean-square noise per step in the prefix sums of the
+    clipped gradient sums, in units of C.
 
     Returns:
-        ``{"bands": the b training would use, "rows": [{"bands", "noise_multiplier", "prefix_sum_rmse",
-        "error"}]}``: b = 1 (DP-SGD) first, then every b ``auto`` tries (or the given b). ``error`` = σ·RMSE, the
-        root-mean-square noise per step in the prefix sums of the clipped gradient sums, in units of C.
+        ``{"bands", "auto", "rows"}`` (banded: b = 1 (DP-SGD) first, then every b ``auto`` tries, or the given b),
+        ``"blt": {"bands", "buffers", "auto", "mu", "noise_multiplier", "draw_noise_multiplier", "sensitivity",
+        "epsilon", "prefix_sum_rmse", "error", "rows"}``, ``"comparison"`` (one row per mechanism, least error
+        first) and ``"best"`` (the mechanism with the least error).
 
     Raises:
         PrivacyPlanError: as :func:`dpllm.privacy.correlated.build` (b > ⌈N/B⌉, b > steps, ...).
     """
     from dpllm.privacy import correlated
 
-    chosen = correlated.build("banded", bands, steps=steps, num_records=num_records, batch=batch,
-                              target_epsilon=target_epsilon, delta=delta, accountant=accountant)
+    if noise not in ("banded", "blt"):
+        raise PrivacyPlanError(f"--noise {noise!r}: compare with banded or blt")
+    common = dict(steps=steps, num_records=num_records, batch=batch, target_epsilon=target_epsilon, delta=delta,
+                  accountant=accountant)
+    banded_bands = bands if noise == "banded" else "auto"
+    chosen = correlated.build("banded", banded_bands, **common)
     rows = list(chosen.choice) or correlated.compare_bands(sorted({1, chosen.bands}), steps=steps,
                                                            num_records=num_records, batch=batch,
                                                            target_epsilon=target_epsilon, delta=delta,
                                                            accountant=accountant)
-    return {"bands": chosen.bands, "auto": correlated.parse_bands(bands) is None, "rows": [dict(r) for r in rows]}
+    blt = correlated.build("blt", bands if noise == "blt" else "auto", buffers=buffers, **common)
+    draw = blt.calibrate(target_epsilon=target_epsilon, delta=delta, accountant=accountant)
+    sigma = draw / blt.sensitivity  # = 1/μ: the same for every b at this ε
+    rmse = blt.strategy.prefix_sum_rmse(steps)
+    blt_rows = [{**r, "noise_multiplier": sigma, "error": sigma * r["prefix_sum_rmse"]} for r in
+                (blt.choice or correlated.compare_blt([blt.bands], steps=steps, buffers=blt.strategy.blt.buffers))]
+    eps = _accounted(compute_epsilon_history, accountant, history=[blt.event(draw)], delta=delta, strict=True)
+    blt_table = {"bands": blt.bands, "buffers": blt.strategy.blt.buffers, "auto": bool(blt.choice),
+                 "buffers_auto": correlated.parse_buffers(buffers) is None, "mu": 1.0 / sigma,
+                 "noise_multiplier": sigma, "draw_noise_multiplier": draw, "sensitivity": blt.sensitivity,
+                 "epsilon": eps, "prefix_sum_rmse": rmse, "error": sigma * rmse, "rows": blt_rows,
+                 "accounting": correlated.GAUSSIAN}
+    picked = next(r for r in rows if r["bands"] == chosen.bands)
+    comparison = sorted([
+        {"mechanism": "independent", "bands": 1, "buffers": 0, **{k: rows[0][k] for k in
+                                                                  ("noise_multiplier", "prefix_sum_rmse", "error")},
+         "accounting": correlated.AMPLIFIED},
+        {"mechanism": "banded", "bands": chosen.bands, "buffers": 0,
+         **{k: picked[k] for k in ("noise_multiplier", "prefix_sum_rmse", "error")},
+         "accounting": correlated.AMPLIFIED},
+        {"mechanism": "blt", "bands": blt.bands, "buffers": blt_table["buffers"], "noise_multiplier": sigma,
+         "prefix_sum_rmse": rmse, "error": sigma * rmse, "accounting": correlated.GAUSSIAN},
+    ], key=lambda r: r["error"])
+    return {"bands": chosen.bands, "auto": correlated.parse_bands(banded_bands) is None,
+            "rows": [dict(r) for r in rows], "blt": blt_table, "comparison": comparison,
+            "best": comparison[0]["mechanism"]}
 
 
 def format_correlated(table: dict) -> str:
@@ -283,6 +320,27 @@ def format_correlated(table: dict) -> str:
         mark = "  ← chosen" if r["bands"] == table["bands"] else ""
         lines.append(f"{r['bands']:>8}  {r['noise_multiplier']:>9.4g}  {r['prefix_sum_rmse']:>9.4g}  "
                      f"{r['error']:>20.4g}  ({r['error'] / dpsgd:.2f}× DP-SGD){mark}")
+    blt = table.get("blt")
+    if blt:
+        lines += ["", f"BLT (one Gaussian mechanism, μ = sens/σ_draw = {blt['mu']:.4g}, ε = {blt['epsilon']:.4f}; "
+                      "no amplification): b = "
+                  f"{blt['bands']} groups" + (" picked by bands=auto (least RMSE)" if blt["auto"] else "")
+                  + f", {blt['buffers']} buffer(s)" + (" (buffers=auto)" if blt["buffers_auto"] else ""),
+                  f"  σ = 1/μ of the strategy normalised to sensitivity 1; training would draw z at σ·sens = "
+                  f"{blt['draw_noise_multiplier']:.4g} (sens = {blt['sensitivity']:.4g})",
+                  f"{'groups b':>8}  {'buffers':>7}  {'σ':>9}  {'RMSE(σ=1)':>9}  {'σ·RMSE (units of C)':>20}"]
+        for r in blt["rows"]:
+            mark = "  ← chosen" if r["bands"] == blt["bands"] else ""
+            lines.append(f"{r['bands']:>8}  {r['buffers']:>7}  {r['noise_multiplier']:>9.4g}  "
+                         f"{r['prefix_sum_rmse']:>9.4g}  {r['error']:>20.4g}  ({r['error'] / dpsgd:.2f}× DP-SGD){mark}")
+    if table.get("comparison"):
+        lines += ["", "at this ε, least expected error first (σ·RMSE in units of C):"]
+        for r in table["comparison"]:
+            what = {"independent": "DP-SGD (Poisson, amplified)",
+                    "banded": f"banded MF, b = {r['bands']} (cyclic Poisson, amplified)",
+                    "blt": f"BLT, b = {r['bands']}, {r['buffers']} buffer(s) (one Gaussian mechanism)"}[r["mechanism"]]
+            lines.append(f"  {r['error']:>10.4g}  ({r['error'] / dpsgd:.2f}× DP-SGD)  σ={r['noise_multiplier']:.4g}  "
+                         f"{what}")
     return "\n".join(lines)
 
 
@@ -358,9 +416,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="σ over training, as privacy.noise_schedule (σ printed is the first piece's)")
     p.add_argument("--schedule-end", type=float, default=0.5, help="last piece's σ / first piece's (default 0.5)")
     p.add_argument("--schedule-pieces", type=int, default=10, help="constant pieces of the schedule (default 10)")
-    p.add_argument("--noise", choices=("independent", "banded"), default="independent",
-                   help="banded: also compare DP-SGD with banded correlated noise at --target-epsilon")
-    p.add_argument("--bands", default="auto", help="--noise banded: 'auto' (default) or the number of bands b")
+    p.add_argument("--noise", choices=("independent", "banded", "blt"), default="independent",
+                   help="banded or blt: also compare DP-SGD, banded MF and BLT at --target-epsilon")
+    p.add_argument("--bands", default="auto", help="for the --noise mechanism: 'auto' (default) or b (banded: the "
+                                                   "bands; blt: the cyclic groups)")
+    p.add_argument("--buffers", default="auto", help="BLT buffers: 'auto' (default) or 1 to 8")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     return p
 
@@ -401,15 +461,15 @@ def cli_main(argv: list[str]) -> int:
                 schedule = NoiseSchedule(kind=args.noise_schedule, end=args.schedule_end, pieces=args.schedule_pieces)
                 plan = plan_table(num_records=args.num_records, **common, schedule=schedule,
                                   progress=lambda line: print(f"dpllm plan: {line}", file=sys.stderr, flush=True))
-            if args.noise == "banded":
+            if args.noise != "independent":
                 if args.unit == "user" or args.target_epsilon is None or args.noise_schedule != "constant":
-                    raise PrivacyPlanError("--noise banded compares at --target-epsilon, for --unit record plans "
-                                           "with a constant σ")
-                print("dpllm plan: comparing banded correlated noise...", file=sys.stderr, flush=True)
+                    raise PrivacyPlanError(f"--noise {args.noise} compares at --target-epsilon, for --unit record "
+                                           "plans with a constant σ")
+                print("dpllm plan: comparing banded and BLT correlated noise...", file=sys.stderr, flush=True)
                 plan["correlated_noise"] = correlated_table(
                     num_records=args.num_records, batch=args.batch, steps=plan["steps"],
                     target_epsilon=args.target_epsilon, delta=args.delta, bands=args.bands,
-                    accountant=plan["accountant"])
+                    accountant=plan["accountant"], noise=args.noise, buffers=args.buffers)
     except PrivacyPlanError as err:
         print(f"dpllm plan: error: {err}", file=sys.stderr)
         return 2

@@ -1,4 +1,4 @@
-"""How the noise is made: independent (DP-SGD) or correlated across steps (banded matrix factorization).
+"""How the noise is made: independent (DP-SGD) or correlated across steps (banded MF, or BLT).
 
 One registry key per mechanism (:data:`MECHANISMS`) and one function, :func:`build`, that returns the three
 things that must go together as one :class:`CorrelatedNoise`: how records are sampled, how the noise of a
@@ -18,12 +18,22 @@ The accounting argument (BandMF, b bands, T steps; Choquette-Choo et al. 2023, a
    project's PRV/PLD/RDP accountants unchanged (jax_privacy's ``amplified_bandmf_event`` is the same
    reduction). b = 1 is DP-SGD: q_1 = q, ⌈T/1⌉ = T.
 
+BLT (:mod:`.blt`) has no proven amplification: the same cyclic groups are used, each record of group t mod b joins
+step t with probability b·q (never credited), and the whole run is accounted as ONE Gaussian mechanism
+``(σ/sens(C, b, ⌈T/b⌉), q = 1, 1 step)`` (:func:`.blt.history_entry`). :attr:`CorrelatedNoise.accounting` says
+which of the two events a mechanism has; :class:`dpllm.privacy.plan.PrivacyPlan` accounts only the amplified one
+and refuses the other, so a BLT run can never be accounted as amplified DP-SGD. Training with BLT is planned
+(issue 45): the config refuses it; ``dpllm plan --noise blt`` compares it.
+
 Example:
     >>> n = build("banded", 2, steps=10, num_records=100, batch=10, noise_multiplier=1.0)
     >>> n.bands, n.sample_rate, n.event(1.0)
     (2, 0.2, (1.0, 0.2, 5))
     >>> build("independent", "auto", steps=10, num_records=100, batch=10).event(1.0)
     (1.0, 0.1, 10)
+    >>> n = build("blt", 10, steps=20, num_records=100, buffers=1, batch=10)
+    >>> n.accounting, n.event(n.sensitivity)  # one Gaussian mechanism: σ/sens, q = 1, one step
+    ('gaussian_mechanism', (1.0, 1.0, 1))
 """
 
 from __future__ import annotations
@@ -35,13 +45,25 @@ from typing import Optional, Sequence, Union
 
 from dpllm.privacy import accounting
 from dpllm.privacy.accounting import PrivacyPlanError
+from dpllm.privacy.correlated import blt as blt_math
 from dpllm.privacy.correlated.banded import BandMF
 from dpllm.privacy.correlated.base import Independent, NoiseRecurrence, Strategy
 from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler, assign_groups
 
 log = logging.getLogger(__name__)
 
-MECHANISMS = {"independent": Independent, "banded": BandMF}
+MECHANISMS = {"independent": Independent, "banded": BandMF, "blt": blt_math.BLTStrategy}
+# how each mechanism's run is accounted: amplified DP-SGD (the reduction below) or one Gaussian mechanism (BLT)
+AMPLIFIED, GAUSSIAN = "amplified_dpsgd", "gaussian_mechanism"
+ACCOUNTING = {"independent": AMPLIFIED, "banded": AMPLIFIED, "blt": GAUSSIAN}
+# config.correlated_problem says the same (config sits below privacy); tests/test_correlated_blt_wiring.py checks it
+BLT_TRAINING = "noise: blt is available in dpllm plan; training with it is planned (issue 45): use noise: banded"
+# BLT buffers: auto tries 1 … this many (each buffer keeps one model-sized tensor per parameter)
+AUTO_MAX_BUFFERS = 5
+BLT_REDUCTION = ("BLT over b cyclic groups (each record joins at most ceil(T/b) steps, b apart; the within-group "
+                 "draw is not credited) = one Gaussian mechanism with sensitivity sens(C, b, ceil(T/b)): accounted as "
+                 "(σ/sens, q = 1, 1 step), no amplification (McMahan et al. 2024, arXiv 2408.08868; dpllm.privacy."
+                 "correlated.blt)")
 # bands: auto tries 1, 2, 4, ... up to this many (each band keeps one more model-sized tensor per parameter)
 AUTO_MAX_BANDS = 32
 REDUCTION = ("b-banded MF with cyclic Poisson sampling over b groups = DP-SGD with the same σ, the group's sampling "
@@ -75,16 +97,42 @@ class CorrelatedNoise:
 
     @property
     def bands(self) -> int:
+        """b: the cyclic groups (the bands of BandMF; BLT's min-separation)."""
         return self.strategy.min_separation
 
     @property
     def correlated(self) -> bool:
         return self.name != "independent"
 
+    @property
+    def accounting(self) -> str:
+        """:data:`AMPLIFIED` (DP-SGD's event at q_b over ⌈T/b⌉ steps) or :data:`GAUSSIAN` (BLT: one mechanism)."""
+        return ACCOUNTING[self.name]
+
+    @property
+    def sensitivity(self) -> float:
+        """sens(C, b, ⌈T/b⌉) of the strategy (1 for DP-SGD and BandMF, whose strategies are normalised)."""
+        return self.strategy.sensitivity(self.steps) if self.accounting == GAUSSIAN else 1.0
+
     def event(self, noise_multiplier: float, steps: Optional[int] = None) -> tuple[float, float, int]:
-        """The DP-SGD event ``(σ, q_b, ⌈steps/b⌉)`` with this mechanism's privacy after ``steps`` (default: all)."""
-        return (float(noise_multiplier), self.sample_rate, accounted_steps(self.steps if steps is None else steps,
-                                                                           self.bands))
+        """This mechanism's accounted ``(σ, q, steps)`` entry after ``steps`` (default: all) at draw std σ·C.
+
+        Amplified mechanisms: the DP-SGD event ``(σ, q_b, ⌈steps/b⌉)``. BLT: one Gaussian mechanism
+        ``(σ/sens(steps), 1.0, 1)`` (:func:`.blt.history_entry`); nothing amplifies it.
+        """
+        done = self.steps if steps is None else steps
+        if self.accounting == GAUSSIAN:
+            return blt_math.history_entry(self.strategy, noise_multiplier=float(noise_multiplier), steps=done)
+        return (float(noise_multiplier), self.sample_rate, accounted_steps(done, self.bands))
+
+    def calibrate(self, *, target_epsilon: float, delta: float, accountant: str = "prv", prior_history=()) -> float:
+        """The draw's σ (std of z in units of C) that meets ``target_epsilon`` with this mechanism's event."""
+        if self.accounting == GAUSSIAN:  # σ/sens of one step at q = 1; the draw is sens times that
+            return self.sensitivity * _calibrate(target_epsilon=target_epsilon, delta=delta, sample_rate=1.0,
+                                                 steps=1, accountant=accountant, prior_history=prior_history)
+        return _calibrate(target_epsilon=target_epsilon, delta=delta, sample_rate=self.sample_rate,
+                          steps=accounted_steps(self.steps, self.bands), accountant=accountant,
+                          prior_history=prior_history)
 
     def sampler(self, *, texts: Sequence[str], key: int, generator, rank: int = 0, world_size: int = 1):
         """The batch sampler: cyclic Poisson over ``bands`` groups of ``texts`` (plain Poisson for one band)."""
@@ -103,9 +151,13 @@ class CorrelatedNoise:
 
     def to_json(self) -> dict:
         """What the plan, the report and the ledger record (and a resume must find unchanged)."""
-        out = {**self.strategy.to_json(), "group_sample_rate": self.sample_rate, "steps": self.steps,
-               "accounted_steps": accounted_steps(self.steps, self.bands),
-               "prefix_sum_rmse": self.strategy.prefix_sum_rmse(self.steps), "reduction": REDUCTION}
+        if self.accounting == GAUSSIAN:
+            out = {**self.strategy.to_json(), "groups": self.bands, "group_sample_rate": self.sample_rate,
+                   "group_sample_rate_credited": False, "accounting": GAUSSIAN, "reduction": BLT_REDUCTION}
+        else:
+            out = {**self.strategy.to_json(), "group_sample_rate": self.sample_rate, "steps": self.steps,
+                   "accounted_steps": accounted_steps(self.steps, self.bands),
+                   "prefix_sum_rmse": self.strategy.prefix_sum_rmse(self.steps), "reduction": REDUCTION}
         if self.choice:
             out["auto"] = [dict(row) for row in self.choice]
         return out
@@ -162,17 +214,74 @@ def compare_bands(candidates: Sequence[int], *, steps: int, num_records: int, ba
     return rows
 
 
+def parse_buffers(buffers: Union[str, int]) -> Optional[int]:
+    """``"auto"`` → None; 1 … :data:`.blt.MAX_BUFFERS` (or its text) → that integer.
+
+    Raises:
+        PrivacyPlanError: anything else.
+    """
+    if isinstance(buffers, str) and buffers.strip().lower() == "auto":
+        return None
+    text = str(buffers).strip()
+    if not (text.isdigit() and 1 <= int(text) <= blt_math.MAX_BUFFERS):
+        raise PrivacyPlanError(f"privacy.buffers={buffers!r}: give 'auto' or a whole number of BLT buffers from 1 "
+                               f"to {blt_math.MAX_BUFFERS}")
+    return int(text)
+
+
+def blt_candidates(batches_per_epoch: int) -> list[int]:
+    """BLT's groups b for ``bands: auto``: ⌈N/B⌉, ⌈N/B⌉/2, /4, /8 (≥ 1). More groups cannot keep the batch at B."""
+    return sorted({max(1, batches_per_epoch // 2 ** i) for i in range(4)}, reverse=True)
+
+
+def blt_strategy(*, steps: int, groups: int, buffers: Optional[int]) -> blt_math.BLTStrategy:
+    """The optimised BLT for ``groups`` cyclic groups (min-separation b): ``buffers`` or ``choose_blt``'s."""
+    if buffers is None:
+        return blt_math.choose_blt(steps, groups, max_buffers=AUTO_MAX_BUFFERS)
+    return blt_math.optimize_blt(steps, buffers, groups)
+
+
+def compare_blt(candidates: Sequence[int], *, steps: int, buffers: Optional[int]) -> list[dict]:
+    """For each number of groups b: the optimised BLT, its sensitivity and prefix-sum RMSE of the normalised
+    strategy C/sens (noise std 1). At a target ε the run is one Gaussian mechanism with μ(ε, δ) fixed, so the
+    normalised σ = 1/μ is the same for every b and the least RMSE is the least error."""
+    rows = []
+    for b in candidates:
+        s = blt_strategy(steps=steps, groups=b, buffers=buffers)
+        rows.append({"bands": b, "buffers": s.blt.buffers, "sensitivity": s.sensitivity(steps),
+                     "prefix_sum_rmse": s.prefix_sum_rmse(steps)})
+    return rows
+
+
+def _build_blt(bands: Optional[int], *, steps: int, k: int, buffers: Union[str, int]) -> CorrelatedNoise:
+    d = parse_buffers(buffers)
+    if bands is not None and bands > k:
+        raise PrivacyPlanError(
+            f"privacy.bands={bands} > ⌈N/B⌉ = {k}: BLT's {bands} groups would each hold fewer records than a batch; "
+            f"use bands ≤ {k} (the number of groups; auto picks from {blt_candidates(k)})")
+    rows = compare_blt(blt_candidates(k) if bands is None else [bands], steps=steps, buffers=d)
+    best = min(rows, key=lambda r: r["prefix_sum_rmse"])
+    strategy = blt_strategy(steps=steps, groups=best["bands"], buffers=d)
+    return CorrelatedNoise(strategy=strategy, sample_rate=best["bands"] / k, steps=steps,
+                           choice=tuple(rows) if bands is None else ())
+
+
 def build(noise: str, bands: Union[str, int], *, steps: int, num_records: int, batch: int,
           target_epsilon: Optional[float] = None, delta: Optional[float] = None, accountant: str = "prv",
-          noise_multiplier: Optional[float] = None, prior_history=()) -> CorrelatedNoise:
+          noise_multiplier: Optional[float] = None, prior_history=(), buffers: Union[str, int] = "auto"
+          ) -> CorrelatedNoise:
     """The noise mechanism of a run of ``steps`` steps over ``num_records`` records at logical batch ``batch``.
 
     Args:
         noise: a key of :data:`MECHANISMS`.
         bands: ``"auto"`` or b. ``banded`` with ``auto`` picks the b of 1, 2, 4, ... (≤ ⌈N/B⌉, ≤ T, ≤
             :data:`AUTO_MAX_BANDS`) with the least σ(b)·RMSE(b), σ(b) calibrated to ``target_epsilon``.
+            ``blt``: b is the number of cyclic groups (the min-separation); ``auto`` picks the b of
+            :func:`blt_candidates` with the least prefix-sum RMSE at a fixed μ (which does not depend on ε).
         target_epsilon, delta, accountant, prior_history: what ``auto`` calibrates with.
         noise_multiplier: a given σ (``auto`` then cannot trade σ against error, and is refused).
+        buffers: ``blt`` only: ``"auto"`` (the fewest of 1 … :data:`AUTO_MAX_BUFFERS` after which one more buys
+            < 1%) or d.
 
     Raises:
         PrivacyPlanError: an unknown mechanism, bad bands, b > ⌈N/B⌉ (q_b would exceed 1) or b > T.
@@ -181,6 +290,10 @@ def build(noise: str, bands: Union[str, int], *, steps: int, num_records: int, b
         raise PrivacyPlanError(f"privacy.noise={noise!r}; choose one of {', '.join(MECHANISMS)}")
     k = math.ceil(num_records / batch)
     b = parse_bands(bands)
+    if noise != "blt" and str(buffers).strip().lower() != "auto":
+        raise PrivacyPlanError(f"privacy.buffers={buffers} needs privacy.noise=blt")
+    if noise == "blt":
+        return _build_blt(b, steps=steps, k=k, buffers=buffers)
     if noise == "independent":
         if b not in (None, 1):
             raise PrivacyPlanError(f"privacy.bands={bands} needs privacy.noise=banded (independent noise has 1 band)")
