@@ -215,16 +215,19 @@ def test_uncovered_paths_are_refused_in_one_line_before_anything_is_written(tmp_
     assert not (tmp_path / "refused").exists()
 
 
-def test_dptrainer_refuses_quantile_clipping_in_one_line(tmp_path):
+def test_dptrainer_takes_quantile_clipping_and_checks_its_numbers(tmp_path):
     from transformers import TrainingArguments
 
     from dpllm.config import ConfigError
     from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe
 
     args = TrainingArguments(output_dir=str(tmp_path / "run"), max_grad_norm=0.0, report_to=[])
-    with pytest.raises(ConfigError, match="DPTrainer: clipping: quantile is not yet supported with DPTrainer; use"):
-        refuse_unsafe(args, PrivacyArguments(clipping="quantile"))
-    refuse_unsafe(args, PrivacyArguments(clipping="flat"))  # the same arguments with flat clipping pass
+    refuse_unsafe(args, PrivacyArguments(clipping="quantile"))  # runs (tests/test_quantile_engines.py)
+    p = PrivacyArguments(clipping="quantile", target_quantile=0.9, quantile_lr=0.1, count_noise_multiplier=3.0)
+    c = p.privacy_config()
+    assert (c.clipping, c.target_quantile, c.quantile_lr, c.count_noise_multiplier) == ("quantile", 0.9, 0.1, 3.0)
+    with pytest.raises(ConfigError, match="DPTrainer: target_quantile=1.5"):
+        refuse_unsafe(args, PrivacyArguments(clipping="quantile", target_quantile=1.5))
     assert not (tmp_path / "run").exists()
 
 
