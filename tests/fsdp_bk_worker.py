@@ -137,6 +137,58 @@ def noise(rank) -> dict:
             "first_rank1": gathered[1].tolist()}
 
 
+def quantile(rank) -> dict:
+    """clipping: quantile under FSDP2: each process clips its records at the same C and counts their centred bits;
+    the counts are summed and noised once (rank 0's generator, after its shard's noise); every process moves C
+    alike; each shard of the sum is noised once at σ_g·C."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    from dpllm.privacy.quantile import QuantileClipping, centred_count, gradient_noise_multiplier
+
+    sigma, sigma_b = 2.0, 1.2  # σ_b near its bound σ/2 = 1: σ_g = 3.6, far from σ
+    ref, tok = build("tiny-llama", "full")
+    model = shard_model(build("tiny-llama", "full")[0])
+    everyone = sum(SHARES, [])
+    _, probe = step(copy.deepcopy(ref), tok, everyone, C=1e9)
+    low, high = sorted(probe)[4:6]
+    C = (low + high) / 2  # between the two middle norms: no record sits at C, whatever the rounding
+    step(ref, tok, everyone, C=C)  # σ = 0: the clipped sum
+    q = QuantileClipping(initial=C, target_quantile=0.5, lr=0.2, count_noise_multiplier=sigma_b,
+                         expected_batch_size=len(RECORDS))
+    released = []
+    real = q.release_noised
+    q.release_noised = lambda noised: released.append((q.count, noised)) or real(noised)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    bk, opt = make_private_bk(engine=PrivacyEngine(accountant="rdp"), model=model, optimizer=optimizer,
+                              clip_weights=q.weights, noise_multiplier=sigma, max_grad_norm=C,
+                              expected_batch_size=len(RECORDS), world_size=2,
+                              noise_generator=torch.Generator().manual_seed(1000 + rank), quantile=q)
+    opt.signal_skip_step(do_skip=False)
+    forward_loss(bk, batch_of(tok, [RECORDS[j] for j in SHARES[rank]])).backward()
+    opt.step()
+    (local_count, noised), = released
+    total = torch.tensor([local_count], dtype=torch.float64)
+    dist.all_reduce(total)
+    # replay this process's stream: its shard's gradient noise, then (rank 0 only) the count's
+    replay = torch.Generator().manual_seed(1000 + rank)
+    for p in opt.params:
+        _generate_noise(std=1.0, reference=p.grad.to_local(), generator=replay)
+    count_noise = float(_generate_noise(std=sigma_b, reference=torch.zeros(1, dtype=torch.float64),
+                                        generator=replay)) if rank == 0 else 0.0
+    same_stream = bool(torch.equal(replay.get_state(), opt.generator.get_state()))
+    from_rank0 = [0.0, 0.0]
+    dist.all_gather_object(from_rank0, count_noise)
+    clips = [0.0, 0.0]
+    dist.all_gather_object(clips, q.clip)
+    diff = torch.cat([((full(p.grad.detach()) - r.grad.detach()) * len(RECORDS)).flatten()
+                      for p, r in zip(model.parameters(), ref.parameters())])
+    return {"C": C, "clips": clips, "steps": q.steps, "local_count": local_count, "total_count": float(total),
+            "reference_count": centred_count(torch.tensor(probe), C), "noised": noised,
+            "count_noise_rank0": from_rank0[0], "stream_replayed": same_stream,
+            "sigma_g_C": gradient_noise_multiplier(sigma, sigma_b) * C, "sigma_C": sigma * C,
+            "variance": float(diff.pow(2).mean()), "coordinates": diff.numel()}
+
+
 class RawUse(torch.nn.Module):
     """A tied output computed as ``h @ emb.weight.T``: the weight is used outside its own layer."""
 
@@ -212,6 +264,7 @@ if __name__ == "__main__":
         "empty_share": equivalence("tiny-gpt2", "full", rank=rank, micro=2, shares=[list(range(10)), []]),
         "noise": noise(rank),
         "mixed_precision": mixed_precision(rank),
+        "quantile": quantile(rank),
     }
     from tests.fsdp_worker import check  # the ghost_fsdp path, in the same launch
 

@@ -239,20 +239,20 @@ def test_an_empty_batchs_stand_in_row_is_not_counted(tmp_path, monkeypatch):
     from dpllm.privacy import quantile
 
     pending, steps = [], []  # rows of each training forward pass; (rows, count) of each step
-    real_forward, real_release = T.forward_loss, quantile.QuantileClipping.release
+    real_forward, real_release = T.forward_loss, quantile.QuantileClipping.release_noised
 
     def forward(model, batch, *a, **kw):
         if torch.is_grad_enabled():  # training, not evaluation
             pending.append(int(batch["input_ids"].shape[0]))
         return real_forward(model, batch, *a, **kw)
 
-    def release(self, noise):
+    def release(self, noised):
         steps.append((list(pending), self.count))
         pending.clear()
-        return real_release(self, noise)
+        return real_release(self, noised)
 
     monkeypatch.setattr(T, "forward_loss", forward)
-    monkeypatch.setattr(quantile.QuantileClipping, "release", release)
+    monkeypatch.setattr(quantile.QuantileClipping, "release_noised", release)
     _run(tmp_path / "run", "--logical_batch_size", "1", "--physical_batch_size", "1", "--max_steps", "8",
          "--save_every", "0", "--count_noise_multiplier", "5")
     assert len(steps) == 8
@@ -288,8 +288,8 @@ def test_hooks_and_ghost_noise_the_sum_at_sigma_g_c_and_adapt_c(mode):
     loss = criterion(out, target) if criterion is not None else nn.functional.mse_loss(out, target)
     loss.backward()  # hooks clip (and count) in opt.step(), ghost in this backward
     counts = []
-    real_release = q.release
-    q.release = lambda noise: counts.append(q.count) or real_release(noise)
+    real_release = q.release_noised
+    q.release_noised = lambda noised: counts.append(q.count) or real_release(noised)
     opt.step()
     assert counts == [3.0]  # six records of norm 0 ≤ C, centred
     got = float(net[0].weight.grad.std()) * m

@@ -163,8 +163,7 @@ def make_private(
     choice = choose_mode(cfg.grad_sample_mode, model, physical_batch_size=physical_batch_size,
                          per_user=user_records is not None)
     mode = choice.mode
-    quantile = _quantile_clipping(cfg, plan, mode=mode, world_size=world_size, per_user=user_records is not None,
-                                  model=model) if adaptive else None
+    quantile = _quantile_clipping(cfg, plan, mode=mode, per_user=user_records is not None) if adaptive else None
     log.info("privacy: grad_sample_mode=%s (%s)", mode, choice.reason)
     check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
     # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
@@ -207,17 +206,14 @@ def count_noise_multiplier(cfg: PrivacyConfig, plan: PrivacyPlan) -> float:
     return plan.expected_batch_size / DEFAULT_COUNT_NOISE_FRACTION
 
 
-def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str, world_size: int, per_user: bool,
-                       model: nn.Module):
+def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str, per_user: bool):
     """The adaptive C of ``clipping: quantile`` (:mod:`dpllm.privacy.quantile`), or one line saying what it does not
-    cover yet: bk on one process or under DDP (the count summed over processes, noised once on rank 0, as the
-    gradient), hooks and ghost on one process; one constant σ (the split σ_g is computed from it)."""
-    from dpllm.distributed import is_sharded
+    cover yet. Covered: bk (one process, DDP, FSDP2), hooks and ghost (one process, DDP); across processes the count
+    is summed and noised once, on rank 0. Not covered: Opacus's ghost_fsdp, user-level sampling, a noise schedule
+    (the split σ_g is computed from one constant σ)."""
     from dpllm.privacy.quantile import QuantileClipping, check_count_noise
 
     unsupported = [(mode == "ghost_fsdp", "grad_sample_mode=ghost_fsdp"), (per_user, "user-level sampling"),
-                   (is_sharded(model), "FSDP2"),
-                   (world_size > 1 and mode != "bk", f"grad_sample_mode={mode} on {world_size} processes (use bk)"),
                    (plan.schedule is not None, "a noise schedule")]
     for bad, what in unsupported:
         if bad:
