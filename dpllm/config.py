@@ -622,9 +622,9 @@ def validate(cfg: RunConfig) -> None:
 def quantile_problem(cfg: RunConfig) -> Optional[str]:
     """Why ``clipping: quantile`` cannot run with this configuration (dpllm.privacy.quantile), or None.
 
-    Only what is covered runs: bk, hooks or ghost on one process, record (or sequence) level with whole records
-    (no long_records: split), a constant σ, an unquantized base. Anything else is refused in one line rather
-    than run with an accounting nobody checked.
+    Only what is covered runs: bk (one process, DDP, FSDP2), hooks or ghost (one process, DDP), record (or sequence)
+    level with whole records (no long_records: split), a constant σ, an unquantized base. Anything else is refused
+    in one line rather than run with an accounting nobody checked.
     """
     p, d, m = cfg.privacy, cfg.data, cfg.model
     if p.clipping != "quantile":

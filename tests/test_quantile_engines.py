@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from tests.helpers import TEXTS, tiny_model
-
 
 # ---- DPTrainer ---------------------------------------------------------------------------------------------
 
