@@ -68,3 +68,97 @@ def test_dptrainer_runs_quantile_clipping_resumes_its_c_and_reports_it(tmp_path,
     printed = capsys.readouterr().out
     line = [x for x in printed.splitlines() if x.startswith("clipping: C adapted")]
     assert len(line) == 1 and "0.7 quantile" in line[0] and "σ = 0.8, the σ accounted" in line[0]
+
+
+# ---- units other than a record: a user (ULS), a long record over its windows; ELS; QLoRA -----------------------
+
+UNIT_RUNS = {
+    "uls_hooks": ["--privacy_unit", "user", "--max_records_per_user", "4", "--user_sampling", "uls",
+                  "--grad_sample_mode", "hooks"],
+    "uls_bk": ["--privacy_unit", "user", "--max_records_per_user", "4", "--user_sampling", "uls",
+               "--grad_sample_mode", "bk"],
+    "split_bk": ["--long_records", "split", "--max_windows", "4", "--grad_sample_mode", "bk", "--max_length", "16"],
+}
+
+
+@pytest.mark.parametrize("kind", list(UNIT_RUNS))
+def test_a_unit_of_several_rows_enters_the_count_once(tmp_path, monkeypatch, kind):
+    """A user (ULS: one clipped mean gradient per user) or a long record split into windows (one clipped sum over
+    its windows) is one unit: its gradient is clipped once at C, so its centred bit must enter the count once, not
+    once per row; one unit then moves the sum by ≤ C and the count by ½, as a record does (the pair's argument in
+    dpllm.privacy.quantile holds per unit). Counted per row, a unit of k rows would move the count by k/2."""
+    from dpllm.config import parse_config
+    from dpllm.privacy import quantile
+    from dpllm.privacy.engine import PrivateTraining
+    from dpllm.privacy.report import PrivacyReport
+    from dpllm.train import train
+
+    rows, units, counted, released = [], [], [], []
+    real_set, real_weights, real_release = (PrivateTraining.set_users, quantile.QuantileClipping.weights,
+                                            quantile.QuantileClipping.release_noised)
+
+    def set_users(self, users, **kw):
+        if list(users) != [-1]:  # -1: an empty share's stand-in row, not counted (skip_next)
+            rows.append(len(users))
+            units.append(len(set(users)))
+        return real_set(self, users, **kw)
+
+    def weights(self, norms):
+        if not self._skip:
+            counted.append(norms.numel())
+        return real_weights(self, norms)
+
+    def release(self, noised):
+        released.append((self.count, sum(counted)))
+        return real_release(self, noised)
+
+    monkeypatch.setattr(PrivateTraining, "set_users", set_users)
+    monkeypatch.setattr(quantile.QuantileClipping, "weights", weights)
+    monkeypatch.setattr(quantile.QuantileClipping, "release_noised", release)
+    out = tmp_path / kind
+    train(parse_config([
+        "--model_name_or_path", "tiny-llama", "--finetuning", "full", "--tiny_hidden_size", "32",
+        "--tiny_num_layers", "1", "--max_records", "300", "--max_length", "32", "--max_steps", "3",
+        "--logical_batch_size", "16", "--physical_batch_size", "8", "--eval_every", "0", "--eval_max_records", "8",
+        "--target_delta", "1e-3", "--output_dir", str(out), "--progress", "false", "--reproducible_noise", "true",
+        "--clipping", "quantile", "--max_grad_norm", "0.05", *UNIT_RUNS[kind]]))
+    assert counted == units and sum(rows) > sum(units)  # one bit per unit, and some unit had several rows
+    before = 0
+    for count, seen in released:  # each step's count: ±½ per unit, nothing else
+        assert abs(count) <= (seen - before) / 2 and (count - (seen - before) / 2) % 1 == 0
+        before = seen
+    report = PrivacyReport.read(out)
+    a = report.adaptive_clipping
+    assert a["steps"] == 3 and a["final_max_grad_norm"] != 0.05 and report.history[0][2] == 3
+    if kind.startswith("uls"):  # the count's m is the expected number of users per batch, the unit sampled
+        assert report.user_level is not None and report.expected_batch_size < 16
+    assert a["count_noise_multiplier"] == pytest.approx(report.expected_batch_size / 20)
+
+
+def test_els_and_qlora_run_quantile_clipping(tmp_path):
+    """ELS samples records of the k-capped data and accounts a user as a group: each record's (clipped gradient,
+    centred bit) moves the unit-noise pair by ≤ 1/σ, so a user's k records move it by ≤ k/σ, the shift the group
+    accounting already assumes for the gradient alone. QLoRA trains LoRA adapters over a quantized base with bk:
+    C adapts over the adapters' norms as without quantization."""
+    from dpllm.config import parse_config
+    from dpllm.privacy.report import PrivacyReport
+    from dpllm.train import train
+
+    common = ["--model_name_or_path", "tiny-llama", "--tiny_hidden_size", "32", "--tiny_num_layers", "1",
+              "--max_records", "200", "--max_length", "32", "--max_steps", "2", "--logical_batch_size", "16",
+              "--physical_batch_size", "8", "--eval_every", "0", "--eval_max_records", "8", "--target_delta", "1e-3",
+              "--progress", "false", "--clipping", "quantile", "--max_grad_norm", "0.05"]
+    train(parse_config([*common, "--finetuning", "full", "--output_dir", str(tmp_path / "els"), "--privacy_unit",
+                        "user", "--max_records_per_user", "4", "--user_sampling", "els",
+                        "--grad_sample_mode", "hooks"]))
+    els = PrivacyReport.read(tmp_path / "els")
+    assert els.user_level is not None and els.adaptive_clipping["steps"] == 2
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        return
+    train(parse_config([*common, "--finetuning", "lora", "--quantization", "nf4",
+                        "--output_dir", str(tmp_path / "qlora")]))
+    q = PrivacyReport.read(tmp_path / "qlora")
+    assert q.grad_sample_mode == "bk" and q.adaptive_clipping["steps"] == 2
+    assert q.adaptive_clipping["final_max_grad_norm"] > 0.05  # every adapter norm far above 0.05: C grew

@@ -163,7 +163,7 @@ def make_private(
     choice = choose_mode(cfg.grad_sample_mode, model, physical_batch_size=physical_batch_size,
                          per_user=user_records is not None)
     mode = choice.mode
-    quantile = _quantile_clipping(cfg, plan, mode=mode, per_user=user_records is not None) if adaptive else None
+    quantile = _quantile_clipping(cfg, plan, mode=mode) if adaptive else None
     log.info("privacy: grad_sample_mode=%s (%s)", mode, choice.reason)
     check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
     # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
@@ -206,14 +206,14 @@ def count_noise_multiplier(cfg: PrivacyConfig, plan: PrivacyPlan) -> float:
     return plan.expected_batch_size / DEFAULT_COUNT_NOISE_FRACTION
 
 
-def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str, per_user: bool):
+def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str):
     """The adaptive C of ``clipping: quantile`` (:mod:`dpllm.privacy.quantile`), or one line saying what it does not
     cover yet. Covered: bk (one process, DDP, FSDP2), hooks and ghost (one process, DDP); across processes the count
-    is summed and noised once, on rank 0. Not covered: Opacus's ghost_fsdp, user-level sampling, a noise schedule
-    (the split σ_g is computed from one constant σ)."""
+    is summed and noised once, on rank 0; per-unit clipping (ULS users, split long records) counts one bit per unit.
+    Not covered: Opacus's ghost_fsdp, a noise schedule (the split σ_g is computed from one constant σ)."""
     from dpllm.privacy.quantile import QuantileClipping, check_count_noise
 
-    unsupported = [(mode == "ghost_fsdp", "grad_sample_mode=ghost_fsdp"), (per_user, "user-level sampling"),
+    unsupported = [(mode == "ghost_fsdp", "grad_sample_mode=ghost_fsdp"),
                    (plan.schedule is not None, "a noise schedule")]
     for bad, what in unsupported:
         if bad:
@@ -255,7 +255,8 @@ def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, 
     if per_user:  # ULS: Opacus's optimizer subclassed to clip one mean gradient per user (user_level)
         from dpllm.privacy.user_level import optimizer_class
 
-        optimizer_cls, optimizer_kwargs = optimizer_class(optimizer_cls), {"clip_weights": lambda n: fn.weights(n, cfg)}
+        optimizer_cls = optimizer_class(optimizer_cls, quantile=quantile is not None)
+        optimizer_kwargs = {"clip_weights": quantile.weights if quantile is not None else lambda n: fn.weights(n, cfg)}
     ghost = "ghost" in mode
     sensitivity = fn.sensitivity(cfg)
     # Ghost modules take max_grad_norm for Opacus's flat coefficient; hooks modules clip in the optimizer.

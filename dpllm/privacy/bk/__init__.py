@@ -366,8 +366,6 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
     if noise_generator is not None and secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
     ddp = isinstance(model, (DPDDP, DDP))
-    if quantile is not None and per_user:
-        raise ValueError("clipping: quantile is not yet supported with user-level sampling")
     # Opacus's, minus two gradient copies; clipping: quantile's variant also noises the count and moves C
     cls = optimizer_class(distributed=ddp, sharded=is_sharded(model), quantile=quantile is not None)
     dp_optimizer = cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
