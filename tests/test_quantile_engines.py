@@ -162,3 +162,42 @@ def test_els_and_qlora_run_quantile_clipping(tmp_path):
     q = PrivacyReport.read(tmp_path / "qlora")
     assert q.grad_sample_mode == "bk" and q.adaptive_clipping["steps"] == 2
     assert q.adaptive_clipping["final_max_grad_norm"] > 0.05  # every adapter norm far above 0.05: C grew
+
+
+# ---- a noise schedule: each step's pair split from that step's σ_t -------------------------------------------
+
+def test_a_noise_schedule_splits_each_steps_sigma_and_refuses_a_count_noise_below_the_largest(tmp_path, monkeypatch):
+    """Under a schedule the optimizer's σ changes per step (the trainer sets it; the accountant records it): the
+    gradient's σ_g must follow that step's σ_t, or a step with a small σ_t would spend more than its σ_t. σ_b stays
+    fixed and must exceed the largest σ_t/2 (σ₀ for a falling schedule), which the plan checks before loading."""
+    from dpllm.config import parse_config
+    from dpllm.privacy import quantile
+    from dpllm.privacy.accounting import PrivacyPlanError
+    from dpllm.privacy.report import PrivacyReport
+    from dpllm.train import train
+
+    split = []
+    real = quantile.QuantileClipping.gradient_noise_multiplier
+    monkeypatch.setattr(quantile.QuantileClipping, "gradient_noise_multiplier",
+                        lambda self, sigma: split.append(sigma) or real(self, sigma))
+    args = ["--model_name_or_path", "tiny-llama", "--finetuning", "full", "--tiny_hidden_size", "32",
+            "--tiny_num_layers", "1", "--max_records", "120", "--max_length", "32", "--max_steps", "4",
+            "--logical_batch_size", "16", "--physical_batch_size", "16", "--eval_every", "0", "--eval_max_records",
+            "8", "--progress", "false", "--clipping", "quantile", "--max_grad_norm", "0.05", "--accountant", "rdp",
+            "--noise_schedule", "linear", "--noise_schedule_end", "0.5", "--noise_schedule_pieces", "2",
+            "--noise_multiplier", "1.6", "--count_noise_multiplier", "0.9"]
+    train(parse_config([*args, "--output_dir", str(tmp_path / "run")]))
+    report = PrivacyReport.read(tmp_path / "run")
+    pieces = [tuple(h) for h in report.history]
+    assert [s for s, _, _ in pieces] == [1.6, 0.8] and [t for _, _, t in pieces] == [2, 2]
+    assert split == [1.6, 1.6, 0.8, 0.8]  # each step's σ_g from the σ_t the accountant recorded for it
+    a = report.adaptive_clipping
+    assert a["gradient_noise_multipliers"] == pytest.approx([quantile.gradient_noise_multiplier(s, 0.9)
+                                                             for s in (1.6, 0.8)])
+    assert a["gradient_noise_multiplier"] == a["gradient_noise_multipliers"][0] and a["steps"] == 4
+    line = [x for x in report.details() if x.startswith("clipping:")][0]
+    assert "following the schedule" in line and "that step's σ, the σ accounted" in line
+    # σ_b = 0.7 exceeds the last piece's σ/2 = 0.4 but not σ₀/2 = 0.8: refused before anything is written
+    with pytest.raises(PrivacyPlanError, match=r"count_noise_multiplier=0.7 is too small .* σ=1.6"):
+        train(parse_config([*args[:-1], "0.7", "--output_dir", str(tmp_path / "refused")]))
+    assert not (tmp_path / "refused").exists()

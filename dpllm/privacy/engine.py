@@ -210,16 +210,14 @@ def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str):
     """The adaptive C of ``clipping: quantile`` (:mod:`dpllm.privacy.quantile`), or one line saying what it does not
     cover yet. Covered: bk (one process, DDP, FSDP2), hooks and ghost (one process, DDP); across processes the count
     is summed and noised once, on rank 0; per-unit clipping (ULS users, split long records) counts one bit per unit.
-    Not covered: Opacus's ghost_fsdp, a noise schedule (the split σ_g is computed from one constant σ)."""
+    Under a noise schedule the optimizer's σ changes per step and σ_g is computed from each step's σ_t (σ_b is fixed:
+    it must exceed every σ_t/2). Not covered: Opacus's ghost_fsdp."""
     from dpllm.privacy.quantile import QuantileClipping, check_count_noise
 
-    unsupported = [(mode == "ghost_fsdp", "grad_sample_mode=ghost_fsdp"),
-                   (plan.schedule is not None, "a noise schedule")]
-    for bad, what in unsupported:
-        if bad:
-            raise ValueError(f"clipping: quantile is not yet supported with {what}")
+    if mode == "ghost_fsdp":
+        raise ValueError("clipping: quantile is not yet supported with grad_sample_mode=ghost_fsdp")
     sigma_b = count_noise_multiplier(cfg, plan)
-    check_count_noise(plan.noise_multiplier, sigma_b)
+    check_count_noise(plan.largest_sigma(), sigma_b)
     return QuantileClipping(initial=cfg.max_grad_norm, target_quantile=cfg.target_quantile, lr=cfg.quantile_lr,
                             count_noise_multiplier=sigma_b, expected_batch_size=plan.expected_batch_size)
 
