@@ -34,11 +34,15 @@ replaces σ in steps 2-4: the optimizer splits each step's pair from its own σ_
 largest σ_t/2.
 
 The engine wiring asks :class:`QuantileClipping` for this step's C, σ_g and σ_b: bk's
-:class:`dpllm.privacy.bk.optimizer.QuantileAccumulation` (``Distributed...`` under DDP: the processes' counts
-summed, the noise added once on rank 0, as Opacus does for the gradient), and for Opacus hooks and ghost on one
-process :class:`dpllm.privacy.clipping.QuantileNoiseMixin`. Only real records enter the count: the masked
-stand-in row the trainer runs for an empty share is skipped (:meth:`QuantileClipping.skip_next`); counted, it
-would make an empty batch and a batch of one record differ by 1. The math here is testable without a model.
+:class:`dpllm.privacy.bk.optimizer.QuantileAccumulation` (``Distributed...`` under DDP, ``Sharded...`` under
+FSDP2), and for Opacus hooks and ghost :class:`dpllm.privacy.clipping.QuantileNoiseMixin` (one process or DDP;
+``dpllm.privacy.user_level`` for ULS under hooks). Across processes every process's count is summed and the
+noise added once, on rank 0 (:func:`dpllm.privacy.bk.optimizer.release_count`), so every process moves C alike.
+A unit of several rows (a ULS user, a long record split into windows) is clipped once, in one physical batch on
+one process: its bit enters the count once, and one unit moves the pair as one record does above. Only real units
+enter the count: the masked stand-in row the trainer runs for an empty share is skipped
+(:meth:`QuantileClipping.skip_next`); counted, it would make an empty batch and a batch of one record differ by 1.
+The math here is testable without a model.
 
 Example:
     >>> round(gradient_noise_multiplier(1.0, 2.0), 4)   # (1 − 1/16)^(−1/2)
