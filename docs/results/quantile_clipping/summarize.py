@@ -1,7 +1,9 @@
 """Collect the study's runs (run_study.sh OUT_DIR) into results.json, a markdown table on stdout and results.png.
 
 Each setting (flat at one C, or quantile) has 3 seeds; the interval is the mean ± t(0.975, n−1)·s/√n (a 95% interval
-for the setting's mean held-out loss over seeds, noise included).
+for the setting's mean held-out loss over seeds, noise included). A seed fixes the model's initialisation and the
+data order for every setting, so most of the spread between seeds is shared: the paired column compares each
+setting with the best flat C (lowest mean) seed by seed, a 95% t-interval of the mean paired difference.
 Usage: python docs/results/quantile_clipping/summarize.py OUT_DIR
 """
 
@@ -28,7 +30,7 @@ def read(run: Path) -> dict:
             "sigma": report["noise_multiplier"], "sigma_g": a.get("gradient_noise_multiplier"),
             "sigma_b": a.get("count_noise_multiplier"), "epsilon": report["epsilon"], "delta": report["delta"],
             "sample_rate": report["sample_rate"], "steps": report["steps"], "accountant": report["accountant"],
-            "heldout_loss_start": evals[0]["loss"], "heldout_loss": evals[-1]["loss"]}
+            "heldout_loss": evals[-1]["loss"]}
 
 
 def interval(values: list) -> tuple:
@@ -53,19 +55,35 @@ def main(out: Path) -> None:
                          "heldout_loss_ci95": half, "C_final_mean": c_mean, "C_final_ci95": c_half,
                          "epsilon": max(r["epsilon"] for r in rs)})
     settings.sort(key=lambda s: (s["clipping"] != "flat", s["C_start"]))
+    best = min((s for s in settings if s["clipping"] == "flat"), key=lambda s: s["heldout_loss_mean"])
+    best_by_seed = {r["seed"]: r["heldout_loss"] for r in by[best["setting"]]}
+    for s in settings:
+        diffs = [r["heldout_loss"] - best_by_seed[r["seed"]] for r in by[s["setting"]] if r["seed"] in best_by_seed]
+        s["vs_best_flat"] = best["setting"]
+        s["vs_best_flat_mean"], s["vs_best_flat_ci95"] = interval(diffs)
+        start = next((f for f in settings if f["clipping"] == "flat" and f["C_start"] == s["C_start"]), None)
+        if s["clipping"] == "quantile" and start is not None:  # against flat clipping at the C it started from
+            at_start = {r["seed"]: r["heldout_loss"] for r in by[start["setting"]]}
+            s["vs_flat_at_start"] = start["setting"]
+            s["vs_flat_at_start_mean"], s["vs_flat_at_start_ci95"] = interval(
+                [r["heldout_loss"] - at_start[r["seed"]] for r in by[s["setting"]] if r["seed"] in at_start])
     (HERE / "results.json").write_text(json.dumps({
         "command": "bash docs/results/quantile_clipping/run_study.sh OUT && python "
                    "docs/results/quantile_clipping/summarize.py OUT",
         "interval": "95% t-interval of the mean over seeds", "settings": settings, "runs": runs}, indent=2) + "\n")
-    print("| setting | C (start → final, mean over seeds) | seeds | ε | held-out loss (mean ± 95% CI) |")
-    print("|---|---|---|---|---|")
+    print(f"| setting | C (start → final, mean over seeds) | seeds | ε | held-out loss (mean ± 95% CI) | "
+          f"paired − {best['setting']} (mean ± 95% CI) |")
+    print("|---|---|---|---|---|---|")
     for s in settings:
         c = (f"{s['C_start']:g} → {s['C_final_mean']:.3g} ± {s['C_final_ci95']:.2g}" if s["clipping"] == "quantile"
              else f"{s['C_start']:g}")
         print(f"| {s['setting']} | {c} | {len(s['seeds'])} | {s['epsilon']:.3f} | "
-              f"{s['heldout_loss_mean']:.4f} ± {s['heldout_loss_ci95']:.4f} |")
-    start = sum(r["heldout_loss_start"] for r in runs) / len(runs)
-    print(f"\nheld-out loss before training (mean over runs): {start:.4f}")
+              f"{s['heldout_loss_mean']:.4f} ± {s['heldout_loss_ci95']:.4f} | "
+              f"{s['vs_best_flat_mean']:+.4f} ± {s['vs_best_flat_ci95']:.4f} |")
+    for s in settings:
+        if "vs_flat_at_start" in s:
+            print(f"\n{s['setting']} − {s['vs_flat_at_start']} (paired by seed): {s['vs_flat_at_start_mean']:+.4f} ± "
+                  f"{s['vs_flat_at_start_ci95']:.4f}")
     plot(settings)
 
 
