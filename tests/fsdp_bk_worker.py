@@ -173,6 +173,120 @@ def banded(rank) -> dict:
                 [torch.cat([x.flatten() for x in steps[0]]), torch.cat([x.flatten() for x in steps[1]])]))[0, 1])}
 
 
+def quantile(rank) -> dict:
+    """clipping: quantile under FSDP2: each process clips its records at the same C and counts their centred bits;
+    the counts are summed and noised once (rank 0's generator, after its shard's noise); every process moves C
+    alike; each shard of the sum is noised once at σ_g·C."""
+    from opacus.optimizers.optimizer import _generate_noise
+
+    from dpllm.privacy.quantile import QuantileClipping, centred_count, gradient_noise_multiplier
+
+    sigma, sigma_b = 2.0, 1.2  # σ_b near its bound σ/2 = 1: σ_g = 3.6, far from σ
+    ref, tok = build("tiny-llama", "full")
+    model = shard_model(build("tiny-llama", "full")[0])
+    everyone = sum(SHARES, [])
+    _, probe = step(copy.deepcopy(ref), tok, everyone, C=1e9)
+    low, high = sorted(probe)[4:6]
+    C = (low + high) / 2  # between the two middle norms: no record sits at C, whatever the rounding
+    step(ref, tok, everyone, C=C)  # σ = 0: the clipped sum
+    q = QuantileClipping(initial=C, target_quantile=0.5, lr=0.2, count_noise_multiplier=sigma_b,
+                         expected_batch_size=len(RECORDS))
+    released = []
+    real = q.release_noised
+    q.release_noised = lambda noised: released.append((q.count, noised)) or real(noised)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    bk, opt = make_private_bk(engine=PrivacyEngine(accountant="rdp"), model=model, optimizer=optimizer,
+                              clip_weights=q.weights, noise_multiplier=sigma, max_grad_norm=C,
+                              expected_batch_size=len(RECORDS), world_size=2,
+                              noise_generator=torch.Generator().manual_seed(1000 + rank), quantile=q)
+    opt.signal_skip_step(do_skip=False)
+    forward_loss(bk, batch_of(tok, [RECORDS[j] for j in SHARES[rank]])).backward()
+    opt.step()
+    (local_count, noised), = released
+    total = torch.tensor([local_count], dtype=torch.float64)
+    dist.all_reduce(total)
+    # replay this process's stream: its shard's gradient noise, then (rank 0 only) the count's
+    replay = torch.Generator().manual_seed(1000 + rank)
+    for p in opt.params:
+        _generate_noise(std=1.0, reference=p.grad.to_local(), generator=replay)
+    count_noise = float(_generate_noise(std=sigma_b, reference=torch.zeros(1, dtype=torch.float64),
+                                        generator=replay)) if rank == 0 else 0.0
+    same_stream = bool(torch.equal(replay.get_state(), opt.generator.get_state()))
+    from_rank0 = [0.0, 0.0]
+    dist.all_gather_object(from_rank0, count_noise)
+    clips = [0.0, 0.0]
+    dist.all_gather_object(clips, q.clip)
+    diff = torch.cat([((full(p.grad.detach()) - r.grad.detach()) * len(RECORDS)).flatten()
+                      for p, r in zip(model.parameters(), ref.parameters())])
+    return {"C": C, "clips": clips, "steps": q.steps, "local_count": local_count, "total_count": float(total),
+            "reference_count": centred_count(torch.tensor(probe), C), "noised": noised,
+            "count_noise_rank0": from_rank0[0], "stream_replayed": same_stream,
+            "sigma_g_C": gradient_noise_multiplier(sigma, sigma_b) * C, "sigma_C": sigma * C,
+            "variance": float(diff.pow(2).mean()), "coordinates": diff.numel()}
+
+
+def quantile_ddp(rank, mode) -> dict:
+    """clipping: quantile under DDP with Opacus hooks or ghost (its distributed optimizers): the processes' counts
+    summed and noised once (rank 0's stream, after the gradient's noise, which Opacus draws on rank 0 only); C moved
+    alike; the reduced gradient is the clipped sum over both processes plus noise of std σ_g·C."""
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
+    from opacus.optimizers.optimizer import _generate_noise
+
+    from dpllm.config import PrivacyConfig
+    from dpllm.privacy import clipping
+    from dpllm.privacy.engine import _wrap_opacus
+    from dpllm.privacy.quantile import QuantileClipping, centred_count, gradient_noise_multiplier
+
+    sigma, sigma_b, m = 1.0, 0.55, 10  # σ_g = 2.40
+    torch.manual_seed(0)
+    x = torch.randn(m, 40, dtype=torch.float64) * torch.linspace(0.2, 3.0, m, dtype=torch.float64)[:, None]
+    y = torch.randn(m, dtype=torch.float64)
+    net = torch.nn.Sequential(torch.nn.Linear(40, 30, bias=False)).double()
+    per_record = []
+    for i in range(m):  # the reference: each record's gradient by autograd, alone
+        net.zero_grad()
+        (net(x[i: i + 1]).sum() - y[i]).pow(2).backward()
+        per_record.append(net[0].weight.grad.detach().clone())
+    norms = torch.stack([g.norm() for g in per_record])
+    low, high = norms.sort().values[4:6].tolist()
+    C = (low + high) / 2  # no record at C
+    clipped_sum = sum(g * min(1.0, C / float(g.norm())) for g in per_record)
+    net.zero_grad()
+    q = QuantileClipping(initial=C, target_quantile=0.5, lr=0.2, count_noise_multiplier=sigma_b, expected_batch_size=m)
+    released = []
+    real = q.release_noised
+    q.release_noised = lambda noised: released.append((q.count, noised)) or real(noised)
+    model, opt, criterion = _wrap_opacus(
+        engine=PrivacyEngine(accountant="rdp"), model=DPDDP(net), optimizer=torch.optim.SGD(net.parameters(), lr=0.0),
+        criterion=torch.nn.MSELoss(), fn=clipping.get("flat"), cfg=PrivacyConfig(max_grad_norm=C, clipping="quantile"),
+        mode=mode, noise_multiplier=sigma, expected_batch_size=m / 2,
+        noise_generator=torch.Generator().manual_seed(1000 + rank), quantile=q)
+    mine = list(range(6)) if rank == 0 else list(range(6, m))
+    out = model(x[mine]).sum(1)
+    loss = criterion(out, y[mine]) if criterion is not None else torch.nn.functional.mse_loss(out, y[mine])
+    loss.backward()
+    opt.step()
+    (local_count, noised), = released
+    total = torch.tensor([local_count], dtype=torch.float64)
+    dist.all_reduce(total)
+    replay = torch.Generator().manual_seed(1000 + rank)
+    count_noise = 0.0
+    if rank == 0:  # Opacus noises the gradient on rank 0 only; the count's draw follows it there
+        _generate_noise(std=1.0, reference=net[0].weight, generator=replay)
+        count_noise = float(_generate_noise(std=sigma_b, reference=torch.zeros(1, dtype=torch.float64),
+                                            generator=replay))
+    same_stream = bool(torch.equal(replay.get_state(), opt.generator.get_state()))
+    from_rank0, clips = [0.0, 0.0], [0.0, 0.0]
+    dist.all_gather_object(from_rank0, count_noise)
+    dist.all_gather_object(clips, q.clip)
+    diff = net[0].weight.grad.detach() * m - clipped_sum  # the reduced gradient is (sum + noise) / m
+    return {"C": C, "clips": clips, "steps": q.steps, "local_count": local_count, "total_count": float(total),
+            "reference_count": centred_count(norms, C), "noised": noised, "count_noise_rank0": from_rank0[0],
+            "stream_replayed": same_stream, "sigma_g_C": gradient_noise_multiplier(sigma, sigma_b) * C,
+            "variance": float(diff.pow(2).mean()), "coordinates": diff.numel(),
+            "optimizer": type(opt).__name__}
+
+
 class RawUse(torch.nn.Module):
     """A tied output computed as ``h @ emb.weight.T``: the weight is used outside its own layer."""
 
@@ -249,6 +363,8 @@ if __name__ == "__main__":
         "noise": noise(rank),
         "mixed_precision": mixed_precision(rank),
         "banded": banded(rank),
+        "quantile": quantile(rank),
+        "quantile_ddp": {mode: quantile_ddp(rank, mode) for mode in ("hooks", "ghost")},
     }
     from tests.fsdp_worker import check  # the ghost_fsdp path, in the same launch
 

@@ -268,3 +268,32 @@ def _read_dcp(directory, scratch):
 
     dcp_to_torch_save(directory, scratch)
     return torch.load(scratch, weights_only=False)
+
+
+def test_quantile_clipping_counts_across_shards_once_and_moves_c_alike(found):
+    """clipping: quantile under FSDP2 (the same launch): the processes' centred counts sum to the one-process count
+    over all the step's records; the total is noised once, by rank 0's stream right after its shard's noise (rank
+    1's stream draws its shard's noise and nothing else); both processes move C to the same value; every shard of
+    the sum carries noise of variance (σ_g·C)², not (σ·C)²."""
+    r = found["quantile"]
+    assert r["total_count"] == r["reference_count"] and r["local_count"] != r["total_count"]  # both shares counted
+    assert r["noised"] == pytest.approx(r["total_count"] + r["count_noise_rank0"], abs=1e-12)
+    assert r["count_noise_rank0"] != 0.0 and r["stream_replayed"]
+    assert r["clips"][0] == r["clips"][1] != r["C"] and r["steps"] == 1
+    n = r["coordinates"]
+    assert abs(r["variance"] / r["sigma_g_C"] ** 2 - 1) < 5 * (2 / n) ** 0.5, r  # σ_g = 1.8 σ: far outside
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_quantile_clipping_under_ddp_with_opacus_hooks_and_ghost(found, mode):
+    """clipping: quantile with Opacus's distributed optimizers (the same launch, DDP): the counts of both processes
+    sum to the count over all records; the total is noised once, by rank 0 right after its gradient noise (rank 1
+    draws nothing); C moves alike everywhere; the reduced gradient carries noise of std σ_g·C."""
+    r = found["quantile_ddp"][mode]
+    assert r["optimizer"] == f"QuantileDistributed{'Ghost' if mode == 'ghost' else 'DP'}Optimizer"
+    assert r["total_count"] == r["reference_count"] and r["local_count"] != r["total_count"]
+    assert r["noised"] == pytest.approx(r["total_count"] + r["count_noise_rank0"], abs=1e-12)
+    assert r["count_noise_rank0"] != 0.0 and r["stream_replayed"]
+    assert r["clips"][0] == r["clips"][1] != r["C"] and r["steps"] == 1
+    n = r["coordinates"]
+    assert abs(r["variance"] / r["sigma_g_C"] ** 2 - 1) < 5 * (2 / n) ** 0.5, r  # σ_g = 2.4 σ

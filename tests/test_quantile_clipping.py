@@ -205,26 +205,26 @@ def test_uncovered_paths_are_refused_in_one_line_before_anything_is_written(tmp_
     from dpllm.config import ConfigError
     from dpllm.privacy.accounting import PrivacyPlanError
 
-    for extra, what in ((("--privacy_unit", "user"), "privacy_unit=user"),
-                        (("--noise_schedule", "linear"), "noise_schedule=linear"),
-                        (("--long_records", "split"), "long_records=split")):
-        with pytest.raises(ConfigError, match=f"clipping: quantile is not yet supported with {what}"):
-            _run(tmp_path / "refused", *extra)
+    with pytest.raises(ConfigError, match="clipping: quantile is not yet supported with grad_sample_mode=ghost_fsdp"):
+        _run(tmp_path / "refused", "--grad_sample_mode", "ghost_fsdp")
     with pytest.raises(PrivacyPlanError, match=r"count_noise_multiplier=0.01 is too small .* σ_b > σ/2"):
         _run(tmp_path / "refused", "--count_noise_multiplier", "0.01")
     assert not (tmp_path / "refused").exists()
 
 
-def test_dptrainer_refuses_quantile_clipping_in_one_line(tmp_path):
+def test_dptrainer_takes_quantile_clipping_and_checks_its_numbers(tmp_path):
     from transformers import TrainingArguments
 
     from dpllm.config import ConfigError
     from dpllm.hf.arguments import PrivacyArguments, refuse_unsafe
 
     args = TrainingArguments(output_dir=str(tmp_path / "run"), max_grad_norm=0.0, report_to=[])
-    with pytest.raises(ConfigError, match="DPTrainer: clipping: quantile is not yet supported with DPTrainer; use"):
-        refuse_unsafe(args, PrivacyArguments(clipping="quantile"))
-    refuse_unsafe(args, PrivacyArguments(clipping="flat"))  # the same arguments with flat clipping pass
+    refuse_unsafe(args, PrivacyArguments(clipping="quantile"))  # runs (tests/test_quantile_engines.py)
+    p = PrivacyArguments(clipping="quantile", target_quantile=0.9, quantile_lr=0.1, count_noise_multiplier=3.0)
+    c = p.privacy_config()
+    assert (c.clipping, c.target_quantile, c.quantile_lr, c.count_noise_multiplier) == ("quantile", 0.9, 0.1, 3.0)
+    with pytest.raises(ConfigError, match="DPTrainer: target_quantile=1.5"):
+        refuse_unsafe(args, PrivacyArguments(clipping="quantile", target_quantile=1.5))
     assert not (tmp_path / "run").exists()
 
 
@@ -236,20 +236,20 @@ def test_an_empty_batchs_stand_in_row_is_not_counted(tmp_path, monkeypatch):
     from dpllm.privacy import quantile
 
     pending, steps = [], []  # rows of each training forward pass; (rows, count) of each step
-    real_forward, real_release = T.forward_loss, quantile.QuantileClipping.release
+    real_forward, real_release = T.forward_loss, quantile.QuantileClipping.release_noised
 
     def forward(model, batch, *a, **kw):
         if torch.is_grad_enabled():  # training, not evaluation
             pending.append(int(batch["input_ids"].shape[0]))
         return real_forward(model, batch, *a, **kw)
 
-    def release(self, noise):
+    def release(self, noised):
         steps.append((list(pending), self.count))
         pending.clear()
-        return real_release(self, noise)
+        return real_release(self, noised)
 
     monkeypatch.setattr(T, "forward_loss", forward)
-    monkeypatch.setattr(quantile.QuantileClipping, "release", release)
+    monkeypatch.setattr(quantile.QuantileClipping, "release_noised", release)
     _run(tmp_path / "run", "--logical_batch_size", "1", "--physical_batch_size", "1", "--max_steps", "8",
          "--save_every", "0", "--count_noise_multiplier", "5")
     assert len(steps) == 8
@@ -285,8 +285,8 @@ def test_hooks_and_ghost_noise_the_sum_at_sigma_g_c_and_adapt_c(mode):
     loss = criterion(out, target) if criterion is not None else nn.functional.mse_loss(out, target)
     loss.backward()  # hooks clip (and count) in opt.step(), ghost in this backward
     counts = []
-    real_release = q.release
-    q.release = lambda noise: counts.append(q.count) or real_release(noise)
+    real_release = q.release_noised
+    q.release_noised = lambda noised: counts.append(q.count) or real_release(noised)
     opt.step()
     assert counts == [3.0]  # six records of norm 0 ≤ C, centred
     got = float(net[0].weight.grad.std()) * m
@@ -314,27 +314,39 @@ def test_the_mlp_recipes_refuse_quantile_clipping():
     assert MLPRun(clipping="flat").privacy_config().clipping == "flat"
 
 
-def test_two_ddp_processes_adapt_c_as_one_process_does(tmp_path):
+def test_two_processes_adapt_c_as_one_process_does(tmp_path):
     """`accelerate launch --multi_gpu --num_processes 2` (gloo on CPU), bk: the count of each process is summed and
     noised once, on rank 0, after the gradient, from rank 0's stream: with seeded noise the 2-process run's C equals
-    the 1-process run's (the same Poisson batches and noise; norms differ by float rounding only)."""
+    the 1-process run's (the same Poisson batches and noise; norms differ by float rounding only). The FSDP2 config
+    (recipes/accelerate/fsdp.yaml) in the same test: each process noises its own shard, so C's value differs from
+    one process's, but it adapts through the trainer (empty shares, the ledger) with the same accounting
+    (tests/test_fsdp_bk.py checks the count and the noise there). Hooks and ghost under DDP: tests/fsdp_bk_worker.py."""
     import json
     import os
     import sys
 
     sys.path.insert(0, os.path.dirname(__file__))
     from test_distributed import _finish, _launch, _one_process, _trainable
+    from test_fsdp_bk import FSDP_LAUNCH
 
     extra = ("--reproducible_noise", "true", "--clipping", "quantile", "--grad_sample_mode", "bk",
              "--max_grad_norm", "0.05", "--count_noise_multiplier", "2")
     two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=extra)
+    fsdp = _launch(tmp_path / "fsdp", *FSDP_LAUNCH, extra=extra[:4] + extra[6:])  # auto: bk, for FSDP
     _one_process(tmp_path / "one", extra)  # in this process: one launch fewer
-    _finish(two)
-    r1, r2 = (json.loads((tmp_path / n / "privacy_report.json").read_text()) for n in ("one", "two"))
-    a1, a2 = r1["adaptive_clipping"], r2["adaptive_clipping"]
+    for proc in (two, fsdp):
+        _finish(proc)
+    r1, r2, rf = (json.loads((tmp_path / n / "privacy_report.json").read_text()) for n in ("one", "two", "fsdp"))
+    a1, a2, af = r1["adaptive_clipping"], r2["adaptive_clipping"], rf["adaptive_clipping"]
     assert a1["steps"] == a2["steps"] == 6 and a1["final_max_grad_norm"] != 0.05
     assert a2["final_max_grad_norm"] == pytest.approx(a1["final_max_grad_norm"], rel=1e-9)
     assert r1["history"] == r2["history"]
     p1, p2 = _trainable(tmp_path / "one"), _trainable(tmp_path / "two")
     for name in p1:
         assert torch.allclose(p1[name], p2[name], atol=1e-5), name
+    assert rf["grad_sample_mode"] == "bk" and "FSDP" in rf["grad_sample_mode_reason"]
+    assert rf["history"] == r1["history"] and af["steps"] == 6
+    # every norm is far above 0.05 at the start (b̃ near 0): C grew, as on one process, by its own noise
+    assert af["final_max_grad_norm"] > 0.05 and af["final_max_grad_norm"] != a1["final_max_grad_norm"]
+    final = [json.loads(x) for x in (tmp_path / "fsdp" / "privacy_ledger.jsonl").read_text().splitlines()][-1]
+    assert final["adaptive_clipping"] == af

@@ -33,9 +33,16 @@ class PrivacyArguments:
     per_sample_max_grad_norm: float = _f(1.0, "Per-record clipping norm C (TrainingArguments.max_grad_norm, which "
                                               "would clip the whole batch's noised gradient, is ignored).")
     accountant: str = _f("prv", "'prv', 'rdp' or 'gdp' (Opacus accountants): calibrates and reports ε.")
-    clipping: str = _f("flat", "Per-sample clipping function (dpllm.privacy.clipping registry).")
+    clipping: str = _f("flat", "Per-sample clipping function (dpllm.privacy.clipping registry), or 'quantile': C "
+                               "adapts to a quantile of the per-record norms, starting at per_sample_max_grad_norm "
+                               "(dpllm.privacy.quantile).")
     clipping_r: float = _f(0.1, "r of the psac/psasc clipping functions.")
     clipping_s: float = _f(1.0, "s of psasc (sensitivity C/s).")
+    target_quantile: float = _f(0.5, "clipping='quantile': the quantile γ of the per-record gradient norms C tracks.")
+    quantile_lr: float = _f(0.2, "clipping='quantile': the learning rate η of C ← C·exp(−η(b̃ − γ)) (0 keeps C fixed).")
+    count_noise_multiplier: Optional[float] = _f(None, "clipping='quantile': the noise σ_b of the count of records "
+                                                       "under C (None: expected batch / 20); the gradient's noise "
+                                                       "rises so that both together spend the planned σ.")
     grad_sample_mode: str = _f("auto", "'auto' (bk where it applies, else Opacus hooks or ghost), 'bk', 'hooks' or "
                                        "'ghost' (see dpllm's PrivacyConfig).")
     privacy_unit: str = _f("record", "The protected unit: 'record' (one row of train_dataset is one record; packed "
@@ -89,7 +96,9 @@ class PrivacyArguments:
             enabled=True, target_epsilon=self.target_epsilon, target_delta=self.target_delta,
             noise_multiplier=self.noise_multiplier, max_grad_norm=self.per_sample_max_grad_norm,
             accountant=self.accountant, grad_sample_mode=self.grad_sample_mode, clipping=self.clipping,
-            clipping_r=self.clipping_r, clipping_s=self.clipping_s, secure_mode=self.secure_mode,
+            clipping_r=self.clipping_r, clipping_s=self.clipping_s, target_quantile=self.target_quantile,
+            quantile_lr=self.quantile_lr, count_noise_multiplier=self.count_noise_multiplier,
+            secure_mode=self.secure_mode,
             reproducible_noise=self.reproducible_noise, noise_schedule=self.noise_schedule,
             noise_schedule_end=self.noise_schedule_end, noise_schedule_pieces=self.noise_schedule_pieces,
             user_sampling=self.user_sampling)
@@ -136,9 +145,6 @@ def refuse_unsafe(args, privacy: PrivacyArguments, *, data_collator=None, comput
 
     if args.max_grad_norm not in (None, 0, 0.0):
         log.warning(ignored_batch_clip(args.max_grad_norm, privacy.per_sample_max_grad_norm))
-    if privacy.clipping == "quantile":  # its C is trainer state DPTrainer does not save or report yet
-        no("clipping: quantile is not yet supported with DPTrainer; use the recipe (recipes/finetune_llm.py), or "
-           "clipping: flat")
     if args.gradient_accumulation_steps != 1:
         no(f"gradient_accumulation_steps={args.gradient_accumulation_steps}: DPTrainer accumulates itself "
            "(one Poisson logical batch per step, in physical batches of per_device_train_batch_size); set it to 1 "

@@ -44,6 +44,7 @@ from opacus.optimizers import (
     DPOptimizerFastGradientClipping,
     get_optimizer_class,
 )
+from opacus.optimizers.ddpoptimizer_fast_gradient_clipping import DistributedDPOptimizerFastGradientClipping
 from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 from torch import nn
 
@@ -171,24 +172,29 @@ class QuantileNoiseMixin:
     ``quantile`` is the run's ``QuantileClipping``, whose ``weights`` clipped every record of this step (hooks: the
     optimizer's ``clip_weights``; ghost: the module's). ``noise_multiplier`` stays the plan's σ, which the
     accountant's hook reads; the noise below uses σ_g. Both noises come from ``self.generator``, the gradient's
-    first, in Opacus's order over ``self.params``.
+    first, in Opacus's order over ``self.params``. Across processes (DDP, the ``Distributed`` classes below) the
+    gradient is noised on rank 0 only, as Opacus does, and the processes' counts are summed and noised once, on
+    rank 0 (:func:`dpllm.privacy.bk.optimizer.release_count`).
     """
 
     quantile = None
+    distributed = False
 
     def add_noise(self) -> None:
+        from dpllm.privacy.bk.optimizer import release_count
+
         q = self.quantile
         self.max_grad_norm = q.clip  # the C every record of this step was clipped at
         std = q.gradient_noise_multiplier(self.noise_multiplier) * q.clip
+        noised = not self.distributed or self.rank == 0  # Opacus's DDP: the noise once, on rank 0
         for p in self.params:
             _check_processed_flag(p.summed_grad)
             noise = _generate_noise(std=std, reference=p.summed_grad, generator=self.generator,
-                                    secure_mode=self.secure_mode)
+                                    secure_mode=self.secure_mode) if noised else 0.0
             p.grad = (p.summed_grad + noise).view_as(p)
             _mark_as_processed(p.summed_grad)
-        reference = torch.zeros((1,), dtype=torch.float64, device=self.params[0].device)
-        q.release(float(_generate_noise(std=q.count_noise_multiplier, reference=reference, generator=self.generator,
-                                        secure_mode=self.secure_mode).item()))
+        release_count(q, generator=self.generator, secure_mode=self.secure_mode, device=self.params[0].device,
+                      distributed=self.distributed)
 
 
 class QuantileDPOptimizer(QuantileNoiseMixin, ClippingFunctionDPOptimizer):
@@ -199,6 +205,18 @@ class QuantileDPOptimizer(QuantileNoiseMixin, ClippingFunctionDPOptimizer):
 class QuantileGhostOptimizer(QuantileNoiseMixin, DPOptimizerFastGradientClipping):
     """Ghost mode, ``clipping: quantile``: the module clipped with the current C; :class:`QuantileNoiseMixin`'s
     noise."""
+
+
+class QuantileDistributedDPOptimizer(QuantileNoiseMixin, ClippingFunctionDistributedDPOptimizer):
+    """Hooks mode under DDP, ``clipping: quantile``: Opacus's all-reduce of the gradients, the noise on rank 0."""
+
+    distributed = True
+
+
+class QuantileDistributedGhostOptimizer(QuantileNoiseMixin, DistributedDPOptimizerFastGradientClipping):
+    """Ghost mode under DDP, ``clipping: quantile``: Opacus's all-reduce of the gradients, the noise on rank 0."""
+
+    distributed = True
 
 
 _SUBCLASSES = {
@@ -219,7 +237,8 @@ def opacus_classes(fn: ClippingFunction, cfg: PrivacyConfig, *, grad_sample_mode
     optimizer's ``max_grad_norm``, the noise scale, is the function's sensitivity, passed by the caller.
 
     With ``quantile`` (``clipping: quantile``'s ``QuantileClipping``) the weights are its ``weights`` and the
-    optimizer is :class:`QuantileDPOptimizer` or :class:`QuantileGhostOptimizer` (the caller sets its ``quantile``).
+    optimizer is :class:`QuantileDPOptimizer` or :class:`QuantileGhostOptimizer` (``QuantileDistributed...`` under DDP;
+    the caller sets its ``quantile``).
 
     Returns:
         ``(module_class, module_kwargs, optimizer_class, optimizer_kwargs)``: the extra keyword arguments
@@ -227,14 +246,16 @@ def opacus_classes(fn: ClippingFunction, cfg: PrivacyConfig, *, grad_sample_mode
     """
     module_cls = get_gsm_class(grad_sample_mode)
     optimizer_cls = get_optimizer_class(clipping="flat", distributed=distributed, grad_sample_mode=grad_sample_mode)
-    if quantile is not None:  # clipping: quantile (one process): weights at the current C, the pair's noise
-        if distributed or optimizer_cls not in (DPOptimizer, DPOptimizerFastGradientClipping):
-            raise ValueError(f"clipping: quantile is not yet supported with grad_sample_mode={grad_sample_mode} "
-                             "across processes")
+    if quantile is not None:  # clipping: quantile: weights at the current C, the pair's noise
+        known = {DPOptimizer: QuantileDPOptimizer, DPOptimizerFastGradientClipping: QuantileGhostOptimizer,
+                 DistributedDPOptimizer: QuantileDistributedDPOptimizer,
+                 DistributedDPOptimizerFastGradientClipping: QuantileDistributedGhostOptimizer}
+        if optimizer_cls not in known:  # ghost_fsdp: Opacus's FSDP optimizer
+            raise ValueError(f"clipping: quantile is not yet supported with grad_sample_mode={grad_sample_mode}")
         extra = {"clip_weights": quantile.weights}
         if "ghost" in grad_sample_mode:
-            return _SUBCLASSES[module_cls], extra, QuantileGhostOptimizer, {}
-        return module_cls, {}, QuantileDPOptimizer, extra
+            return _SUBCLASSES[module_cls], extra, known[optimizer_cls], {}
+        return module_cls, {}, known[optimizer_cls], extra
     if fn.name == "flat":
         return module_cls, {}, optimizer_cls, {}
     extra = {"clip_weights": lambda norms: fn.weights(norms, cfg)}

@@ -192,8 +192,7 @@ def make_private(
     choice = choose_mode(cfg.grad_sample_mode, model, physical_batch_size=physical_batch_size,
                          per_user=user_records is not None)
     mode = choice.mode
-    quantile = _quantile_clipping(cfg, plan, mode=mode, world_size=world_size, per_user=user_records is not None,
-                                  model=model) if adaptive else None
+    quantile = _quantile_clipping(cfg, plan, mode=mode) if adaptive else None
     log.info("privacy: grad_sample_mode=%s (%s)", mode, choice.reason)
     check_checkpointing(model, mode)  # read from the model, however checkpointing was turned on
     # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
@@ -240,23 +239,18 @@ def count_noise_multiplier(cfg: PrivacyConfig, plan: PrivacyPlan) -> float:
     return plan.expected_batch_size / DEFAULT_COUNT_NOISE_FRACTION
 
 
-def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str, world_size: int, per_user: bool,
-                       model: nn.Module):
+def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str):
     """The adaptive C of ``clipping: quantile`` (:mod:`dpllm.privacy.quantile`), or one line saying what it does not
-    cover yet: bk on one process or under DDP (the count summed over processes, noised once on rank 0, as the
-    gradient), hooks and ghost on one process; one constant σ (the split σ_g is computed from it)."""
-    from dpllm.distributed import is_sharded
+    cover yet. Covered: bk (one process, DDP, FSDP2), hooks and ghost (one process, DDP); across processes the count
+    is summed and noised once, on rank 0; per-unit clipping (ULS users, split long records) counts one bit per unit.
+    Under a noise schedule the optimizer's σ changes per step and σ_g is computed from each step's σ_t (σ_b is fixed:
+    it must exceed every σ_t/2). Not covered: Opacus's ghost_fsdp."""
     from dpllm.privacy.quantile import QuantileClipping, check_count_noise
 
-    unsupported = [(mode == "ghost_fsdp", "grad_sample_mode=ghost_fsdp"), (per_user, "user-level sampling"),
-                   (is_sharded(model), "FSDP2"),
-                   (world_size > 1 and mode != "bk", f"grad_sample_mode={mode} on {world_size} processes (use bk)"),
-                   (plan.schedule is not None, "a noise schedule")]
-    for bad, what in unsupported:
-        if bad:
-            raise ValueError(f"clipping: quantile is not yet supported with {what}")
+    if mode == "ghost_fsdp":
+        raise ValueError("clipping: quantile is not yet supported with grad_sample_mode=ghost_fsdp")
     sigma_b = count_noise_multiplier(cfg, plan)
-    check_count_noise(plan.noise_multiplier, sigma_b)
+    check_count_noise(plan.largest_sigma(), sigma_b)
     return QuantileClipping(initial=cfg.max_grad_norm, target_quantile=cfg.target_quantile, lr=cfg.quantile_lr,
                             count_noise_multiplier=sigma_b, expected_batch_size=plan.expected_batch_size)
 
@@ -292,7 +286,8 @@ def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, 
     if per_user:  # ULS: Opacus's optimizer subclassed to clip one mean gradient per user (user_level)
         from dpllm.privacy.user_level import optimizer_class
 
-        optimizer_cls, optimizer_kwargs = optimizer_class(optimizer_cls), {"clip_weights": lambda n: fn.weights(n, cfg)}
+        optimizer_cls = optimizer_class(optimizer_cls, quantile=quantile is not None)
+        optimizer_kwargs = {"clip_weights": quantile.weights if quantile is not None else lambda n: fn.weights(n, cfg)}
     ghost = "ghost" in mode
     sensitivity = fn.sensitivity(cfg)
     # Ghost modules take max_grad_norm for Opacus's flat coefficient; hooks modules clip in the optimizer.

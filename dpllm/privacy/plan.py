@@ -185,6 +185,10 @@ class PrivacyPlan:
     def history(self) -> list[tuple[float, float, int]]:
         return [tuple(h) for h in self.prior_history] + self.stage_history()
 
+    def largest_sigma(self) -> float:
+        """The largest σ of this stage's steps (σ₀ for a constant σ or a falling schedule)."""
+        return max(s for s, _, _ in self.stage_history())
+
     def epsilon(self, steps: Optional[int] = None) -> float:
         """ε after ``steps`` steps of this stage (default: all of them), earlier stages composed."""
         return accounting.compute_epsilon_history(

@@ -28,14 +28,21 @@ reports; everything rests on this):
    (The bound is σ/2, not 1/(2σ): the count's sensitivity ½ over σ_b must stay below the pair's 1/σ.)
 
 C changes between steps only as post-processing of earlier releases; each step is the mechanism above at the C
-it started with (adaptive composition of identical Gaussian mechanisms).
+it started with (adaptive composition of identical Gaussian mechanisms). Under a noise schedule step t's σ_t
+replaces σ in steps 2-4: the optimizer splits each step's pair from its own σ_t (σ_g,t = (σ_t⁻² − (2σ_b)⁻²)^(−1/2),
+σ_b fixed), so step t is the Gaussian mechanism of σ_t that the accountant records for it; σ_b must exceed the
+largest σ_t/2.
 
 The engine wiring asks :class:`QuantileClipping` for this step's C, σ_g and σ_b: bk's
-:class:`dpllm.privacy.bk.optimizer.QuantileAccumulation` (``Distributed...`` under DDP: the processes' counts
-summed, the noise added once on rank 0, as Opacus does for the gradient), and for Opacus hooks and ghost on one
-process :class:`dpllm.privacy.clipping.QuantileNoiseMixin`. Only real records enter the count: the masked
-stand-in row the trainer runs for an empty share is skipped (:meth:`QuantileClipping.skip_next`); counted, it
-would make an empty batch and a batch of one record differ by 1. The math here is testable without a model.
+:class:`dpllm.privacy.bk.optimizer.QuantileAccumulation` (``Distributed...`` under DDP, ``Sharded...`` under
+FSDP2), and for Opacus hooks and ghost :class:`dpllm.privacy.clipping.QuantileNoiseMixin` (one process or DDP;
+``dpllm.privacy.user_level`` for ULS under hooks). Across processes every process's count is summed and the
+noise added once, on rank 0 (:func:`dpllm.privacy.bk.optimizer.release_count`), so every process moves C alike.
+A unit of several rows (a ULS user, a long record split into windows) is clipped once, in one physical batch on
+one process: its bit enters the count once, and one unit moves the pair as one record does above. Only real units
+enter the count: the masked stand-in row the trainer runs for an empty share is skipped
+(:meth:`QuantileClipping.skip_next`); counted, it would make an empty batch and a batch of one record differ by 1.
+The math here is testable without a model.
 
 Example:
     >>> round(gradient_noise_multiplier(1.0, 2.0), 4)   # (1 − 1/16)^(−1/2)
@@ -170,9 +177,14 @@ class QuantileClipping:
     def load_state_dict(self, state: dict) -> None:
         self.clip, self.steps, self.count, self._skip = float(state["clip"]), int(state["steps"]), 0.0, False
 
-    def info(self, *, sigma: float) -> dict:
-        """The report's ``adaptive_clipping`` entry."""
-        return {"kind": "quantile", "target_quantile": self.target_quantile, "quantile_lr": self.lr,
-                "count_noise_multiplier": self.count_noise_multiplier,
-                "gradient_noise_multiplier": gradient_noise_multiplier(sigma, self.count_noise_multiplier),
-                "initial_max_grad_norm": self.initial, "final_max_grad_norm": self.clip, "steps": self.steps}
+    def info(self, *, sigma: float, schedule=None) -> dict:
+        """The report's ``adaptive_clipping`` entry; under a noise schedule (``schedule``: each piece's σ_t, σ₀ first)
+        ``gradient_noise_multiplier`` is σ₀'s σ_g and ``gradient_noise_multipliers`` lists each piece's."""
+        out = {"kind": "quantile", "target_quantile": self.target_quantile, "quantile_lr": self.lr,
+               "count_noise_multiplier": self.count_noise_multiplier,
+               "gradient_noise_multiplier": gradient_noise_multiplier(sigma, self.count_noise_multiplier),
+               "initial_max_grad_norm": self.initial, "final_max_grad_norm": self.clip, "steps": self.steps}
+        if schedule:
+            out["gradient_noise_multipliers"] = [gradient_noise_multiplier(s, self.count_noise_multiplier)
+                                                 for s in schedule]
+        return out

@@ -84,7 +84,8 @@ class PrivacyReport:
     # "max_length_for_95pct", "max_length_for_all"; or "truncated_records": null and "unknown" (why)
     data: Optional[dict] = None
     # clipping: quantile (dpllm.privacy.quantile): {"kind", "target_quantile", "quantile_lr",
-    # "count_noise_multiplier" (σ_b), "gradient_noise_multiplier" (σ_g), "initial_max_grad_norm",
+    # "count_noise_multiplier" (σ_b), "gradient_noise_multiplier" (σ_g; σ₀'s under a noise schedule, whose pieces'
+    # σ_g are then in "gradient_noise_multipliers"), "initial_max_grad_norm",
     # "final_max_grad_norm", "steps"}; noise_multiplier is the pair's σ, the one accounted
     adaptive_clipping: Optional[dict] = None
     # privacy.noise: banded (dpllm.privacy.correlated): {"mechanism", "bands" (b), "coefficients", "group_sample_rate"
@@ -232,12 +233,18 @@ class PrivacyReport:
                          f"ε by the reduction: {c['reduction']}")
         a = self.adaptive_clipping
         if a:
+            if a.get("gradient_noise_multipliers"):  # a noise schedule: each step's pair split from its own σ_t
+                split = (f"at each step the gradient (σ_g = {a['gradient_noise_multiplier']:.4g} at σ₀ = "
+                         f"{self.noise_multiplier:.4g}, following the schedule) and the count under C (σ_b = "
+                         f"{a['count_noise_multiplier']:.4g}) are one Gaussian mechanism of that step's σ, the σ "
+                         "accounted")
+            else:
+                split = (f"the gradient (σ_g = {a['gradient_noise_multiplier']:.4g}) and the count under C (σ_b = "
+                         f"{a['count_noise_multiplier']:.4g}) are one Gaussian mechanism of σ = "
+                         f"{self.noise_multiplier:.4g}, the σ accounted")
             lines.append(f"clipping: C adapted to the {a['target_quantile']:g} quantile of the per-record norms "
                          f"(η = {a['quantile_lr']:g}), {a['initial_max_grad_norm']:.4g} → "
-                         f"{a['final_max_grad_norm']:.4g} "
-                         f"over {a['steps']} steps; the gradient (σ_g = {a['gradient_noise_multiplier']:.4g}) and the "
-                         f"count under C (σ_b = {a['count_noise_multiplier']:.4g}) are one Gaussian mechanism of "
-                         f"σ = {self.noise_multiplier:.4g}, the σ accounted")
+                         f"{a['final_max_grad_norm']:.4g} over {a['steps']} steps; " + split)
         return lines
 
     def as_ledger_privacy(self) -> dict[str, Any]:

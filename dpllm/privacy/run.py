@@ -217,8 +217,8 @@ class RunPrivacy:
                                      target_epsilon=target, delta=delta, accountant=p.accountant,
                                      noise_multiplier=sigma, prior_history=self.lineage.history,
                                      data_notes=data_notes, schedule=noise_schedule(p), noise=self.noise)
-            if p.clipping == "quantile":  # σ_b > σ/2, or the gradient's noise would be infinite: refused here,
-                check_count_noise(self.plan.noise_multiplier, count_noise_multiplier(p, self.plan))  # before loading
+            if p.clipping == "quantile":  # σ_b > σ/2 at every step's σ, or the gradient's noise would be infinite:
+                check_count_noise(self.plan.largest_sigma(), count_noise_multiplier(p, self.plan))  # before loading
         for note in self.lineage.notes:
             log.info("stages: %s", note)
         return self.steps
@@ -317,7 +317,10 @@ class RunPrivacy:
         """``clipping: quantile``: γ, η, σ_b, σ_g and C from its start to now (None otherwise). C is a function of
         the noised counts alone, so it may be released (dpllm.privacy.quantile)."""
         q = self.private.quantile if self.dp and self.private is not None else None
-        return None if q is None else q.info(sigma=self.plan.noise_multiplier)
+        if q is None:
+            return None
+        return q.info(sigma=self.plan.noise_multiplier,
+                      schedule=[h[0] for h in self.plan.stage_history()] if self.plan.schedule else None)
 
     def clipping_state(self) -> Optional[dict]:
         """What a resumable checkpoint keeps of the clipping (``clipping: quantile``'s C), or None."""

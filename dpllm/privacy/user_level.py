@@ -45,6 +45,7 @@ from opacus.optimizers import DistributedDPOptimizer, DPOptimizer
 from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 
 from dpllm.privacy.accounting import AccountantUnavailable, PrivacyPlanError, pld_rounding_margin, smallest_noise
+from dpllm.privacy.clipping import QuantileNoiseMixin
 from dpllm.sampling import PoissonBatchSampler
 
 GROUP_PRIVACY = ("tight group privacy of at most k records under Poisson sampling: each step a mixture of "
@@ -321,8 +322,20 @@ class UserLevelDistributedDPOptimizer(UserLevelOptimizerMixin, DistributedDPOpti
     """Opacus's ``DistributedDPOptimizer`` (DDP) clipping one mean gradient per user (ULS)."""
 
 
-def optimizer_class(base: type) -> type:
-    """The ULS subclass of Opacus's hooks-mode optimizer class ``base``.
+class UserLevelQuantileDPOptimizer(QuantileNoiseMixin, UserLevelOptimizerMixin, DPOptimizer):
+    """ULS with ``clipping: quantile``: one mean gradient per unit clipped at the current C, whose centred bit enters
+    the count (:class:`dpllm.privacy.clipping.QuantileNoiseMixin` noises both)."""
+
+
+class UserLevelQuantileDistributedDPOptimizer(QuantileNoiseMixin, UserLevelOptimizerMixin, DistributedDPOptimizer):
+    """:class:`UserLevelQuantileDPOptimizer` under DDP: the count summed over processes, noised once on rank 0."""
+
+    distributed = True
+
+
+def optimizer_class(base: type, *, quantile: bool = False) -> type:
+    """The ULS subclass of Opacus's hooks-mode optimizer class ``base`` (with ``quantile``, the one that also noises
+    ``clipping: quantile``'s count: one centred bit per unit, ½ per unit as per record).
 
     Raises:
         PrivacyPlanError: ``base`` is not a hooks-mode optimizer (Opacus's ghost clipping has no per-sample
@@ -332,9 +345,9 @@ def optimizer_class(base: type) -> type:
 
     if not issubclass(base, DPOptimizerFastGradientClipping):
         if issubclass(base, DistributedDPOptimizer):
-            return UserLevelDistributedDPOptimizer
+            return UserLevelQuantileDistributedDPOptimizer if quantile else UserLevelDistributedDPOptimizer
         if issubclass(base, DPOptimizer):
-            return UserLevelDPOptimizer
+            return UserLevelQuantileDPOptimizer if quantile else UserLevelDPOptimizer
     raise PrivacyPlanError(f"user-level sampling needs grad_sample_mode: bk or hooks, but this model runs Opacus's "
                            f"{base.__name__} (ghost clipping cannot sum a user's records before clipping); set "
                            "grad_sample_mode: hooks, or freeze the layers bk cannot handle")

@@ -347,9 +347,9 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
         world_size: the number of processes. Under DDP Opacus averages the processes' sums, so its optimizer
             divides by the per-process share; under FSDP the shards hold sums, divided by the global batch.
         per_user: ULS, one clipped mean gradient per user.
-        quantile: ``clipping: quantile``'s :class:`dpllm.privacy.quantile.QuantileClipping` (one process or DDP):
-            ``clip_weights`` is its ``weights``, and the optimizer is :class:`dpllm.privacy.bk.optimizer.
-            QuantileAccumulation` (``Distributed...``), which noises the count and moves C after each step.
+        quantile: ``clipping: quantile``'s :class:`dpllm.privacy.quantile.QuantileClipping` (one process, DDP or
+            FSDP2): ``clip_weights`` is its ``weights``, and the optimizer is :class:`dpllm.privacy.bk.optimizer.
+            QuantileAccumulation` (``Distributed...``, ``Sharded...``), which noises the count and moves C.
 
     Returns:
         ``(model, optimizer)``.
@@ -366,13 +366,8 @@ def make_private_bk(*, engine, model: nn.Module, optimizer: torch.optim.Optimize
     if noise_generator is not None and secure_mode:
         raise ValueError("Passing seed is prohibited in secure mode")
     ddp = isinstance(model, (DPDDP, DDP))
-    cls = optimizer_class(distributed=ddp, sharded=is_sharded(model))  # Opacus's, minus two gradient copies
-    if quantile is not None:
-        if is_sharded(model) or per_user:
-            raise ValueError("clipping: quantile is not yet supported with FSDP2 or user-level sampling")
-        from dpllm.privacy.bk.optimizer import DistributedQuantileAccumulation, QuantileAccumulation
-
-        cls = DistributedQuantileAccumulation if ddp else QuantileAccumulation
+    # Opacus's, minus two gradient copies; clipping: quantile's variant also noises the count and moves C
+    cls = optimizer_class(distributed=ddp, sharded=is_sharded(model), quantile=quantile is not None)
     dp_optimizer = cls(optimizer, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
                        expected_batch_size=expected_batch_size / world_size if ddp else expected_batch_size,
                        loss_reduction="mean",

@@ -94,60 +94,81 @@ class ShardedLeanAccumulation(LeanAccumulation):
             rec.end_step()
 
 
-class QuantileAccumulation(LeanAccumulation):
-    """:class:`LeanAccumulation` for ``clipping: quantile``: the sum noised at σ_g·C, the count at σ_b, then C moves.
+def release_count(quantile, *, generator, secure_mode: bool, device, distributed: bool) -> float:
+    """End ``clipping: quantile``'s step: noise the centred count once and move C (every process alike).
+
+    One process: the count plus N(0, σ_b²) from ``generator``. Across processes (DDP or FSDP2, any engine): every
+    process's count summed by one all-reduce, and the noise added once, by rank 0 from its own generator, before the
+    sum (as Opacus noises the gradient on rank 0 only under DDP); every process then reads the same noised total and
+    moves C by the same arithmetic, so C stays equal everywhere. Call it after the gradient's noise, so that on one
+    process the count's draw follows the gradient's in the stream.
+
+    ``quantile`` is the run's :class:`dpllm.privacy.quantile.QuantileClipping` (this layer sits below it: only its
+    ``count``, ``count_noise_multiplier`` and ``release_noised`` are used).
+
+    Returns:
+        b̃, the noised fraction released.
+    """
+    import torch
+    import torch.distributed as dist
+
+    count = torch.tensor([quantile.count], dtype=torch.float64, device=device)
+    if not distributed or dist.get_rank() == 0:
+        count += _generate_noise(std=quantile.count_noise_multiplier, reference=count, generator=generator,
+                                 secure_mode=secure_mode)
+    if distributed:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM)
+    return quantile.release_noised(float(count.item()))
+
+
+class _QuantileNoise:
+    """``clipping: quantile`` over a bk optimizer: the sum noised at σ_g·C, the centred count at σ_b, then C moves.
 
     ``quantile`` is the run's :class:`dpllm.privacy.quantile.QuantileClipping`, whose ``weights`` bk clipped every
     record of this step with (adding each record's centred bit to its count). ``noise_multiplier`` stays the plan's
     σ: the accountant's hook reads it, and σ is what the pair (sum, count) spends (the argument is in
-    :mod:`dpllm.privacy.quantile`); the gradient's own σ_g is ``_adjusted_noise_multiplier``, which
-    :meth:`LeanAccumulation.add_noise` reads. Both noises come from ``self.generator`` (the run's secret noise
-    generator, or Opacus's secure one), the gradient's first.
+    :mod:`dpllm.privacy.quantile`); the gradient's own σ_g is ``_adjusted_noise_multiplier``, which the base
+    ``add_noise`` reads. Both noises come from ``self.generator`` (the run's secret noise generator, or Opacus's
+    secure one), the gradient's first.
     """
 
     quantile = None
+    distributed = False  # the count is summed over processes and noised once, on rank 0 (:func:`release_count`)
 
     def add_noise(self):
-        import torch
-
         q = self.quantile
         self.max_grad_norm = q.clip  # the C every record of this step was clipped at
         self._adjusted_noise_multiplier = q.gradient_noise_multiplier(self.noise_multiplier)
         super().add_noise()
-        reference = torch.zeros((1,), dtype=torch.float64, device=self.params[0].device)
-        noise = _generate_noise(std=q.count_noise_multiplier, reference=reference, generator=self.generator,
-                                secure_mode=self.secure_mode)
-        q.release(float(noise.item()))
+        release_count(q, generator=self.generator, secure_mode=self.secure_mode, device=self.params[0].device,
+                      distributed=self.distributed)
 
 
-class DistributedQuantileAccumulation(DistributedLeanAccumulation):
-    """DDP, ``clipping: quantile``: as for the gradient, the count is noised once, on rank 0, and summed over the
-    processes; every process then moves C by the same noised count, so C stays equal everywhere.
-
-    Opacus's distributed ``add_noise`` noises the gradient on rank 0 only (through :class:`LeanAccumulation`, at
-    ``_adjusted_noise_multiplier`` = σ_g) and leaves the all-reduce to ``reduce_gradients``; the count's noise is
-    drawn after the gradient's, from the same generator, as on one process.
-    """
-
-    quantile = None
-
-    def add_noise(self):
-        import torch
-        import torch.distributed as dist
-
-        q = self.quantile
-        self.max_grad_norm = q.clip
-        self._adjusted_noise_multiplier = q.gradient_noise_multiplier(self.noise_multiplier)
-        super().add_noise()
-        count = torch.tensor([q.count], dtype=torch.float64, device=self.params[0].device)
-        if self.rank == 0:
-            count += _generate_noise(std=q.count_noise_multiplier, reference=count, generator=self.generator,
-                                     secure_mode=self.secure_mode)
-        dist.all_reduce(count, op=dist.ReduceOp.SUM)
-        q.release_noised(float(count.item()))
+class QuantileAccumulation(_QuantileNoise, LeanAccumulation):
+    """One process: :class:`LeanAccumulation`'s gradient noise at σ_g·C, then the count's."""
 
 
-def optimizer_class(distributed: bool, sharded: bool = False) -> type:
+class DistributedQuantileAccumulation(_QuantileNoise, DistributedLeanAccumulation):
+    """DDP: Opacus's distributed ``add_noise`` noises the gradient on rank 0 only (at σ_g, through
+    :class:`LeanAccumulation`) and leaves the all-reduce to ``reduce_gradients``; the count is summed over the
+    processes and noised once, on rank 0, after the gradient."""
+
+    distributed = True
+
+
+class ShardedQuantileAccumulation(_QuantileNoise, ShardedLeanAccumulation):
+    """FSDP2: each process noises its own shard of the clipped sum (over all processes) at σ_g·C, as
+    :class:`ShardedLeanAccumulation` does at σ·C: every coordinate once. The count is not sharded: each process
+    holds the bits of its own records, which are summed over the processes and noised once, on rank 0."""
+
+    distributed = True
+
+
+def optimizer_class(distributed: bool, sharded: bool = False, quantile: bool = False) -> type:
+    """The bk optimizer: one process, DDP or FSDP2 (``sharded``), with ``clipping: quantile``'s count or not."""
+    if quantile:
+        return ShardedQuantileAccumulation if sharded else (
+            DistributedQuantileAccumulation if distributed else QuantileAccumulation)
     if sharded:
         return ShardedLeanAccumulation
     return DistributedLeanAccumulation if distributed else LeanAccumulation
