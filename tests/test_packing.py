@@ -1,0 +1,97 @@
+"""Packed rows (data.packing: true): each record inside a packed row is computed, and clipped, as if alone.
+
+Everything in float64 on CPU (packed_sequence_loss keeps float64 logits in float64) except Llama's RMSNorm,
+which normalises in float32 whatever the input: a packed row and a row alone sum in different orders, and
+the float32 rounding turns their 1e-16 differences into ~1e-8 relative ones. Hence 1e-6 of scale (as
+test_bk_equivalence), while a record that saw another (no mask, shared positions) moves by 1e-3 or more. The
+reference is explicit autograd on one record at a time, unpacked: its own row, no padding, no other record.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from dpllm.config import PrivacyConfig
+from dpllm.packing import block_causal_mask, collate_packed, packed_forward_loss, plan_batches
+from dpllm.privacy import clipping
+from tests.helpers import TEXTS, batch_of
+from tests.test_bk_equivalence import f64_model, make_bk
+
+CASES = [(kind, ft) for kind in ("tiny-gpt2", "tiny-llama") for ft in ("full", "lora")]
+
+
+def pieces_of(tok, texts=TEXTS):
+    return [torch.tensor(x) for x in tok(list(texts), truncation=True, max_length=48)["input_ids"]]
+
+
+def alone_grads(model, tok):
+    """Each record's own gradient of its mean next-token loss, by autograd on that record alone."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    out = []
+    for x in pieces_of(tok):
+        model.zero_grad()
+        one = collate_packed([[x]], pad_token_id=tok.pad_token_id)
+        packed_forward_loss(model, one, dtype=torch.float64).backward()
+        out.append([p.grad.detach().clone() for p in params])
+    return out
+
+
+def close(got, expected, rel=1e-6):
+    err = (got - expected).abs().max()
+    assert err <= rel * expected.abs().max() + 1e-15, (err, expected.abs().max())
+
+
+def packed_batch(tok, texts=TEXTS, row_length=96):
+    """TEXTS as batch_of cuts them (48 tokens), packed into rows of ``row_length``."""
+    pieces = pieces_of(tok, texts)
+    (rows,) = plan_batches([len(x) for x in pieces], max_length=row_length, rows_per_batch=len(pieces))
+    assert len(rows) < len(pieces)  # several records share a row
+    order = [i for row in rows for i in row]  # the records in segment order
+    return collate_packed([[pieces[i] for i in row] for row in rows], pad_token_id=tok.pad_token_id), order
+
+
+@pytest.mark.parametrize("kind", ["tiny-gpt2", "tiny-llama"])
+def test_record_logits_inside_a_packed_row_equal_its_logits_alone(kind):
+    model, tok = f64_model(kind, "full", dp=False)
+    model.eval()
+    batch, order = packed_batch(tok)
+    mask = block_causal_mask(batch["segments"], torch.float64)
+    with torch.no_grad():
+        packed = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"]).logits
+        alone = batch_of(tok)
+        ref = model(input_ids=alone["input_ids"], attention_mask=alone["attention_mask"]).logits
+    seg = batch["segments"]
+    for s, r in enumerate(order):
+        n = int(alone["attention_mask"][r].sum())
+        got = packed[seg == s]
+        assert got.shape[0] == n
+        torch.testing.assert_close(got, ref[r, :n], rtol=1e-6, atol=1e-9)
+    # the mask matters: without it the later records of a row see the earlier ones
+    with torch.no_grad():
+        mixed = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    assert (mixed[seg == 1] - ref[order[1], : int((seg == 1).sum())]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("kind, finetuning", CASES)
+@pytest.mark.parametrize("policy", ["ghost", "explicit"])
+def test_packed_clipped_sum_matches_explicit_per_record_clipping(kind, finetuning, policy):
+    model, tok = f64_model(kind, finetuning)
+    per_record = alone_grads(copy.deepcopy(model), tok)  # one record at a time, unpacked
+    norms = torch.stack([torch.sqrt(sum((g ** 2).sum() for g in gs)) for gs in per_record])
+    cfg = PrivacyConfig(max_grad_norm=float(norms.median()), grad_sample_mode="bk")
+    w = clipping.get("flat").weights(norms, cfg)  # C / (‖g‖ + 1e-6), at most 1
+    expected = [sum(wi * gs[j] for wi, gs in zip(w, per_record)) for j in range(len(per_record[0]))]
+    pt, _ = make_bk(model, tok, cfg)
+    pt.model.set_policy(policy)
+    batch, order = packed_batch(tok)
+    pt.optimizer.zero_grad()
+    pt.model.set_segments(batch["segments"])
+    packed_forward_loss(pt.model, batch, dtype=torch.float64).backward()
+    torch.testing.assert_close(pt.model.last_norms, norms[order], rtol=1e-6, atol=1e-12)
+    assert int((w < 1).sum()) >= 2  # clipping bites for some records, not all
+    pt.optimizer.pre_step()  # zero noise, divided by the expected batch size (records, not rows)
+    got = [p.grad * len(TEXTS) for p in pt.optimizer.params]
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        close(g, e)
