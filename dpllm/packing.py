@@ -58,33 +58,39 @@ def plan_batches(lengths: Sequence[int], *, max_length: int, rows_per_batch: int
     for i, u in enumerate(units):
         groups.setdefault(u, []).append(i)
     order = sorted(groups.values(), key=lambda g: (-max(lengths[i] for i in g), g[0]))
+    for i, n in enumerate(lengths):
+        if n > max_length:
+            raise ValueError(f"piece {i} has {n} tokens and does not fit a row of max_length={max_length}")
     batches: list[list[list[int]]] = []
     rows: list[list[int]] = []
     room: list[int] = []
     for group in order:
         if len(group) > rows_per_batch:
             raise ValueError(f"a unit of {len(group)} pieces cannot share one batch of {rows_per_batch} rows")
-        for attempt in (0, 1):
-            trial_rows, trial_room = [list(r) for r in rows], list(room)
-            for i in sorted(group, key=lambda i: (-lengths[i], i)):
-                n = int(lengths[i])
-                if n > max_length:
-                    raise ValueError(f"a piece of {n} tokens does not fit a row of max_length={max_length}")
-                k = next((k for k, left in enumerate(trial_room) if left >= n), None)
-                if k is None:
-                    trial_rows.append([])
-                    trial_room.append(max_length)
-                    k = len(trial_rows) - 1
-                trial_rows[k].append(i)
-                trial_room[k] -= n
-            if len(trial_rows) <= rows_per_batch or not rows:
-                rows, room = trial_rows, trial_room
-                break
-            batches.append(rows)  # this unit starts the next batch
-            rows, room = [], []
+        placed = _first_fit(group, lengths, rows, room, max_length)
+        if len(placed[0]) > rows_per_batch:  # this unit starts the next batch (where it fits: ≤ rows_per_batch)
+            batches.append(rows)
+            placed = _first_fit(group, lengths, [], [], max_length)
+        rows, room = placed
     if rows:
         batches.append(rows)
     return batches
+
+
+def _first_fit(group: list[int], lengths: Sequence[int], rows: list[list[int]], room: list[int],
+               max_length: int) -> tuple[list[list[int]], list[int]]:
+    """``rows`` (with ``room`` tokens left each) after placing ``group``'s pieces, longest first, each into
+    the first row with room or a new row; the inputs are not changed."""
+    rows, room = [list(r) for r in rows], list(room)
+    for i in sorted(group, key=lambda i: (-lengths[i], i)):
+        k = next((k for k, left in enumerate(room) if left >= lengths[i]), None)
+        if k is None:
+            rows.append([])
+            room.append(max_length)
+            k = len(rows) - 1
+        rows[k].append(i)
+        room[k] -= int(lengths[i])
+    return rows, room
 
 
 def collate_packed(rows: list[list[torch.Tensor]], *, pad_token_id: int) -> dict[str, torch.Tensor]:

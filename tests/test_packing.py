@@ -95,3 +95,52 @@ def test_packed_clipped_sum_matches_explicit_per_record_clipping(kind, finetunin
     assert len(got) == len(expected)
     for g, e in zip(got, expected):
         close(g, e)
+
+
+def test_plan_batches_keeps_records_whole_and_units_together():
+    lengths = [30, 5, 64, 17, 40, 8, 8, 60, 12]
+    units = [0, 1, 2, 2, 3, 4, 4, 5, 6]  # units 2 and 4 are the windows of one record each
+    batches = plan_batches(lengths, max_length=64, rows_per_batch=2, units=units)
+    placed = [i for b in batches for row in b for i in row]
+    assert sorted(placed) == list(range(len(lengths)))  # every piece once, none cut
+    assert all(len(b) <= 2 and all(sum(lengths[i] for i in row) <= 64 for row in b) for b in batches)
+    where = {i: k for k, b in enumerate(batches) for row in b for i in row}
+    assert where[2] == where[3] and where[5] == where[6]  # a unit's pieces in one backward pass
+    assert sum(len(b) for b in batches) < len(lengths)  # records share rows
+    with pytest.raises(ValueError, match="does not fit"):
+        plan_batches([65], max_length=64, rows_per_batch=2)
+    with pytest.raises(ValueError, match="cannot share one batch"):
+        plan_batches([10, 10, 10], max_length=64, rows_per_batch=2, units=[0, 0, 0])
+
+
+def test_split_windows_packed_are_clipped_once_per_record():
+    """long_records: split with packing: a record's windows are segments of the packed rows, one unit."""
+    from dpllm.privacy.bk import BookKeepingModule
+
+    model, tok = f64_model("tiny-llama", "full")
+    pieces = pieces_of(tok)
+    long = torch.tensor(tok(TEXTS[1] + " " + TEXTS[3], truncation=False)["input_ids"])
+    windows = [long[:40], long[40:]]  # one record of two windows
+    items, unit = pieces[:3] + windows, [0, 1, 2, 3, 3]
+    params = [p for p in model.parameters() if p.requires_grad]
+    alone = []
+    for x in items:
+        model.zero_grad()
+        packed_forward_loss(model, collate_packed([[x]], pad_token_id=tok.pad_token_id), dtype=torch.float64).backward()
+        alone.append([p.grad.detach().clone() for p in params])
+    per_unit = [[sum(alone[i][j] for i in range(5) if unit[i] == u) for j in range(len(params))] for u in range(4)]
+    norms = torch.stack([torch.sqrt(sum((g ** 2).sum() for g in gs)) for gs in per_unit])
+    C = float(norms.median())
+    weights = (C / norms).clamp(max=1.0)
+    expected = [sum(w * gs[j] for w, gs in zip(weights, per_unit)) for j in range(len(params))]
+    (rows,) = plan_batches([len(x) for x in items], max_length=96, rows_per_batch=5, units=unit)
+    assert len(rows) < len(items)
+    batch = collate_packed([[items[i] for i in row] for row in rows], pad_token_id=tok.pad_token_id)
+    bk = BookKeepingModule(model, clip_weights=lambda n: (C / n).clamp(max=1.0), per_user=True)
+    model.zero_grad()
+    bk.set_segments(batch["segments"])
+    bk.set_users([unit[i] for row in rows for i in row], reduction="sum")
+    packed_forward_loss(bk, batch, dtype=torch.float64).backward()
+    torch.testing.assert_close(bk.last_norms, norms, rtol=1e-6, atol=1e-12)
+    for p, e in zip(params, expected):
+        close(p.grad, e)
