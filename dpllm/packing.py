@@ -93,14 +93,20 @@ def _first_fit(group: list[int], lengths: Sequence[int], rows: list[list[int]], 
     return rows, room
 
 
-def collate_packed(rows: list[list[torch.Tensor]], *, pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Packed rows of 1-D token-id pieces → ``input_ids``, ``labels``, ``position_ids``, ``segments`` (B, T).
+def piece_length(item) -> int:
+    """Tokens of one dataset item: a 1-D tensor of ids (text records, windows) or an SFT record's dict."""
+    return len(item["input_ids"]) if isinstance(item, dict) else len(item)
 
-    ``segments`` numbers the pieces 0..S−1 in row order (−1 on padding); T is the fullest row's length.
-    Labels are -100 on padding and on each piece's first token (predicting it from the previous piece would
-    join two records).
+
+def collate_packed(rows: list[list], *, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Packed rows of pieces → ``input_ids``, ``labels``, ``position_ids``, ``segments`` (B, T).
+
+    A piece is a 1-D tensor of token ids (labels: the ids) or an SFT record's ``{"input_ids", "labels"}``
+    (labels -100 on the prompt, :mod:`dpllm.sft`). ``segments`` numbers the pieces 0..S−1 in row order (−1 on
+    padding); T is the fullest row's length. Labels are -100 on padding and on each piece's first token
+    (predicting it from the previous piece would join two records).
     """
-    T = max(sum(len(x) for x in row) for row in rows)
+    T = max(sum(piece_length(x) for x in row) for row in rows)
     B = len(rows)
     ids = torch.full((B, T), pad_token_id, dtype=torch.long)
     labels = torch.full((B, T), -100, dtype=torch.long)
@@ -110,26 +116,51 @@ def collate_packed(rows: list[list[torch.Tensor]], *, pad_token_id: int) -> dict
     for b, row in enumerate(rows):
         t = 0
         for x in row:
+            x, y = (torch.as_tensor(x["input_ids"]), torch.as_tensor(x["labels"])) if isinstance(x, dict) else (x, x)
             n = len(x)
             ids[b, t: t + n] = x
-            labels[b, t + 1: t + n] = x[1:]
+            labels[b, t + 1: t + n] = y[1:]
             positions[b, t: t + n] = torch.arange(n)
             segments[b, t: t + n] = s
             s, t = s + 1, t + n
     return {"input_ids": ids, "labels": labels, "position_ids": positions, "segments": segments}
 
 
-def block_causal_mask(segments: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The 4-D additive attention mask (B, 1, T, T) of packed rows: 0 where token i may see token j (same
-    segment, j ≤ i), the dtype's lowest value elsewhere. A padding token sees itself only (no row of all −inf,
-    whose softmax would be NaN); no real token sees it."""
+def block_causal_mask(segments: torch.Tensor, dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+    """The 4-D attention mask (B, 1, T, T) of packed rows: token i may see token j iff they are in the same
+    segment and j ≤ i. ``dtype`` given: additive (0 or the dtype's lowest value, for eager attention); None:
+    boolean, True where allowed (sdpa). A padding token sees itself only (no row of all −inf, whose softmax
+    would be NaN); no real token sees it."""
     T = segments.shape[1]
     same = segments[:, :, None] == segments[:, None, :]
     causal = torch.ones(T, T, dtype=torch.bool, device=segments.device).tril()
     pad_self = (segments < 0)[:, :, None] & torch.eye(T, dtype=torch.bool, device=segments.device)
-    allowed = (same & causal & (segments >= 0)[:, :, None]) | pad_self
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=segments.device)
-    return mask.masked_fill(~allowed, torch.finfo(dtype).min).unsqueeze(1)
+    allowed = ((same & causal & (segments >= 0)[:, :, None]) | pad_self).unsqueeze(1)
+    if dtype is None:
+        return allowed
+    return torch.zeros(allowed.shape, dtype=dtype, device=segments.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+#: attention implementations that take a 4-D mask as given, and the mask's dtype (None: boolean)
+MASKS = {"sdpa": None, "eager": "additive"}
+
+
+def attention_of(model: nn.Module) -> tuple[str, Optional[torch.dtype]]:
+    """``(implementation, mask dtype)`` for packed rows of ``model`` (an HF model, PEFT- or otherwise wrapped).
+
+    Raises:
+        ValueError: an attention implementation that does not take our 4-D mask (flash attention, flex), named.
+    """
+    inner = model
+    while not hasattr(inner, "config") and hasattr(inner, "module"):
+        inner = inner.module
+    impl = getattr(getattr(inner, "config", None), "_attn_implementation", None) or "eager"
+    if impl not in MASKS:
+        raise ValueError(f"data.packing needs attention that takes a 4-D block-diagonal mask (sdpa or eager); this "
+                         f"model runs attn_implementation={impl!r}: load it with attn_implementation='sdpa', or "
+                         "set data.packing: false")
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    return impl, (dtype if MASKS[impl] == "additive" else None)
 
 
 def packed_sequence_loss(logits: torch.Tensor, labels: torch.Tensor, segments: torch.Tensor) -> torch.Tensor:
@@ -154,12 +185,65 @@ def packed_sequence_loss(logits: torch.Tensor, labels: torch.Tensor, segments: t
     return (total / counts.clamp(min=1)).mean()
 
 
-def packed_forward_loss(model: nn.Module, batch: dict, *, dtype: torch.dtype = torch.float32, autocast=None):
-    """The model on packed rows (block-diagonal mask, per-record positions) and :func:`packed_sequence_loss`."""
+def packed_forward_loss(model: nn.Module, batch: dict, *, mask_dtype: Optional[torch.dtype] = None, autocast=None):
+    """The model on packed rows (block-diagonal mask, per-record positions), then :func:`packed_sequence_loss`.
+
+    Args:
+        mask_dtype: None for a boolean mask (sdpa), else the additive mask's dtype (eager): :func:`attention_of`.
+        autocast: a context-manager factory (mixed precision), or None.
+    """
     from contextlib import nullcontext
 
     ctx = autocast() if autocast is not None else nullcontext()
     with ctx:
-        out = model(input_ids=batch["input_ids"], attention_mask=block_causal_mask(batch["segments"], dtype),
+        out = model(input_ids=batch["input_ids"], attention_mask=block_causal_mask(batch["segments"], mask_dtype),
                     position_ids=batch["position_ids"])
     return packed_sequence_loss(out.logits, batch["labels"], batch["segments"])
+
+
+def check_records_apart(model: nn.Module, batch: dict, *, mask_dtype: Optional[torch.dtype] = None) -> None:
+    """Refuse a model in which one record of a packed row changes another record's outputs.
+
+    The mask and positions are ours, but a model is free to ignore them (an attention that does not read a 4-D
+    mask, a layer that mixes positions): one record would then reach the gradients of its row-mates, which no
+    per-record clipping bounds. On the first packed batch (gradients off, evaluation mode, random state
+    restored) the first record of the fullest row is changed (ids shifted by one) and the other records'
+    logits must stay within :data:`dpllm.privacy.independence.SAME_SHAPE_TOL` of the largest logit: the same
+    kernels on the same shapes reproduce them exactly where the records are apart.
+
+    Raises:
+        dpllm.privacy.paths.UnclippableModel: naming how far the other records moved.
+    """
+    from dpllm.privacy.independence import SAME_SHAPE_TOL
+    from dpllm.privacy.paths import UnclippableModel
+
+    seg = batch["segments"]
+    counts = [int(torch.unique(r[r >= 0]).numel()) for r in seg]
+    if not counts or max(counts) < 2:
+        return  # no row holds two records in this batch: nothing to compare
+    row = counts.index(max(counts))
+    first = int(seg[row][seg[row] >= 0][0])
+    ids = batch["input_ids"].clone()
+    where = seg == first
+    vocab = getattr(getattr(model, "get_input_embeddings", lambda: None)(), "num_embeddings", None)
+    ids[where] = (ids[where] + 1) % int(vocab or int(ids.max()) + 2)
+    mask = block_causal_mask(seg, mask_dtype)
+    modes = [(m, m.training) for m in model.modules()]
+    cuda = [ids.device] if ids.device.type == "cuda" else []
+    try:
+        model.eval()
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            ref = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"]).logits
+            out = model(input_ids=ids, attention_mask=mask, position_ids=batch["position_ids"]).logits
+    finally:
+        for m, was in modes:
+            m.training = was
+    others = (seg >= 0) & ~where
+    a, b = ref[others].float(), out[others].float()
+    moved, scale = float((a - b).abs().max()), float(a.abs().max())
+    if not moved <= SAME_SHAPE_TOL * max(scale, 1e-12):
+        raise UnclippableModel(
+            f"data.packing: changing one record of a packed row moved the other records' logits by {moved:.3g} "
+            f"(largest {scale:.3g}; tolerance {SAME_SHAPE_TOL:g} of it): this model does not keep the records of a "
+            "row apart under the block-diagonal mask and per-record positions, so one record would reach the "
+            "others' clipped gradients; set data.packing: false")

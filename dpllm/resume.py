@@ -160,7 +160,7 @@ def _flat(d: dict) -> dict:
 # Options added after a run may have started: absent from its saved config they mean this value, and at this value
 # they are left out of the key, so a run started before them resumes with the same config and the same key.
 ADDED_LATER = {"model.quantization": "none", "data.record_fraction": None, "data.long_records": "truncate",
-               "data.max_windows": 8}
+               "data.max_windows": 8, "data.packing": False}
 
 
 def config_key(cfg: RunConfig) -> str:

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from dpllm.config import PrivacyConfig
-from dpllm.packing import block_causal_mask, collate_packed, packed_forward_loss, plan_batches
+from dpllm.packing import attention_of, block_causal_mask, collate_packed, packed_forward_loss, plan_batches
 from dpllm.privacy import clipping
-from tests.helpers import TEXTS, batch_of
+from tests.helpers import TEXTS, batch_of, tiny_model
 from tests.test_bk_equivalence import f64_model, make_bk
 
 CASES = [(kind, ft) for kind in ("tiny-gpt2", "tiny-llama") for ft in ("full", "lora")]
@@ -32,7 +32,7 @@ def alone_grads(model, tok):
     for x in pieces_of(tok):
         model.zero_grad()
         one = collate_packed([[x]], pad_token_id=tok.pad_token_id)
-        packed_forward_loss(model, one, dtype=torch.float64).backward()
+        packed_forward_loss(model, one).backward()
         out.append([p.grad.detach().clone() for p in params])
     return out
 
@@ -51,12 +51,15 @@ def packed_batch(tok, texts=TEXTS, row_length=96):
     return collate_packed([[pieces[i] for i in row] for row in rows], pad_token_id=tok.pad_token_id), order
 
 
-@pytest.mark.parametrize("kind", ["tiny-gpt2", "tiny-llama"])
-def test_record_logits_inside_a_packed_row_equal_its_logits_alone(kind):
+@pytest.mark.parametrize("kind, attn", [("tiny-gpt2", "sdpa"), ("tiny-llama", "sdpa"), ("tiny-llama", "eager")])
+def test_record_logits_inside_a_packed_row_equal_its_logits_alone(kind, attn):
     model, tok = f64_model(kind, "full", dp=False)
+    model.set_attn_implementation(attn)
     model.eval()
+    impl, mask_dtype = attention_of(model)
+    assert impl == attn and mask_dtype == (torch.float64 if attn == "eager" else None)
     batch, order = packed_batch(tok)
-    mask = block_causal_mask(batch["segments"], torch.float64)
+    mask = block_causal_mask(batch["segments"], mask_dtype)
     with torch.no_grad():
         packed = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"]).logits
         alone = batch_of(tok)
@@ -87,7 +90,7 @@ def test_packed_clipped_sum_matches_explicit_per_record_clipping(kind, finetunin
     batch, order = packed_batch(tok)
     pt.optimizer.zero_grad()
     pt.model.set_segments(batch["segments"])
-    packed_forward_loss(pt.model, batch, dtype=torch.float64).backward()
+    packed_forward_loss(pt.model, batch).backward()
     torch.testing.assert_close(pt.model.last_norms, norms[order], rtol=1e-6, atol=1e-12)
     assert int((w < 1).sum()) >= 2  # clipping bites for some records, not all
     pt.optimizer.pre_step()  # zero noise, divided by the expected batch size (records, not rows)
@@ -126,7 +129,7 @@ def test_split_windows_packed_are_clipped_once_per_record():
     alone = []
     for x in items:
         model.zero_grad()
-        packed_forward_loss(model, collate_packed([[x]], pad_token_id=tok.pad_token_id), dtype=torch.float64).backward()
+        packed_forward_loss(model, collate_packed([[x]], pad_token_id=tok.pad_token_id)).backward()
         alone.append([p.grad.detach().clone() for p in params])
     per_unit = [[sum(alone[i][j] for i in range(5) if unit[i] == u) for j in range(len(params))] for u in range(4)]
     norms = torch.stack([torch.sqrt(sum((g ** 2).sum() for g in gs)) for gs in per_unit])
@@ -140,7 +143,132 @@ def test_split_windows_packed_are_clipped_once_per_record():
     model.zero_grad()
     bk.set_segments(batch["segments"])
     bk.set_users([unit[i] for row in rows for i in row], reduction="sum")
-    packed_forward_loss(bk, batch, dtype=torch.float64).backward()
+    packed_forward_loss(bk, batch).backward()
     torch.testing.assert_close(bk.last_norms, norms, rtol=1e-6, atol=1e-12)
     for p, e in zip(params, expected):
         close(p.grad, e)
+
+
+def _short_records(tmp_path):
+    """120 text records: most short (13–31 byte tokens, several to a row of 64), every fifth ~100 tokens."""
+    import json
+
+    path = tmp_path / "short.jsonl"
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta"]
+    texts = [f"record {i}: " + " ".join(words[(i * k) % 8] for k in range(1 + i % 4)) for i in range(120)]
+    texts = [t + (" and then" + t) * 3 if i % 5 == 0 else t for i, t in enumerate(texts)]  # some of ~100 tokens
+    lines = [json.dumps({"text": t}) for t in texts]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _run(tmp_path, name, *extra):
+    from dpllm.config import parse_config
+    from dpllm.train import train
+
+    out = tmp_path / name
+    summary = train(parse_config([
+        "--model_name_or_path", "tiny-llama", "--finetuning", "full", "--tiny_hidden_size", "32",
+        "--tiny_num_layers", "1", "--dataset", str(_short_records(tmp_path)), "--min_chars", "8",
+        "--max_length", "64", "--grad_sample_mode", "bk",
+        "--max_steps", "3", "--logical_batch_size", "16", "--physical_batch_size", "4", "--eval_every", "0",
+        "--eval_max_records", "8", "--target_delta", "1e-3", "--output_dir", str(out), "--progress", "false",
+        "--reproducible_noise", "true", *extra]))
+    return out, summary
+
+
+def _weights(run):
+    from safetensors.torch import load_file
+
+    (path,) = (run / "checkpoint").glob("*.safetensors")
+    return load_file(path)
+
+
+def test_packed_run_trains_the_same_model_as_unpacked_at_the_same_epsilon_and_says_so(tmp_path, monkeypatch):
+    """Same records sampled, same noise: the packed run's update is the unpacked run's, up to float rounding."""
+    import dataclasses
+
+    from dpllm import resume
+    from dpllm.privacy.report import PrivacyReport
+
+    # the stage key seeds the (reproducible) sampling and noise: give both runs the unpacked run's key
+    key = resume.config_key
+    monkeypatch.setattr(resume, "config_key", lambda cfg: key(dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, packing=False))))
+    (plain, s0), (packed, s1) = _run(tmp_path, "plain"), _run(tmp_path, "packed", "--packing", "true")
+    a, b = PrivacyReport.read(plain), PrivacyReport.read(packed)
+    assert (a.num_records, a.sample_rate, a.noise_multiplier, a.steps, a.history, a.epsilon, a.privacy_unit) == (
+        b.num_records, b.sample_rate, b.noise_multiplier, b.steps, b.history, b.epsilon, b.privacy_unit)
+    assert a.packing is None and b.packing["tokens_per_row"] == 64
+    k = b.packing
+    assert k["records"] > 1.5 * k["rows"] and k["real_tokens"] == s1["tokens_seen"] == s0["tokens_seen"]
+    assert "packed into" in " ".join(b.details()) and "clipped alone" in " ".join(b.details())
+    wa, wb = _weights(plain), _weights(packed)
+    moved = max(float((wa[n] - wb[n]).abs().max()) for n in wa)
+    assert moved < 1e-4, moved  # float32 rounding of two batchings of one sum; a wrong clip moves them ~1e-2
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--privacy_unit", "user"], "privacy_unit=user it is not built"),
+    (["--grad_sample_mode", "hooks"], "not hooks"),
+    (["--grad_sample_mode", "ghost"], "not ghost"),
+    (["--clipping", "quantile"], "clipping: quantile is not built"),
+])
+def test_packing_refuses_what_it_cannot_do_in_one_line(extra, words):
+    from dpllm.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=words):
+        parse_config(["--packing", "true", *extra])
+
+
+def test_packing_refuses_a_model_bk_cannot_clip_naming_the_layer():
+    from dpllm.config import ConfigError, parse_config
+    from dpllm.privacy.modes import prepare_engine
+
+    model, _ = tiny_model("tiny-llama", "full", dp=True)
+    model.model.add_module("extra", torch.nn.BatchNorm1d(4))  # a trainable layer without a bk rule
+    cfg = parse_config(["--packing", "true", "--grad_sample_mode", "auto"])
+    with pytest.raises(ConfigError, match="BatchNorm1d.*data.packing: false"):
+        prepare_engine(model, cfg, sharded=False, keep_tie=False)
+
+
+def test_packing_refuses_attention_that_ignores_our_mask_and_models_that_mix_records():
+    from dpllm.packing import check_records_apart
+    from dpllm.privacy.paths import UnclippableModel
+
+    model, tok = tiny_model("tiny-llama", "full", dp=False)
+    batch, _ = packed_batch(tok)
+    check_records_apart(model, batch)  # the block-diagonal mask keeps them apart: no error
+    assert model.training  # modes restored
+
+    class NoMask(torch.nn.Module):  # an attention path that does not read the 4-D mask
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, input_ids, attention_mask, position_ids):
+            return self.inner(input_ids=input_ids, position_ids=position_ids)
+
+    with pytest.raises(UnclippableModel, match="does not keep the records of a row apart"):
+        check_records_apart(NoMask(model), batch)
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*packing: false"):
+        attention_of(model)
+
+
+@pytest.mark.parametrize("extra", [
+    ["--long_records", "split", "--max_windows", "3", "--max_length", "48"],  # windows are the pieces packed
+    ["--dataset", "stdlib_qa", "--max_records", "120", "--max_length", "256"],  # chat records: loss on answers
+    ["--enabled", "false"],  # packing without DP: the same loss, rows filled
+])
+def test_packed_runs_with_split_windows_chat_records_and_without_dp(tmp_path, extra):
+    from dpllm.privacy.report import PrivacyReport
+
+    out, summary = _run(tmp_path, "run", "--packing", "true", *extra)
+    rep = PrivacyReport.read(out)
+    k = rep.packing
+    assert k["records"] > k["rows"] > 0 and k["real_tokens"] == summary["tokens_seen"]
+    assert k["real_tokens"] > 0.5 * k["row_tokens"]
+    if "split" in extra:
+        assert rep.data["long_records"] == "split" and rep.data["windows"] > rep.num_records
+        assert rep.privacy_unit == "record"

@@ -87,6 +87,9 @@ class PrivacyReport:
     # "count_noise_multiplier" (σ_b), "gradient_noise_multiplier" (σ_g), "initial_max_grad_norm",
     # "final_max_grad_norm", "steps"}; noise_multiplier is the pair's σ, the one accounted
     adaptive_clipping: Optional[dict] = None
+    # data.packing (dpllm.packing): {"tokens_per_row" (max_length), "rows", "records" (segments trained, a window of
+    # a split record counted as one), "real_tokens", "row_tokens" (rows × each batch's row length)}
+    packing: Optional[dict] = None
 
     @property
     def releasable(self) -> bool:
@@ -213,6 +216,8 @@ class PrivacyReport:
             lines.append("unit: " + sequence_unit_words(self.sequence_level, self.epsilon))
         if self.data:
             lines.append("data: " + truncation.describe(self.data))
+        if self.packing:
+            lines.append("packing: " + packing_words(self.packing))
         a = self.adaptive_clipping
         if a:
             lines.append(f"clipping: C adapted to the {a['target_quantile']:g} quantile of the per-record norms "
@@ -250,3 +255,13 @@ def sequence_unit_words(info: dict, epsilon: float) -> str:
 NOT_RELEASABLE = ("this run used reproducible (seeded) noise (privacy.reproducible_noise: true): anyone with its "
                   "config can regenerate the noise and batches, so it carries no DP guarantee; retrain without "
                   "reproducible_noise before releasing anything")
+
+
+def packing_words(info: dict) -> str:
+    """One sentence on ``data.packing`` for ``dpllm report`` and the card."""
+    k = info
+    fill = k["real_tokens"] / max(1, k["row_tokens"])
+    return (f"{k['records']:,} records (segments) were packed into {k['rows']:,} rows of at most "
+            f"{k['tokens_per_row']:,} tokens ({fill:.0%} of the rows' positions real tokens), per step from the "
+            "records sampled; each record attended only to its own tokens (block-diagonal mask, positions from 0) "
+            "and its gradient was clipped alone, so the unit is the record")
