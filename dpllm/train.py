@@ -368,11 +368,11 @@ class Trainer:
             batch = {k: v.to(self.device) for k, v in batch.items()}
             if self.dp:
                 self.optimizer.signal_skip_step(do_skip=not last)
-            if packed and self.dp:  # bk clips each record's segment of the rows alone
-                if not self.packed_checked:  # the first packed batch: the model keeps a row's records apart
+            if self.packed and self.dp:  # bk clips each record's segment of the rows alone (the stand-in: a row)
+                if packed and not self.packed_checked:  # the first packed batch: the model keeps records apart
                     packing.check_records_apart(unwrap(self.model), batch, mask_dtype=self.packed_mask_dtype)
                     self.packed_checked = True
-                self.private.set_segments(batch["segments"])
+                self.private.set_segments(batch["segments"] if packed else None)
             if self.privacy.per_unit:  # an empty share's masked stand-in row is a unit of its own, zero gradient
                 self.private.set_users([self.privacy.record_user[j] for j in part] or [-1],
                                        reduction=self.privacy.unit_reduction)

@@ -272,3 +272,30 @@ def test_packed_runs_with_split_windows_chat_records_and_without_dp(tmp_path, ex
     if "split" in extra:
         assert rep.data["long_records"] == "split" and rep.data["windows"] > rep.num_records
         assert rep.privacy_unit == "record"
+
+
+def test_doctests():
+    import doctest
+
+    from dpllm import packing
+    from dpllm.privacy.bk import layers
+
+    assert doctest.testmod(packing).failed == 0 and doctest.testmod(layers).failed == 0
+
+
+def test_bk_refuses_a_trainable_layer_that_does_not_see_each_token_of_the_packed_rows():
+    """A head over a pooled input (one vector per row) cannot be split by record: refused, not clipped per row."""
+    from dpllm.privacy.bk import BookKeepingModule
+
+    class Pooled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.head = torch.nn.Embedding(11, 4), torch.nn.Linear(4, 1)
+
+        def forward(self, ids):
+            return self.head(self.emb(ids).mean(1)).sum()
+
+    bk = BookKeepingModule(Pooled(), clip_weights=lambda n: torch.ones_like(n))
+    bk.set_segments(torch.tensor([[0, 0, 1, 1, -1]]))
+    with pytest.raises(RuntimeError, match=r"saw \(1, 1\).*packed batch is \(1, 5\).*packing: false"):
+        bk(torch.randint(0, 11, (1, 5))).backward()
