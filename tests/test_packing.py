@@ -77,8 +77,13 @@ def test_record_logits_inside_a_packed_row_equal_its_logits_alone(kind, attn):
 
 
 @pytest.mark.parametrize("kind, finetuning", CASES)
-@pytest.mark.parametrize("policy", ["ghost", "explicit"])
-def test_packed_clipped_sum_matches_explicit_per_record_clipping(kind, finetuning, policy):
+@pytest.mark.parametrize("policy, width", [("ghost", None), ("explicit", None), ("ghost", 16), ("explicit", 16)])
+def test_packed_clipped_sum_matches_explicit_per_record_clipping(kind, finetuning, policy, width, monkeypatch):
+    """Width None: one sub-row per record here (the chosen width); 16: every record folded over several sub-rows."""
+    from dpllm.privacy.bk.layers import Segments
+
+    if width:
+        monkeypatch.setattr(Segments, "choose_width", classmethod(lambda cls, lengths: width))
     model, tok = f64_model(kind, finetuning)
     per_record = alone_grads(copy.deepcopy(model), tok)  # one record at a time, unpacked
     norms = torch.stack([torch.sqrt(sum((g ** 2).sum() for g in gs)) for gs in per_record])
@@ -116,9 +121,14 @@ def test_plan_batches_keeps_records_whole_and_units_together():
         plan_batches([10, 10, 10], max_length=64, rows_per_batch=2, units=[0, 0, 0])
 
 
-def test_split_windows_packed_are_clipped_once_per_record():
+@pytest.mark.parametrize("width", [None, 16])
+def test_split_windows_packed_are_clipped_once_per_record(width, monkeypatch):
     """long_records: split with packing: a record's windows are segments of the packed rows, one unit."""
     from dpllm.privacy.bk import BookKeepingModule
+    from dpllm.privacy.bk.layers import Segments
+
+    if width:  # each window folded over sub-rows of 16: sub-rows → window → record
+        monkeypatch.setattr(Segments, "choose_width", classmethod(lambda cls, lengths: width))
 
     model, tok = f64_model("tiny-llama", "full")
     pieces = pieces_of(tok)
@@ -272,6 +282,16 @@ def test_packed_runs_with_split_windows_chat_records_and_without_dp(tmp_path, ex
     if "split" in extra:
         assert rep.data["long_records"] == "split" and rep.data["windows"] > rep.num_records
         assert rep.privacy_unit == "record"
+
+
+def test_sub_row_width_wastes_few_positions():
+    from dpllm.privacy.bk.layers import Segments
+
+    assert Segments.choose_width([40, 41, 39]) == 41  # alike: one row each
+    w = Segments.choose_width([500] + [60] * 30)  # one long record among short ones: fold it, not pad them to it
+    assert w < 500 and 31 * w < 0.5 * 31 * 500
+    seg = Segments(torch.tensor([[0] * 5 + [1] * 2 + [-1]]), width=2)
+    assert seg.owner.tolist() == [0, 0, 0, 1] and seg.most == 3 and seg.count == 2
 
 
 def test_doctests():

@@ -192,8 +192,7 @@ class BookKeepingModule(nn.Module):
             raise RuntimeError("set_users() on a record-level BookKeepingModule; build it with per_user=True")
         ids = torch.as_tensor(list(users), dtype=torch.long)
         self._units = Units.sum_over(ids) if reduction == "sum" else Units.mean_over(ids)
-        for r in self._records:
-            r.rows_per_unit = max(1, self._units.largest)
+        self._set_rows_per_unit()
 
     def set_segments(self, segment: Optional[torch.Tensor]) -> None:
         """Packed rows: the record (segment id 0..S−1, −1 for padding) of every token (B, T) of the next batch.
@@ -205,6 +204,15 @@ class BookKeepingModule(nn.Module):
         self._segments = None if segment is None else Segments(segment)
         for r in self._records:
             r.segments = self._segments
+        self._set_rows_per_unit()
+
+    def _set_rows_per_unit(self) -> None:
+        """The most rows one unit spans (a user's records, a record's windows, a packed segment's sub-rows): the
+        ghost norm's cost grows with it (a cost only: the norms are exact either way)."""
+        most = (max(1, self._units.largest) if self._units is not None else 1) * (
+            self._segments.most if self._segments is not None else 1)
+        for r in self._records:
+            r.rows_per_unit = most
 
     def forward(self, *args, **kwargs):
         if _graph_task() == -1:  # a new forward pass, not a recomputation inside backward
@@ -264,8 +272,9 @@ class BookKeepingModule(nn.Module):
                                "now would clip part of the model separately; " + NESTED_FIX)
         sizes = {r.batch_size() for r in active}
         rows, B = self._rows, max(sizes)
-        if self._segments is not None:  # the records are the segments of the packed rows
-            rows = self._segments.count
+        packed = self._segments
+        if packed is not None:  # the records are the segments of the packed rows, each over its sub-rows
+            rows = len(packed.owner)
         if len(sizes) != 1 or (rows is not None and B != rows):
             seen = ", ".join(sorted({f"{type(r.module).__name__}: {r.batch_size()}" for r in active}))
             batch = f"a batch of {rows} records" if rows is not None else "one batch"
@@ -277,10 +286,13 @@ class BookKeepingModule(nn.Module):
         self._rows = None
         units, self._units = self._units, None
         self.set_segments(None)
-        if self.per_user and (units is None or len(units.inverse) != B):
-            raise RuntimeError(f"user-level bk got {B} rows but set_users() gave "
+        records = packed.count if packed is not None else B  # the loss's mean is over the records (segments)
+        if self.per_user and (units is None or len(units.inverse) != records):
+            raise RuntimeError(f"user-level bk got {records} rows (packed segments) but set_users() gave "
                                f"{None if units is None else len(units.inverse)} users; a dpllm bug")
-        scale = float(B) if self.loss_reduction == "mean" else 1.0
+        if packed is not None:  # each segment's sub-rows (and a split record's segments) summed into one unit
+            units = packed.units(units)
+        scale = float(records) if self.loss_reduction == "mean" else 1.0
         norm2 = None
         for r in active:
             part = r.rule.norm2(r, units)

@@ -23,10 +23,11 @@ Packed rows (``data.packing: true``) hold several records each, every token tagg
 (:class:`Segments`). A record's gradient is the sum over *its tokens* of the per-token terms (gₜaₜᵀ for a weight,
 gₜ for a bias, gₜ⊙x̂ₜ for a norm's weight, gₜ into row xₜ of an embedding): attention never crosses a segment, so
 the loss of every other record has no path to this record's tokens. So every rule, when it records a call,
-gathers each segment's tokens into a row of their own, (B, T, d) → (S, L, d) with L the longest segment and
-zeros after a segment's end, and from there on the records are rows as ever: the ghost norm pairs only tokens of
-one segment (the block-diagonal part of the T×T Gram matrices, with nothing else computed), the explicit
-per-sample gradient is the segment's, the embedding groups token ids per segment, and the clipped sum scales
+gathers each segment's tokens into rows of their own, (B, T, d) → (sub-rows, w, d): a segment of L tokens fills
+⌈L/w⌉ sub-rows of w positions, zeros after its end. The engine then treats a segment's sub-rows as one unit,
+exactly as the windows of a split record (``Units``, weight 1): the ghost norm pairs only tokens of one segment
+(the block-diagonal part of the T×T Gram matrices, with nothing else computed), the explicit per-sample gradient
+is summed over the segment's sub-rows, the embedding groups token ids per segment, and the clipped sum scales
 each segment's tokens by its own factor. Zeros add nothing to any of these sums, so the result is exactly each
 record's own gradient, as if it had been a row alone.
 """
@@ -95,18 +96,27 @@ class Units:
 class Segments:
     """The records of packed rows: token (b, t) belongs to segment ``segment[b, t]`` (−1: no record, padding).
 
-    :meth:`rows` gathers each segment's tokens, in position order, into a row of its own. Segment ids must be
-    0..S−1, each with at least one token; a segment may not span rows (the packer never makes one), though the
-    gathering would not care.
+    :meth:`rows` gathers each segment's tokens, in position order, into rows of their own of ``width`` positions:
+    a segment of L tokens fills ⌈L/width⌉ consecutive *sub-rows* (``owner`` names each sub-row's segment), the
+    last one zero after the segment's end. The engine then groups a segment's sub-rows back into one unit
+    (:class:`Units`, weight 1: the segment's gradient is the sum over its sub-rows, cross terms included), so
+    the width changes the cost, never the result. It is chosen to waste few positions: one row per segment at
+    the longest segment's length would pad every short record to it. Segment ids must be 0..S−1, each with at
+    least one token; a segment may not span rows (the packer never makes one), though the gathering would not
+    care.
 
-        >>> seg = Segments(torch.tensor([[0, 0, 1, -1], [2, 2, 2, 2]]))
-        >>> seg.rows(torch.arange(8.).view(2, 4, 1)).squeeze(-1)
-        tensor([[0., 1., 0., 0.],
-                [2., 0., 0., 0.],
-                [4., 5., 6., 7.]])
+        >>> seg = Segments(torch.tensor([[0, 0, 1, -1], [2, 2, 2, 2]]), width=2)
+        >>> seg.rows(torch.arange(8.).view(2, 4, 1)).squeeze(-1), seg.owner
+        (tensor([[0., 1.],
+                [2., 0.],
+                [4., 5.],
+                [6., 7.]]), tensor([0, 1, 2, 2]))
     """
 
-    def __init__(self, segment: torch.Tensor):
+    #: positions a sub-row costs beyond its width when choosing the width (per-row overheads, cross-row pairs)
+    ROW_COST = 16
+
+    def __init__(self, segment: torch.Tensor, *, width: Optional[int] = None):
         if segment.dim() != 2:
             raise ValueError(f"segment ids must be (rows, positions), got shape {tuple(segment.shape)}")
         self.shape = tuple(segment.shape)
@@ -120,17 +130,31 @@ class Segments:
         if bool((lengths == 0).any()):
             raise ValueError(f"segment ids must be 0..{self.count - 1} with a token each; "
                              f"{int((lengths == 0).sum())} ids have none")
-        col = torch.arange(len(seg)) - (torch.cumsum(lengths, 0) - lengths)[seg]
-        longest = int(lengths.max()) if self.count else 0
-        self.index = torch.zeros(self.count, longest, dtype=torch.long)
-        self.mask = torch.zeros(self.count, longest, dtype=torch.bool)
-        self.index[seg, col] = pos
-        self.mask[seg, col] = True
         self.lengths = lengths
+        self.width = int(width) if width is not None else self.choose_width(lengths.tolist())
+        subrows = (lengths + self.width - 1) // self.width  # per segment
+        first = torch.cumsum(subrows, 0) - subrows  # its first sub-row
+        col = torch.arange(len(seg)) - (torch.cumsum(lengths, 0) - lengths)[seg]  # position within the segment
+        row = first[seg] + col // self.width
+        self.owner = torch.repeat_interleave(torch.arange(self.count), subrows)
+        self.most = int(subrows.max()) if self.count else 1  # the most sub-rows of one segment
+        self.index = torch.zeros(len(self.owner), self.width, dtype=torch.long)
+        self.mask = torch.zeros(len(self.owner), self.width, dtype=torch.bool)
+        self.index[row, col % self.width] = pos
+        self.mask[row, col % self.width] = True
         self._on: dict = {}
 
+    @classmethod
+    def choose_width(cls, lengths: list[int]) -> int:
+        """The sub-row width (a power of two from 16, or the longest segment) that minimises the positions
+        gathered, Σ ⌈L/w⌉·(w + ROW_COST): padding against many small rows."""
+        longest = max(lengths, default=1)
+        options = [w for w in (2 ** k for k in range(4, 20)) if w < longest] + [longest]
+        return min(options, key=lambda w: (sum(-(-n // w) * (w + cls.ROW_COST) for n in lengths), -w))
+
     def rows(self, t: torch.Tensor) -> torch.Tensor:
-        """(B, T, ...) per-token values of the packed rows → (S, L, ...) per segment, zero (id 0) after its end."""
+        """(B, T, ...) per-token values of the packed rows → (sub-rows, width, ...) per segment, zero (id 0) after
+        a segment's end."""
         if tuple(t.shape[:2]) != self.shape:
             raise RuntimeError(
                 f"grad_sample_mode=bk with packed rows: a trainable layer saw {tuple(t.shape[:2])} (rows, positions) "
@@ -143,6 +167,15 @@ class Segments:
         out = t.flatten(0, 1)[index]
         keep = mask.view(*mask.shape, *([1] * (t.dim() - 2)))
         return out.masked_fill(~keep, 0)
+
+    def units(self, of_segment: Optional[Units] = None) -> Units:
+        """The sub-rows grouped per segment (``of_segment`` None) or per unit of segments (split windows: a
+        record's windows summed), each sub-row of weight 1."""
+        if of_segment is None:
+            return Units.sum_over(self.owner)
+        if not bool((of_segment.weight == 1).all()):
+            raise RuntimeError("packed rows take units that sum their segments (split windows), not user means")
+        return Units.sum_over(of_segment.inverse[self.owner])
 
 
 class Record:
