@@ -43,8 +43,14 @@ def run_once(args, packing: bool, out: Path) -> dict:
         "--logical_batch_size", str(args.logical_batch), "--physical_batch_size", str(args.physical_batch),
         "--eval_every", "0", "--eval_max_records", "8", "--output_dir", str(out), "--progress", "false",
         "--reproducible_noise", "true", "--seed", "0"])
-    timed = {}
-    original = Trainer.train_steps
+    import dpllm.train as train_module
+
+    timed, seen = {}, {"positions": 0}
+    original, loss = Trainer.train_steps, train_module.forward_loss
+
+    def forward_loss(model, batch, *a, **kw):  # unpacked rows: the positions computed, padding included
+        seen["positions"] += int(batch["input_ids"].numel())
+        return loss(model, batch, *a, **kw)
 
     def train_steps(self):
         cpu, wall = time.process_time(), time.perf_counter()
@@ -53,17 +59,19 @@ def run_once(args, packing: bool, out: Path) -> dict:
 
     key = resume.config_key  # the unpacked run's key for both: the same Poisson draws and noise
     same_key = lambda c: key(dataclasses.replace(c, data=dataclasses.replace(c.data, packing=False)))  # noqa: E731
-    Trainer.train_steps, resume.config_key = train_steps, same_key
+    Trainer.train_steps, resume.config_key, train_module.forward_loss = train_steps, same_key, forward_loss
     try:
         summary = Trainer(cfg).run()
     finally:
-        Trainer.train_steps, resume.config_key = original, key
+        Trainer.train_steps, resume.config_key, train_module.forward_loss = original, key, loss
     report = PrivacyReport.read(out)
+    positions = report.packing["row_tokens"] if packing else seen["positions"]
     return {"packing": packing, "tokens": summary["tokens_seen"], "cpu_s": round(timed["cpu"], 3),
             "wall_s": round(timed["wall"], 3), "tokens_per_cpu_s": summary["tokens_seen"] / timed["cpu"],
             "tokens_per_wall_s": summary["tokens_seen"] / timed["wall"], "epsilon": report.epsilon,
             "delta": report.delta, "noise_multiplier": report.noise_multiplier, "sample_rate": report.sample_rate,
             "steps": report.steps, "num_records": report.num_records, "accountant": report.accountant,
+            "positions": positions, "real_share": summary["tokens_seen"] / max(1, positions),
             "packing_stats": report.packing, "final_eval_loss": summary["final_eval_loss"]}
 
 
@@ -100,8 +108,9 @@ def main(argv=None) -> dict:
             print(f"round {r}: ε = {plain['epsilon']:.3f}, {plain['tokens']:,} real tokens; one record per row "
                   f"{plain['tokens_per_cpu_s']:,.0f} tokens/CPU-s ({plain['tokens_per_wall_s']:,.0f}/wall-s), packed "
                   f"{packed['tokens_per_cpu_s']:,.0f} ({packed['tokens_per_wall_s']:,.0f}): "
-                  f"{rounds[-1]['speedup_cpu']:.2f}× (wall {rounds[-1]['speedup_wall']:.2f}×); packed "
-                  f"{k['records']:,} records into {k['rows']:,} rows, {k['real_tokens'] / k['row_tokens']:.0%} real")
+                  f"{rounds[-1]['speedup_cpu']:.2f}× (wall {rounds[-1]['speedup_wall']:.2f}×); positions real: "
+                  f"{plain['real_share']:.0%} one per row, {packed['real_share']:.0%} packed ({k['records']:,} "
+                  f"records in {k['rows']:,} rows)")
     result = {
         "what": "tokens/s of real tokens, data.packing true vs false, same records, noise, plan and ε (bk, CPU)",
         "command": "OMP_NUM_THREADS=1 python scripts/bench_packing.py " + " ".join(argv if argv is not None
