@@ -42,7 +42,7 @@ def run_once(args, packing: bool, out: Path) -> dict:
         "--grad_sample_mode", "bk", "--target_epsilon", str(args.epsilon), "--max_steps", str(args.steps),
         "--logical_batch_size", str(args.logical_batch), "--physical_batch_size", str(args.physical_batch),
         "--eval_every", "0", "--eval_max_records", "8", "--output_dir", str(out), "--progress", "false",
-        "--reproducible_noise", "true", "--seed", "0"])
+        "--reproducible_noise", "true", "--seed", "0", *(["--max_records", "160"] if args.smoke else [])])
     import dpllm.train as train_module
 
     timed, seen = {}, {"positions": 0}
@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.smoke:
         args.hidden, args.layers, args.heads, args.max_length = 32, 1, 2, 256
-        args.steps, args.logical_batch, args.physical_batch, args.rounds = 2, 16, 4, 1
+        args.steps, args.logical_batch, args.physical_batch, args.rounds = 1, 16, 4, 1
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
