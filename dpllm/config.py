@@ -74,7 +74,8 @@ class DataConfig:
     dataset_config_name: Optional[str] = _f(None, "Hub dataset configuration name.")
     dataset_split: str = _f("train", "Hub dataset split to read.")
     text_column: str = _f("text", "Column holding the text of a record.")
-    max_length: int = _f(128, "Tokens per record; longer records are truncated (never packed together).")
+    max_length: int = _f(128, "Tokens per record (longer records are truncated, or split: long_records); with "
+                              "packing, tokens per packed row.")
     long_records: str = _f("truncate", "A record longer than max_length: 'truncate' (train on its first max_length "
                                        "tokens) or 'split' (cut it into consecutive windows of max_length tokens, "
                                        "all trained; the record stays the privacy unit: its windows are sampled "
@@ -88,6 +89,12 @@ class DataConfig:
                                "of the window before (the overlap Hugging Face tokenizers call stride), as context "
                                "only: their labels are -100, so every token's loss counts once and each has context. "
                                "0 ≤ window_stride < max_length; the window cap and the ε are unchanged.")
+    packing: bool = _f(False, "Pack several whole records into each row of max_length tokens (per step, from the "
+                              "records sampled; no record cut across rows; with long_records=split the windows "
+                              "are packed). Attention never crosses a record, and each record is still clipped "
+                              "alone (bk), so the ε is the record level's; the speed-up is the padding not "
+                              "computed. Text or chat records (SFT: the loss stays on each record's answer), "
+                              "privacy_unit=record, one process, grad_sample_mode bk or auto.")
     min_chars: int = _f(32, "Records shorter than this many characters (after stripping) are dropped.")
     max_records: Optional[int] = _f(None, "Use at most this many records (after filtering and dedup): the ones "
                                           "whose keyed hash under split_seed ranks first, whatever their place "
@@ -558,6 +565,23 @@ def _check_split(cfg: RunConfig) -> None:
                           "clipping cannot add the cross terms between them")
 
 
+def _check_packing(cfg: RunConfig) -> None:
+    """``packing: true``: refuse what it cannot do, one line each (issue 48; dpllm.packing)."""
+    d, p = cfg.data, cfg.privacy
+    if d.privacy_unit != "record":
+        raise ConfigError(f"packing=true packs records and clips each one alone (privacy_unit=record); with "
+                          f"privacy_unit={d.privacy_unit} it is not built: set packing: false")
+    if p.enabled and p.grad_sample_mode not in ("bk", "auto"):
+        raise ConfigError(f"packing=true needs grad_sample_mode: bk (or auto on a model bk supports), not "
+                          f"{p.grad_sample_mode}: only bk clips each record's segment of a packed row alone")
+    if p.enabled and p.clipping == "quantile":
+        raise ConfigError("packing=true with clipping: quantile is not built yet (its count of records under C is "
+                          "not tested over packed rows); use clipping: flat, or packing: false")
+    if p.enabled and p.noise != "independent":
+        raise ConfigError(f"packing=true with noise: {p.noise} is not built yet (the cyclic group sampler over packed "
+                          "rows is not tested, issue 45); use noise: independent, or packing: false")
+
+
 def validate(cfg: RunConfig) -> None:
     """Check values that need no data or model; raise :class:`ConfigError` naming the fix."""
     m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.privacy
@@ -609,6 +633,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"window_stride={d.window_stride} is the overlap between the windows of long_records: "
                           "split; with long_records: truncate there are no windows: unset it, or set long_records: "
                           "split")
+    if d.packing:
+        _check_packing(cfg)
     if d.max_length < 2:
         raise ConfigError(f"max_length={d.max_length}: need at least 2 tokens for next-token loss")
     if not (0 <= d.public_fraction < 1) or not (0 < d.heldout_fraction < 1):

@@ -161,7 +161,7 @@ def _flat(d: dict) -> dict:
 # they are left out of the key, so a run started before them resumes with the same config and the same key.
 ADDED_LATER = {"model.quantization": "none", "data.record_fraction": None, "data.long_records": "truncate",
                "data.max_windows": 8, "data.window_stride": 0, "privacy.noise": "independent",
-               "privacy.bands": "auto", "privacy.buffers": "auto"}
+               "privacy.bands": "auto", "privacy.buffers": "auto", "data.packing": False}
 
 
 def config_key(cfg: RunConfig) -> str:

@@ -41,9 +41,9 @@ from typing import Optional
 import numpy as np
 import torch
 
-from dpllm import data, distributed, ledger, models, resume, run_data, rundir, truncation
+from dpllm import data, distributed, ledger, models, packing, resume, run_data, rundir, truncation
 from dpllm.checkpoint import unwrap
-from dpllm.config import RunConfig
+from dpllm.config import ConfigError, RunConfig
 from dpllm.errors import TrainingError  # raised by the loop and dpllm.privacy.run; imported from here too
 from dpllm.evaluation import evaluate
 from dpllm.logs import known_warnings_silenced
@@ -112,6 +112,11 @@ class Trainer:
         self.already_finished = False  # resume_from on a run that had finished: run() returned its summary
         self.window = [0.0, 0]  # record-weighted loss sum and record count since the last train log line
         self.initial_eval: Optional[dict] = None
+        self.packed = cfg.data.packing  # several records per row (dpllm.packing): (mask dtype, stats) by setup_model
+        self.packed_mask_dtype: Optional[torch.dtype] = None
+        self.packed_stats = {"tokens_per_row": cfg.data.max_length, "rows": 0, "records": 0, "real_tokens": 0,
+                             "row_tokens": 0} if self.packed else None
+        self.packed_checked = False
 
     # ---- the stages ---------------------------------------------------------------------------------
 
@@ -152,6 +157,9 @@ class Trainer:
         self.device = self.accelerator.device
         distributed.check_parallelism(self.p, self.world.kind, world_size=self.world.size,
                                       logical_batch_size=self.t.logical_batch_size)
+        if self.packed and self.world.size > 1:
+            raise ConfigError(f"data.packing on {self.world.size} processes ({self.world.kind}) is not tested yet; "
+                              "run it on one process, or set data.packing: false")
         self.resume_from = resume.resolve(self.cfg)  # read-only, so every process reaches the same answer
         if self.resume_from is not None:
             resume.check_config(self.resume_from, self.cfg)
@@ -208,6 +216,11 @@ class Trainer:
         self.train_ds, self.eval_ds, self.collate = self.data.datasets(self.tokenizer, cfg.data)
         if cfg.data.long_records == "split":  # each row a window; its source record is the unit (dpllm.windows)
             self.privacy.set_windows(self.train_ds.record_of)
+        if self.packed:  # the 4-D mask this model's attention takes (refused: one it would not read)
+            try:
+                _, self.packed_mask_dtype = packing.attention_of(model)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         self.optimizer, self.scheduler = make_optimizer(self.model, self.t, steps=self.steps)
 
     @property
@@ -301,7 +314,7 @@ class Trainer:
                                          trained=self.data.trained_hashes, adjustments=self.adjustments,
                                          base_model=self.source,
                                          public_data=data.split_rule(self.cfg.data)["public"],
-                                         data_summary=self.truncation)
+                                         data_summary=self.truncation, packing=self.packed_stats)
             summary = rundir.summary(self.cfg, report, steps=self.step, tokens=tokens, params=self.n_params,
                                      initial_eval=self.initial_eval, final=final, wall=self.wall,
                                      world_size=self.world.size, digest=digest, resumed_from=self.start_step)
@@ -312,9 +325,16 @@ class Trainer:
 
     # ---- one step ------------------------------------------------------------------------------------
 
-    def micro_batches(self, ids: list[int]) -> list[list[int]]:
-        """Physical batches of this process's share; under FSDP as many as the busiest process has."""
+    def micro_batches(self, ids: list[int]) -> list[list]:
+        """Physical batches of this process's share; under FSDP as many as the busiest process has. Packed: each
+        batch a list of rows of record ids, at most ``physical_batch_size`` rows (:func:`dpllm.packing.plan_batches`:
+        this step's sampled records, a split record's windows in one batch)."""
         size = self.t.physical_batch_size
+        if self.packed:
+            units = [self.privacy.record_user[j] for j in ids] if self.privacy.per_unit else None
+            lengths = [packing.piece_length(self.train_ds[j]) for j in ids]
+            plan = packing.plan_batches(lengths, max_length=self.cfg.data.max_length, rows_per_batch=size, units=units)
+            return [[[ids[i] for i in row] for row in rows] for rows in plan] or [[]]
         if self.privacy.per_unit:  # a unit's rows stay together: its gradient is clipped once
             parts = user_level.whole_user_batches(ids, self.batches.user_of, size) or [[]]
         else:
@@ -336,10 +356,23 @@ class Trainer:
             self.optimizer.noise_multiplier = self.plan.sigma_at(self.step)
         for i, part in enumerate(parts):
             last = i == len(parts) - 1
-            items = [self.train_ds[j] for j in part]
-            batch = {k: v.to(self.device) for k, v in (self.collate(items) if items else _EMPTY).items()}
+            packed = self.packed and bool(part)  # an empty share runs the unpacked masked stand-in row
+            rows = part if packed else None
+            part = [j for row in part for j in row] if packed else part  # records in segment order
+            if packed:
+                batch = packing.collate_packed([[self.train_ds[j] for j in row] for row in rows],
+                                               pad_token_id=self.tokenizer.pad_token_id)
+            else:
+                items = [self.train_ds[j] for j in part]
+                batch = self.collate(items) if items else _EMPTY
+            batch = {k: v.to(self.device) for k, v in batch.items()}
             if self.dp:
                 self.optimizer.signal_skip_step(do_skip=not last)
+            if self.packed and self.dp:  # bk clips each record's segment of the rows alone (the stand-in: a row)
+                if packed and not self.packed_checked:  # the first packed batch: the model keeps records apart
+                    packing.check_records_apart(unwrap(self.model), batch, mask_dtype=self.packed_mask_dtype)
+                    self.packed_checked = True
+                self.private.set_segments(batch["segments"] if packed else None)
             if self.privacy.per_unit:  # an empty share's masked stand-in row is a unit of its own, zero gradient
                 self.private.set_users([self.privacy.record_user[j] for j in part] or [-1],
                                        reduction=self.privacy.unit_reduction)
@@ -347,9 +380,14 @@ class Trainer:
                 self.private.stand_in_row()
             sync = nullcontext() if last or self.dp else self.accelerator.no_sync(self.model)
             with sync:
-                loss = forward_loss(self.model, batch, self.criterion, self.autocast)
+                if packed:
+                    loss = packing.packed_forward_loss(self.model, batch, mask_dtype=self.packed_mask_dtype,
+                                                       autocast=self.autocast)
+                    self.count_packed(batch)
+                else:
+                    loss = forward_loss(self.model, batch, self.criterion, self.autocast)
+                    self.tokens_seen += int(batch["attention_mask"].sum())
                 self.record_loss(loss, len(part))
-                self.tokens_seen += int(batch["attention_mask"].sum())
                 if self.dp:
                     loss.backward()
                     self.optimizer.step()
@@ -358,6 +396,15 @@ class Trainer:
                     (loss * (len(part) * self.world.size / self.batches.batch_size)).backward()
         if not self.dp:
             self.optimizer.step()
+
+    def count_packed(self, batch: dict) -> None:
+        """The report's packing figures: rows run, records (segments) in them, real tokens, row positions."""
+        seg, k = batch["segments"], self.packed_stats
+        self.tokens_seen += int((seg >= 0).sum())
+        k["rows"] += int(seg.shape[0])
+        k["records"] += int(seg.max()) + 1
+        k["real_tokens"] += int((seg >= 0).sum())
+        k["row_tokens"] += int(seg.numel())
 
     @property
     def autocast(self):

@@ -38,6 +38,7 @@ SMOKE = {
     "scripts/scaling_extrapolation.py": "--sweeps 1 --n-boot 5",
     "scripts/bench_scaling_fit.py": "--rows 20 --n-boot 5",
     "scripts/bench_plan_latency.py": "--cases n1e6_target --out {tmp}/plan.json",
+    "scripts/bench_packing.py": "--smoke --out {tmp}/packing.json",
     "scripts/gpu_proof.py": None,  # its own test: tests/test_gpu_proof.py
 }
 SLOW = {

@@ -83,6 +83,13 @@ class PrivateTraining:
         windows' summed gradient is clipped once."""
         (self.model if self.grad_sample_mode == "bk" else self.optimizer).set_users(users, reduction=reduction)
 
+    def set_segments(self, segments) -> None:
+        """Packed rows (``data.packing``, :mod:`dpllm.packing`): each token's record (−1 padding) for the next
+        backward pass, whose records bk then clips one by one. Only bk clips inside a row."""
+        if self.grad_sample_mode != "bk":
+            raise RuntimeError(f"packed rows need grad_sample_mode bk, not {self.grad_sample_mode}; a dpllm bug")
+        self.model.set_segments(segments)
+
     def stand_in_row(self) -> None:
         """The next backward pass is the one masked row :func:`dpllm.train.forward_loss` runs for an empty share:
         ``clipping: quantile`` must not count it as a record under C (its centred bit would add ½, and an empty

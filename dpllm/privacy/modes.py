@@ -140,10 +140,17 @@ def prepare_engine(model: nn.Module, cfg: RunConfig, *, sharded: bool,
         ``(mode, adjustments)``: the engine, and what was changed in the model (for the privacy report).
 
     Raises:
-        ConfigError: gradient checkpointing under DP with an engine other than bk.
+        ConfigError: gradient checkpointing under DP, or packing, with an engine other than bk (the layer named).
     """
     p, dp, adjustments = cfg.privacy, cfg.privacy.enabled, []
     mode = resolve_mode(p.grad_sample_mode, model, sharded=sharded) if dp else None
+    if dp and cfg.data.packing and mode != "bk":  # only bk clips a record's segment of a packed row alone
+        from dpllm.privacy.bk import unsupported_layers
+
+        bad = unsupported_layers(model)
+        raise ConfigError(f"data.packing needs grad_sample_mode bk, which cannot clip this model's trainable "
+                          f"{', '.join(bad[:3]) or 'layers'} per record of a packed row; freeze or untie them, or "
+                          "set data.packing: false")
     if keep_tie and cfg.model.finetuning == "full" and mode != "bk":
         adjustments += untie_output_embeddings(model)
     if cfg.train.gradient_checkpointing:

@@ -92,6 +92,9 @@ class PrivacyReport:
     # (q_b, also sample_rate), "steps" (T), "accounted_steps" (⌈T/b⌉), "prefix_sum_rmse", "reduction", "auto" (the
     # comparison bands: auto made)}; the history holds the DP-SGD event (σ, q_b, ⌈T/b⌉) that ε is computed from
     correlated_noise: Optional[dict] = None
+    # data.packing (dpllm.packing): {"tokens_per_row" (max_length), "rows", "records" (segments trained, a window of
+    # a split record counted as one), "real_tokens", "row_tokens" (rows × each batch's row length)}
+    packing: Optional[dict] = None
 
     @property
     def releasable(self) -> bool:
@@ -231,6 +234,8 @@ class PrivacyReport:
                          f"{', '.join(f'{v:.4g}' for v in c['coefficients'][:6])}{', ...' if c['bands'] > 6 else ''}), "
                          f"prefix-sum RMSE {c['prefix_sum_rmse']:.4g} per unit of noise over {c['steps']} steps; "
                          f"ε by the reduction: {c['reduction']}")
+        if self.packing:
+            lines.append("packing: " + packing_words(self.packing))
         a = self.adaptive_clipping
         if a:
             if a.get("gradient_noise_multipliers"):  # a noise schedule: each step's pair split from its own σ_t
@@ -276,3 +281,13 @@ def sequence_unit_words(info: dict, epsilon: float) -> str:
 NOT_RELEASABLE = ("this run used reproducible (seeded) noise (privacy.reproducible_noise: true): anyone with its "
                   "config can regenerate the noise and batches, so it carries no DP guarantee; retrain without "
                   "reproducible_noise before releasing anything")
+
+
+def packing_words(info: dict) -> str:
+    """One sentence on ``data.packing`` for ``dpllm report`` and the card."""
+    k = info
+    fill = k["real_tokens"] / max(1, k["row_tokens"])
+    return (f"{k['records']:,} records (segments) were packed into {k['rows']:,} rows of at most "
+            f"{k['tokens_per_row']:,} tokens ({fill:.0%} of the rows' positions real tokens), per step from the "
+            "records sampled; each record attended only to its own tokens (block-diagonal mask, positions from 0) "
+            "and its gradient was clipped alone, so the unit is the record")

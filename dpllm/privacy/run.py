@@ -364,13 +364,16 @@ class RunPrivacy:
                                 "this is a dpllm bug (no checkpoint was written)")
 
     def report(self, *, num_records: int, steps: int, trained: set[str], adjustments: list[str],
-               base_model: dict, public_data: str, data_summary: Optional[dict] = None) -> PrivacyReport:
+               base_model: dict, public_data: str, data_summary: Optional[dict] = None,
+               packing: Optional[dict] = None) -> PrivacyReport:
         """The privacy report: ε with everything needed to recompute it (``public_data``: which records were
         declared public and by what rule, :func:`dpllm.data.split_rule`; ``data_summary``: what ``max_length``
-        cut off the training records, :mod:`dpllm.truncation`)."""
+        cut off the training records, :mod:`dpllm.truncation`; ``packing``: the rows and records of
+        ``data.packing``, :mod:`dpllm.packing`)."""
         common = self._report_common(num_records=num_records, steps=steps, trained=trained, adjustments=adjustments,
                                      base_model=base_model, public_data=public_data)
         common["data"] = data_summary
+        common["packing"] = packing
         if not self.dp:
             return PrivacyReport(**common)
         p, plan = self.p, self.plan

@@ -13,6 +13,12 @@ each physical batch; step 1 then adds the squared norm of each *user's* mean gra
 the user's records included (:class:`dpllm.privacy.bk.layers.Units`), the weight is computed once per user,
 and every record of user u enters step 3 with cᵤ/(records of u).
 
+Under packing (``data.packing: true``, :mod:`dpllm.packing`) the trainer calls :meth:`BookKeepingModule.set_segments`
+before each physical batch with every token's record; each rule then regroups its call's tokens per record
+(:class:`dpllm.privacy.bk.layers.Segments`) and steps 1–3 run over the records, not the rows: one norm, one
+weight and one term of the sum per record, as if each were a row alone. Both combine: with split long records
+packed, ``set_users`` names the source record of each *segment* (a window), and the windows' sum is clipped once.
+
 Opacus stays the owner of noise, accounting and virtual-batch accumulation: the optimizer is Opacus's
 ``DPOptimizerFastGradientClipping`` (``Distributed...`` under DDP), which adds noise to ``p.grad`` exactly
 as for ghost clipping. Under FSDP2 step 3 reduce-scatters each clipped sum into the parameter's shard and
@@ -65,7 +71,7 @@ import torch
 from torch import nn
 
 from dpllm.distributed import is_sharded, unsharded_parameters
-from dpllm.privacy.bk.layers import Record, Units, is_tied_head, rule_for, tied_cross
+from dpllm.privacy.bk.layers import Record, Segments, Units, is_tied_head, rule_for, tied_cross
 from dpllm.privacy.bk.sharded import ShardedSums
 
 log = logging.getLogger(__name__)
@@ -133,6 +139,7 @@ class BookKeepingModule(nn.Module):
         self._units: Optional[Units] = None
         self._records: list[Record] = []
         self._queued = False
+        self._segments: Optional[Segments] = None  # packed rows: each token's record, for the next backward pass
         self._rows: Optional[int] = None  # records in the batch of the last forward pass, when it can be told
         for _, m in _trainable_modules(module):
             rule = rule_for(m)
@@ -185,8 +192,27 @@ class BookKeepingModule(nn.Module):
             raise RuntimeError("set_users() on a record-level BookKeepingModule; build it with per_user=True")
         ids = torch.as_tensor(list(users), dtype=torch.long)
         self._units = Units.sum_over(ids) if reduction == "sum" else Units.mean_over(ids)
+        self._set_rows_per_unit()
+
+    def set_segments(self, segment: Optional[torch.Tensor]) -> None:
+        """Packed rows: the record (segment id 0..S−1, −1 for padding) of every token (B, T) of the next batch.
+
+        Its backward pass then clips each record's gradient, the sum over its tokens only, and the loss's "mean"
+        is over the S records (:func:`dpllm.packing.packed_sequence_loss`). ``None``: rows are records again.
+        Under ``per_user`` a later :meth:`set_users` names one unit per *segment*.
+        """
+        self._segments = None if segment is None else Segments(segment)
         for r in self._records:
-            r.rows_per_unit = max(1, self._units.largest)
+            r.segments = self._segments
+        self._set_rows_per_unit()
+
+    def _set_rows_per_unit(self) -> None:
+        """The most rows one unit spans (a user's records, a record's windows, a packed segment's sub-rows): the
+        ghost norm's cost grows with it (a cost only: the norms are exact either way)."""
+        most = (max(1, self._units.largest) if self._units is not None else 1) * (
+            self._segments.most if self._segments is not None else 1)
+        for r in self._records:
+            r.rows_per_unit = most
 
     def forward(self, *args, **kwargs):
         if _graph_task() == -1:  # a new forward pass, not a recomputation inside backward
@@ -230,6 +256,7 @@ class BookKeepingModule(nn.Module):
     def _refuse(self, message: str):
         self._reset()
         self._units = None
+        self.set_segments(None)
         return RuntimeError(f"grad_sample_mode=bk: {message}")
 
     @torch.no_grad()
@@ -237,6 +264,7 @@ class BookKeepingModule(nn.Module):
         self._queued = False
         active = [r for r in self._records if r.batch_size() is not None]
         if not active:
+            self.set_segments(None)
             return
         if _autograd_node() is not None:  # this pass was started from inside another pass's node
             raise self._refuse("the backward pass that ends here runs inside another one (reentrant gradient "
@@ -244,6 +272,9 @@ class BookKeepingModule(nn.Module):
                                "now would clip part of the model separately; " + NESTED_FIX)
         sizes = {r.batch_size() for r in active}
         rows, B = self._rows, max(sizes)
+        packed = self._segments
+        if packed is not None:  # the records are the segments of the packed rows, each over its sub-rows
+            rows = len(packed.owner)
         if len(sizes) != 1 or (rows is not None and B != rows):
             seen = ", ".join(sorted({f"{type(r.module).__name__}: {r.batch_size()}" for r in active}))
             batch = f"a batch of {rows} records" if rows is not None else "one batch"
@@ -254,10 +285,14 @@ class BookKeepingModule(nn.Module):
                 "to (B, T, d) before the layer")
         self._rows = None
         units, self._units = self._units, None
-        if self.per_user and (units is None or len(units.inverse) != B):
-            raise RuntimeError(f"user-level bk got {B} rows but set_users() gave "
+        self.set_segments(None)
+        records = packed.count if packed is not None else B  # the loss's mean is over the records (segments)
+        if self.per_user and (units is None or len(units.inverse) != records):
+            raise RuntimeError(f"user-level bk got {records} rows (packed segments) but set_users() gave "
                                f"{None if units is None else len(units.inverse)} users; a dpllm bug")
-        scale = float(B) if self.loss_reduction == "mean" else 1.0
+        if packed is not None:  # each segment's sub-rows (and a split record's segments) summed into one unit
+            units = packed.units(units)
+        scale = float(records) if self.loss_reduction == "mean" else 1.0
         norm2 = None
         for r in active:
             part = r.rule.norm2(r, units)

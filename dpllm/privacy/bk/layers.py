@@ -18,6 +18,18 @@ rule's ``norm2`` then takes :class:`Units` and returns one squared norm per unit
 between a unit's rows (ghost: Σᵢⱼ over the pairs of a unit; explicit: the weighted per-row gradients summed
 per unit; Embedding: token ids grouped per unit instead of per row). The clipped sum needs no change:
 Σᵤ cᵤ·Σ_{i∈u} wᵢgᵢ is the per-row sum with coefficient cᵤ₍ᵢ₎·wᵢ.
+
+Packed rows (``data.packing: true``) hold several records each, every token tagged with its record's segment
+(:class:`Segments`). A record's gradient is the sum over *its tokens* of the per-token terms (gₜaₜᵀ for a weight,
+gₜ for a bias, gₜ⊙x̂ₜ for a norm's weight, gₜ into row xₜ of an embedding): attention never crosses a segment, so
+the loss of every other record has no path to this record's tokens. So every rule, when it records a call,
+gathers each segment's tokens into rows of their own, (B, T, d) → (sub-rows, w, d): a segment of L tokens fills
+⌈L/w⌉ sub-rows of w positions, zeros after its end. The engine then treats a segment's sub-rows as one unit,
+exactly as the windows of a split record (``Units``, weight 1): the ghost norm pairs only tokens of one segment
+(the block-diagonal part of the T×T Gram matrices, with nothing else computed), the explicit per-sample gradient
+is summed over the segment's sub-rows, the embedding groups token ids per segment, and the clipped sum scales
+each segment's tokens by its own factor. Zeros add nothing to any of these sums, so the result is exactly each
+record's own gradient, as if it had been a row alone.
 """
 
 from __future__ import annotations
@@ -81,6 +93,91 @@ class Units:
         return i.to(device), j.to(device)
 
 
+class Segments:
+    """The records of packed rows: token (b, t) belongs to segment ``segment[b, t]`` (−1: no record, padding).
+
+    :meth:`rows` gathers each segment's tokens, in position order, into rows of their own of ``width`` positions:
+    a segment of L tokens fills ⌈L/width⌉ consecutive *sub-rows* (``owner`` names each sub-row's segment), the
+    last one zero after the segment's end. The engine then groups a segment's sub-rows back into one unit
+    (:class:`Units`, weight 1: the segment's gradient is the sum over its sub-rows, cross terms included), so
+    the width changes the cost, never the result. It is chosen to waste few positions: one row per segment at
+    the longest segment's length would pad every short record to it. Segment ids must be 0..S−1, each with at
+    least one token; a segment may not span rows (the packer never makes one), though the gathering would not
+    care.
+
+        >>> seg = Segments(torch.tensor([[0, 0, 1, -1], [2, 2, 2, 2]]), width=2)
+        >>> seg.rows(torch.arange(8.).view(2, 4, 1)).squeeze(-1), seg.owner
+        (tensor([[0., 1.],
+                [2., 0.],
+                [4., 5.],
+                [6., 7.]]), tensor([0, 1, 2, 2]))
+    """
+
+    #: positions a sub-row costs beyond its width when choosing the width (per-row overheads, cross-row pairs)
+    ROW_COST = 16
+
+    def __init__(self, segment: torch.Tensor, *, width: Optional[int] = None):
+        if segment.dim() != 2:
+            raise ValueError(f"segment ids must be (rows, positions), got shape {tuple(segment.shape)}")
+        self.shape = tuple(segment.shape)
+        flat = segment.detach().flatten().cpu().long()
+        pos = (flat >= 0).nonzero().squeeze(1)
+        seg = flat[pos]
+        order = torch.argsort(seg, stable=True)  # by segment, each segment's tokens in position order
+        pos, seg = pos[order], seg[order]
+        self.count = int(seg.max()) + 1 if len(seg) else 0
+        lengths = torch.bincount(seg, minlength=self.count)
+        if bool((lengths == 0).any()):
+            raise ValueError(f"segment ids must be 0..{self.count - 1} with a token each; "
+                             f"{int((lengths == 0).sum())} ids have none")
+        self.lengths = lengths
+        self.width = int(width) if width is not None else self.choose_width(lengths.tolist())
+        subrows = (lengths + self.width - 1) // self.width  # per segment
+        first = torch.cumsum(subrows, 0) - subrows  # its first sub-row
+        col = torch.arange(len(seg)) - (torch.cumsum(lengths, 0) - lengths)[seg]  # position within the segment
+        row = first[seg] + col // self.width
+        self.owner = torch.repeat_interleave(torch.arange(self.count), subrows)
+        self.most = int(subrows.max()) if self.count else 1  # the most sub-rows of one segment
+        self.index = torch.zeros(len(self.owner), self.width, dtype=torch.long)
+        self.mask = torch.zeros(len(self.owner), self.width, dtype=torch.bool)
+        self.index[row, col % self.width] = pos
+        self.mask[row, col % self.width] = True
+        self._on: dict = {}
+
+    @classmethod
+    def choose_width(cls, lengths: list[int]) -> int:
+        """The sub-row width (a power of two from 16, or the longest segment) that minimises the positions
+        gathered, Σ ⌈L/w⌉·(w + ROW_COST): padding against many small rows."""
+        longest = max(lengths, default=1)
+        options = [w for w in (2 ** k for k in range(4, 20)) if w < longest] + [longest]
+        return min(options, key=lambda w: (sum(-(-n // w) * (w + cls.ROW_COST) for n in lengths), -w))
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, T, ...) per-token values of the packed rows → (sub-rows, width, ...) per segment, zero (id 0) after
+        a segment's end."""
+        if tuple(t.shape[:2]) != self.shape:
+            raise RuntimeError(
+                f"grad_sample_mode=bk with packed rows: a trainable layer saw {tuple(t.shape[:2])} (rows, positions) "
+                f"where the packed batch is {self.shape}; every trainable layer must see each token of the rows once "
+                "(a head over chunks of positions, or pooled inputs, cannot be split by record): use data.packing: "
+                "false for this model or loss")
+        if t.device not in self._on:
+            self._on[t.device] = (self.index.to(t.device), self.mask.to(t.device))
+        index, mask = self._on[t.device]
+        out = t.flatten(0, 1)[index]
+        keep = mask.view(*mask.shape, *([1] * (t.dim() - 2)))
+        return out.masked_fill(~keep, 0)
+
+    def units(self, of_segment: Optional[Units] = None) -> Units:
+        """The sub-rows grouped per segment (``of_segment`` None) or per unit of segments (split windows: a
+        record's windows summed), each sub-row of weight 1."""
+        if of_segment is None:
+            return Units.sum_over(self.owner)
+        if not bool((of_segment.weight == 1).all()):
+            raise RuntimeError("packed rows take units that sum their segments (split windows), not user means")
+        return Units.sum_over(of_segment.inverse[self.owner])
+
+
 class Record:
     """What one trainable layer saw during the current backward pass (possibly over several calls)."""
 
@@ -90,6 +187,7 @@ class Record:
         self.explicit: dict[str, torch.Tensor] = {}  # parameter name -> per-sample gradients (B, ...)
         self.policy = "auto"  # Linear/Conv1D: "auto" (cheaper of the two), "ghost" or "explicit"
         self.rows_per_unit = 1  # ULS: the most rows one unit has (the ghost norm's cost grows with it)
+        self.segments: Optional[Segments] = None  # packed rows: each call's tokens regrouped per record
         self.cache: dict = {}
 
     def add_explicit(self, name: str, per_sample: torch.Tensor) -> None:
@@ -99,6 +197,12 @@ class Record:
     def clear(self) -> None:
         self.ghost, self.explicit = [], {}
         self.cache: dict = {}  # work norm2 and clipped share within one backward pass (EmbeddingRule)
+
+    def per_record(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """(B, T, ...) tensors of one call as rows of records: unchanged, or per segment of packed rows."""
+        if self.segments is None:
+            return tensors
+        return tuple(self.segments.rows(t) for t in tensors)
 
     def batch_size(self) -> Optional[int]:
         for a, _ in self.ghost:
@@ -172,7 +276,7 @@ class LinearRule(Rule):
 
     def record(self, record: Record, x: torch.Tensor, g: torch.Tensor) -> None:
         B = x.shape[0]
-        a, g = x.reshape(B, -1, x.shape[-1]), g.reshape(B, -1, g.shape[-1])
+        a, g = record.per_record(x.reshape(B, -1, x.shape[-1]), g.reshape(B, -1, g.shape[-1]))
         m = record.module
         T, d_in, d_out = a.shape[1], a.shape[2], g.shape[2]
         if m.bias is not None and m.bias.requires_grad:
@@ -255,7 +359,7 @@ class _EmbeddingFn(torch.autograd.Function):
     def backward(ctx, g):
         (ids,) = ctx.saved_tensors
         B = ids.shape[0]
-        ctx.record.ghost.append((ids.reshape(B, -1), g.reshape(B, -1, g.shape[-1])))
+        ctx.record.ghost.append(ctx.record.per_record(ids.reshape(B, -1), g.reshape(B, -1, g.shape[-1])))
         ctx.record.on_backward()
         return None, None, None
 
@@ -383,7 +487,7 @@ class _AffineNormFn(torch.autograd.Function):
                 y = record.rule.apply(m, xr, m.weight.detach(), None if b is None else b.detach())
                 (gx,) = torch.autograd.grad(y, xr, g)
         B = x.shape[0]
-        gf, xh = g.reshape(B, -1, g.shape[-1]), xhat.detach().reshape(B, -1, g.shape[-1])
+        gf, xh = record.per_record(g.reshape(B, -1, g.shape[-1]), xhat.detach().reshape(B, -1, g.shape[-1]))
         acc = _acc_dtype(g)
         if m.weight.requires_grad:
             record.add_explicit("weight", (gf.to(acc) * xh.to(acc)).sum(1))
