@@ -40,13 +40,13 @@ def measure(params: int, bands: int, repeats: int) -> dict:
             "step_noise_ratio": (draw + apply) / draw, "extra_bytes": rec.extra_tensors_per_parameter * params * 4}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--params", type=int, default=31_000_000, help="float32 parameters (GPT-2 small: 124M)")
     p.add_argument("--bands", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the rows here")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     rows = [measure(args.params, b, args.repeats) for b in args.bands]
     for r in rows:

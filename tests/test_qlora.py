@@ -170,9 +170,9 @@ def test_a_run_saved_before_the_quantization_option_resumes_with_the_same_config
 
     cfg = parse_config([])
     old = cfg.to_dict()
-    del old["model"]["quantization"]  # a checkpoint written before the option existed
-    del old["data"]["record_fraction"]  # (and before data.record_fraction, issue 46)
-    del old["data"]["long_records"], old["data"]["max_windows"]  # (and before long-record splitting, issue 48)
+    for key in resume.ADDED_LATER:  # a checkpoint written before model.quantization and every later option existed
+        section, name = key.split(".", 1)
+        del old[section][name]
     (tmp_path / "dpllm_config.yaml").write_text(yaml.safe_dump(old))
     resume.check_config(tmp_path, cfg)  # no difference
     with pytest.raises(ConfigError, match=r"model.quantization \('none' → 'nf4'\)"):
