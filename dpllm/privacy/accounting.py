@@ -29,10 +29,12 @@ import functools
 import math
 import sys
 import warnings
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypeVar
 
 from dpllm.privacy import prv, tilted
 from dpllm.privacy.prv import AccountantUnavailable
+
+T = TypeVar("T")
 
 ACCOUNTANTS = ("prv", "rdp", "gdp", "pld")
 # The accountant a plan switches to, as a whole, when its own cannot run: PRV → dp-accounting's PLD (as tight,
@@ -350,6 +352,24 @@ def switch_note(accountant: str, err: Exception) -> str:
     """The one line a planner prints when it redoes a whole plan with :data:`FALLBACK`'s accountant."""
     return (f"the {accountant} accountant cannot run for this plan ({err}); the whole plan (σ and every ε) "
             f"uses the {FALLBACK[accountant]} accountant instead")
+
+
+def first_that_runs(accountant: str, run: Callable[[str], T], *,
+                    on_switch: Callable[[str], None] = lambda note: None) -> T:
+    """``run(accountant)``, redone whole with :data:`FALLBACK`'s next accountant while one cannot run (PRV, then
+    PLD, then RDP); ``on_switch`` gets :func:`switch_note`'s line at each switch.
+
+    Raises:
+        PrivacyPlanError: the last accountant of the chain cannot run either.
+    """
+    while True:
+        try:
+            return run(accountant)
+        except AccountantUnavailable as err:
+            if accountant not in FALLBACK:
+                raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
+            on_switch(switch_note(accountant, err))
+            accountant = FALLBACK[accountant]
 
 
 def calibrate_noise(

@@ -254,19 +254,19 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
         if scheduled:
             raise PrivacyPlanError("a noise schedule with correlated noise is not yet supported (issue 45)")
         q = noise.sample_rate
-    notes: tuple = ()
-    while True:  # PRV, then PLD, then RDP (accounting.FALLBACK): the first that runs does the whole plan
-        try:
-            return _plan_with(accountant, num_records=num_records, batch=logical_batch_size, q=q, steps=steps,
-                              target_epsilon=target_epsilon, delta=delta, noise_multiplier=noise_multiplier,
-                              prior=prior, notes=notes, data_notes=data_notes, schedule=schedule if scheduled else None,
-                              noise=correlated)
-        except accounting.AccountantUnavailable as err:
-            if accountant not in accounting.FALLBACK:
-                raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
-            note = accounting.switch_note(accountant, err)
-            log.warning("privacy plan: %s", note)
-            notes, accountant = notes + (note,), accounting.FALLBACK[accountant]
+    notes: list[str] = []  # PRV, then PLD, then RDP (accounting.FALLBACK): the first that runs does the whole plan
+
+    def switched(note: str) -> None:
+        log.warning("privacy plan: %s", note)
+        notes.append(note)
+
+    return accounting.first_that_runs(
+        accountant, lambda acc: _plan_with(acc, num_records=num_records, batch=logical_batch_size, q=q, steps=steps,
+                                           target_epsilon=target_epsilon, delta=delta,
+                                           noise_multiplier=noise_multiplier, prior=prior, notes=tuple(notes),
+                                           data_notes=data_notes, schedule=schedule if scheduled else None,
+                                           noise=correlated),
+        on_switch=switched)
 
 
 def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps: int,

@@ -38,14 +38,13 @@ from typing import Any, Callable, Sequence
 
 from dpllm.privacy.accounting import (
     ACCOUNTANTS,
-    FALLBACK,
     AccountantUnavailable,
     PrivacyPlanError,
     calibrate_noise,
     check_delta,
     compute_epsilon,
     compute_epsilon_history,
-    switch_note,
+    first_that_runs,
 )
 from dpllm.privacy.plan import check_finite_positive, expected_batch, noise_batch_warning, sample_rate_for, steps_for
 from dpllm.privacy.prv import round_up
@@ -167,16 +166,9 @@ def plan_table(*, num_records: int, batch: int, delta: float, target_epsilon: fl
         plan["table"] = [for_target(float(e)) for e in sorted(set(epsilons))]
         return plan
 
-    notes: list[str] = []
-    while True:  # PRV, then PLD, then RDP (FALLBACK): the first accountant that runs does the whole plan
-        try:
-            return {**build(accountant), "accountant_note": "; ".join(notes) or None}
-        except AccountantUnavailable as err:
-            if accountant not in FALLBACK:
-                raise PrivacyPlanError(f"the {accountant} accountant cannot run for this plan ({err})") from err
-            notes.append(switch_note(accountant, err))
-            say(notes[-1])
-            accountant = FALLBACK[accountant]
+    notes: list[str] = []  # PRV, then PLD, then RDP: the first accountant that runs does the whole plan
+    return first_that_runs(accountant, lambda acc: {**build(acc), "accountant_note": "; ".join(notes) or None},
+                           on_switch=lambda note: (notes.append(note), say(note)))
 
 
 def user_plan_table(*, sampling: str, num_users: int, records_per_user: int, batch: int, delta: float,

@@ -183,14 +183,9 @@ def parse_bands(bands: Union[str, int]) -> Optional[int]:
 def _calibrate(*, target_epsilon: float, delta: float, sample_rate: float, steps: int, accountant: str,
                prior_history) -> float:
     """σ for the target; the plan's fallback chain where an accountant cannot run."""
-    while True:
-        try:
-            return accounting.calibrate_noise(target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate,
-                                              steps=steps, accountant=accountant, prior_history=list(prior_history))
-        except accounting.AccountantUnavailable:
-            if accountant not in accounting.FALLBACK:
-                raise
-            accountant = accounting.FALLBACK[accountant]
+    return accounting.first_that_runs(accountant, lambda acc: accounting.calibrate_noise(
+        target_epsilon=target_epsilon, delta=delta, sample_rate=sample_rate, steps=steps, accountant=acc,
+        prior_history=list(prior_history)))
 
 
 def auto_candidates(*, steps: int, batches_per_epoch: int) -> list[int]:
