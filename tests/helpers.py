@@ -41,6 +41,23 @@ def batch_of(tok, texts=TEXTS, max_length: int = 48) -> dict:
     return make_collate(tok.pad_token_id)(items)
 
 
+def explicit_grads(model, batches) -> torch.Tensor:
+    """One row per batch: the flattened gradient of the trainable parameters for that batch's own mean token loss,
+    by plain autograd, one backward pass per batch (the reference the engines' clipped sums are checked against)."""
+    from dpllm.models import position_ids_for
+    from dpllm.privacy.engine import sequence_loss
+
+    grads = []
+    for b in batches:
+        model.zero_grad()
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                    position_ids=position_ids_for(b["input_ids"]))
+        sequence_loss(out.logits, b["labels"]).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]).clone())
+    model.zero_grad()
+    return torch.stack(grads)
+
+
 def load_recipe(name: str):
     """Import ``recipes/<name>.py`` as a module (recipes are scripts, not a package).
 

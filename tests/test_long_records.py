@@ -9,7 +9,7 @@ import torch
 from dpllm import truncation
 from dpllm.config import ConfigError, DataConfig, parse_config
 from dpllm.windows import WindowedRecords, cut
-from tests.helpers import TEXTS, tiny_model
+from tests.helpers import TEXTS, explicit_grads, tiny_model
 
 # record 0 is 3 windows of 40 byte tokens, record 2 is 4; the others fit in one
 LONG = [TEXTS[0] + " " + TEXTS[1], TEXTS[4], TEXTS[3] + " " + TEXTS[5], TEXTS[2]]
@@ -18,19 +18,9 @@ LONG = [TEXTS[0] + " " + TEXTS[1], TEXTS[4], TEXTS[3] + " " + TEXTS[5], TEXTS[2]
 def _explicit_window_grads(model, ds):
     """Each window's gradient of its own mean token loss, one backward pass per window."""
     from dpllm.data import make_collate
-    from dpllm.models import position_ids_for
-    from dpllm.privacy.engine import sequence_loss
 
-    collate, grads = make_collate(0), []
-    for item in ds.items:
-        model.zero_grad()
-        b = collate([item])
-        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                    position_ids=position_ids_for(b["input_ids"]))
-        sequence_loss(out.logits, b["labels"]).backward()
-        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]).clone())
-    model.zero_grad()
-    return torch.stack(grads)
+    collate = make_collate(0)
+    return explicit_grads(model, (collate([item]) for item in ds.items))
 
 
 def _engine_sum(model, tok, ds, C: float, mode: str):

@@ -13,7 +13,7 @@ from scipy.optimize import brentq
 from dpllm.config import ConfigError, DataConfig, parse_config
 from dpllm.privacy import user_level
 from dpllm.privacy.accounting import PrivacyPlanError, compute_epsilon_history
-from tests.helpers import TEXTS, batch_of, tiny_model
+from tests.helpers import TEXTS, batch_of, explicit_grads, tiny_model
 
 # ---- ULS sampling ------------------------------------------------------------------------------------------
 
@@ -72,19 +72,7 @@ def test_whole_user_batches_never_split_a_user():
 
 def _explicit_record_grads(model, tok):
     """Each record's gradient of its own mean token loss, one backward pass per record."""
-    from dpllm.models import position_ids_for
-    from dpllm.privacy.engine import sequence_loss
-
-    grads = []
-    for text in TEXTS:
-        model.zero_grad()
-        b = batch_of(tok, [text])
-        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
-                    position_ids=position_ids_for(b["input_ids"]))
-        sequence_loss(out.logits, b["labels"]).backward()
-        grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.requires_grad]).clone())
-    model.zero_grad()
-    return torch.stack(grads)
+    return explicit_grads(model, (batch_of(tok, [text]) for text in TEXTS))
 
 
 def _uls_sum(model, tok, rows: list[int], users: list[int], C: float, mode: str = "hooks", policy: str = "auto"):
