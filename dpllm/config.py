@@ -232,18 +232,19 @@ class PrivacyConfig:
                                          "target_epsilon.")
     noise_schedule_end: float = _f(0.5, "σ of the schedule's last piece / σ of its first (< 1: decaying noise).")
     noise_schedule_pieces: int = _f(10, "Constant pieces of a linear or exponential schedule (2–4: step decay).")
-    noise: str = _f("independent", "How the noise is made (dpllm.privacy.correlated): 'independent' (DP-SGD) or "
+    noise: str = _f("independent", "How the noise is made (dpllm.privacy.correlated): 'independent' (DP-SGD), "
                                    "'banded' (BandMF: noise correlated over `bands` steps, records sampled in "
                                    "bands cyclic groups; bk only; keeps bands−1 noise tensors of the trainable "
-                                   "parameters' size per process; docs/privacy.md). 'blt' is compared by dpllm plan "
-                                   "--noise blt; training with it is refused until it is built (issue 45).")
+                                   "parameters' size per process; docs/privacy.md) or 'blt' (buffered linear "
+                                   "Toeplitz: `buffers` noise tensors per process, `bands` cyclic groups, the run "
+                                   "accounted as one Gaussian mechanism without amplification; bk only).")
     bands: str = _f("auto", "noise: banded: the number of bands b (≤ ⌈N/B⌉), or 'auto' (the b of 1, 2, 4, ..., 32 "
                             "with the least expected error at target_epsilon; dpllm plan shows the comparison). "
-                            "noise: blt: the number of cyclic groups b (BLT's min-separation).")
+                            "noise: blt: the number of cyclic groups b (BLT's min-separation, ≤ ⌈N/B⌉), or 'auto' "
+                            "(the b of ⌈N/B⌉, ⌈N/B⌉/2, /4, /8 with the least expected error).")
     buffers: str = _f("auto", "noise: blt: the BLT buffers d (1–8; each keeps one noise tensor of the trainable "
                               "parameters' size per process), or 'auto' (the fewest after which one more lowers the "
-                              "error by less than a hundredth, at most 5). BLT runs in dpllm plan only for now "
-                              "(issue 45).")
+                              "error by less than a hundredth, at most 5).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
                                          "ONLY): anyone with the config can regenerate them, so the run is marked "
                                          "noise_secret=false and is not releasable.")
@@ -712,7 +713,7 @@ def quantile_problem(cfg: RunConfig) -> Optional[str]:
 
 
 def correlated_problem(cfg: RunConfig) -> Optional[str]:
-    """Why ``noise: banded`` cannot run with this configuration (dpllm.privacy.correlated), or None.
+    """Why ``noise: banded`` or ``blt`` cannot run with this configuration (dpllm.privacy.correlated), or None.
 
     What runs: bk on one process, under DDP (rank 0 noises and keeps the recurrence) or FSDP2 (each process over its
     shards), record level, a constant σ, flat clipping.
@@ -729,8 +730,6 @@ def correlated_problem(cfg: RunConfig) -> Optional[str]:
         return f"privacy.buffers={p.buffers!r}: give 'auto' or a whole number of BLT buffers from 1 to 8"
     if buffers != "auto" and p.noise != "blt":
         return f"privacy.buffers={p.buffers} needs privacy.noise=blt"
-    if p.noise == "blt":  # dpllm.privacy.correlated.BLT_TRAINING (config sits below privacy)
-        return "noise: blt is available in dpllm plan; training with it is planned (issue 45): use noise: banded"
     if p.noise == "independent":
         return None if bands in ("auto", "1") else f"privacy.bands={p.bands} needs privacy.noise=banded"
     unsupported = [(p.grad_sample_mode not in ("auto", "bk"), f"grad_sample_mode={p.grad_sample_mode} (use bk)"),
@@ -740,7 +739,7 @@ def correlated_problem(cfg: RunConfig) -> Optional[str]:
                    (d.long_records == "split", "long_records=split")]
     for bad, what in unsupported:
         if bad:
-            return f"privacy.noise: banded is not yet supported with {what} (issue 45)"
+            return f"privacy.noise: {p.noise} is not yet supported with {what} (issue 45)"
     return None
 
 

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from dpllm.io import atomic_directory, looks_local, write_text_atomic
-from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError, sequence_unit_words
+from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError, blt_mu, blt_noise, sequence_unit_words
 
 # What save_pretrained writes for a model, an adapter or a tokenizer; nothing else leaves the run.
 RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
@@ -328,6 +328,13 @@ def correlated_note(report: PrivacyReport) -> str:
     c = report.correlated_noise
     if not c or c["mechanism"] == "independent":
         return ""
+    if blt_noise(c):
+        return (f" The noise was correlated across steps (BLT matrix factorization, {c['buffers']} buffer(s)): the "
+                f"records were split into {c['bands']} groups by a keyed hash of each record's own text, step t "
+                f"trained on group t mod {c['bands']} (each of its records at the rate q above), so a record took part "
+                f"in at most ⌈{report.steps}/{c['bands']}⌉ steps, {c['bands']} apart; ε is that of one Gaussian "
+                f"mechanism with μ = sens/σ = {blt_mu(report.history):.4g} over the whole run, with no credit for "
+                "sampling (McMahan et al. 2024, arXiv 2408.08868).")
     return (f" The noise was correlated across steps ({c['bands']}-banded matrix factorization): the records were "
             f"split into {c['bands']} groups by a keyed hash of each record's own text, each step Poisson-sampled one "
             f"group in turn at the rate q above, and ε is that of DP-SGD over ⌈{c['steps']}/{c['bands']}⌉ = "

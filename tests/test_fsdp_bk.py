@@ -90,6 +90,27 @@ def test_banded_noise_is_correlated_in_time_per_shard_and_independent_across_ran
     assert abs(np.corrcoef(a[:m], b[:m])[0, 1]) < 5 / m ** 0.5
 
 
+def test_blt_noise_is_correlated_in_time_per_shard_and_independent_across_ranks(found):
+    """privacy.noise: blt under FSDP2: each process runs the BLT recurrence over its own shards' draws (d = 2
+    shard-sized buffers per parameter), the first two steps' noise has the correlation of C⁻¹C⁻ᵀ (x₀ = z₀,
+    x₁ = z₁ − c₁z₀), and the two processes' noise is independent."""
+    import numpy as np
+
+    from dpllm.privacy.correlated.blt import optimize_blt
+
+    r = found["blt"]
+    assert r["max_abs_diff"] < 1e-6 and r["history"] == 2
+    assert r["shapes"] != r["global_shapes"] and [s[1:] for s in r["buffer_shapes"]] == r["shapes"]
+    cinv = np.linalg.inv(optimize_blt(8, 2, 2).blt.matrix(2))
+    cov = cinv @ cinv.T
+    want = cov[0, 1] / np.sqrt(cov[0, 0] * cov[1, 1])
+    n = sum(int(np.prod(s)) for s in r["shapes"])
+    assert abs(want) > 0.2 and abs(r["step_corr"] - want) < 5 / n ** 0.5, (r["step_corr"], want, n)
+    a, b = np.array(r["first_rank0"]), np.array(r["first_rank1"])
+    m = min(len(a), len(b))
+    assert abs(np.corrcoef(a[:m], b[:m])[0, 1]) < 5 / m ** 0.5
+
+
 def test_mixed_precision_and_gathered_parameters_keep_the_hooks(found):
     """bf16 compute with fp32 shards and reduction, parameters kept gathered after forward: the clipped step
     matches the fp32 reference to bf16 precision (unit roundoff 2⁻⁸ ≈ 4e-3; we allow 3e-2 over the layers)."""

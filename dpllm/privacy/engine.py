@@ -60,13 +60,20 @@ class PrivateTraining:
     grad_sample_mode: str = ""  # the mode that ran: cfg.grad_sample_mode with "auto" resolved
     grad_sample_mode_reason: str = ""  # why that mode (dpllm.privacy.modes.choose_mode)
     quantile: Any = None  # clipping: quantile: its dpllm.privacy.quantile.QuantileClipping (C, the trajectory)
-    recurrence: Any = None  # privacy.noise: banded: the optimizer's noise recurrence (its state is secret)
+    recurrence: Any = None  # privacy.noise: banded or blt: the optimizer's noise recurrence (its state is secret)
 
     def history(self) -> list[tuple[float, float, int]]:
         """The accounted history after any prior stages: what the accountant recorded (Opacus's optimizer hook,
         one entry per (σ, q) run of optimizer steps); under b-banded noise n steps are the DP-SGD event's
-        ⌈n/b⌉ (:mod:`dpllm.privacy.correlated`)."""
+        ⌈n/b⌉ (:mod:`dpllm.privacy.correlated`); under BLT n steps at the plan's (σ, q_b) are one Gaussian mechanism
+        (:meth:`dpllm.privacy.plan.PrivacyPlan.stage_history`)."""
         b, runs = self.plan.bands, []
+        if self.plan.gaussian:
+            recorded = {(float(s), float(q)) for s, q, _ in self.engine.accountant.history}
+            if recorded - {(float(self.plan.noise_multiplier), float(self.plan.sample_rate))}:
+                raise RuntimeError(f"the accountant recorded steps at (σ, q) = {sorted(recorded)}, the BLT plan draws "
+                                   f"at ({self.plan.noise_multiplier}, {self.plan.sample_rate}); a dpllm bug")
+            return [tuple(h) for h in self.plan.prior_history] + self.plan.stage_history(self.steps_taken())
         if b == 1:
             return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
         for s, q, n in self.engine.accountant.history:  # one run per (σ, q): ⌈·/b⌉ of a split run could count more
@@ -179,8 +186,8 @@ def make_private(
                                   generator=engine.secure_rng if cfg.secure_mode else sampling_generator)
     if noise is not None and noise.correlated:  # cyclic Poisson over the mechanism's groups (dpllm.privacy.correlated)
         if user_records is not None or texts is None or len(texts) != len(dataset):
-            raise ValueError("privacy.noise: banded needs one text per training row to group the records, and no "
-                             "user-level sampling")
+            raise ValueError(f"privacy.noise: {noise.name} needs one text per training row to group the records, "
+                             "and no user-level sampling")
         if noise.sample_rate != plan.sample_rate or noise.bands != plan.bands:
             raise ValueError(f"the noise mechanism ({noise.bands} bands, q_b={noise.sample_rate}) is not the one the "
                              f"plan accounts ({plan.bands} bands, q={plan.sample_rate}); a dpllm bug")
@@ -206,7 +213,7 @@ def make_private(
     guard_record_independence(model, max_length=max_length)
     recurrence = noise.recurrence() if noise is not None else None
     if recurrence is not None and mode != "bk":
-        raise ValueError(f"privacy.noise: banded needs grad_sample_mode bk; {mode} runs here ({choice.reason})")
+        raise ValueError(f"privacy.noise: {noise.name} needs grad_sample_mode bk; {mode} runs here ({choice.reason})")
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
             engine=engine, model=model, optimizer=optimizer,

@@ -212,7 +212,8 @@ class RunPrivacy:
         if self.dp:  # the noise mechanism first: banded noise changes q and the steps accounted (privacy.correlated)
             self.noise = correlated.build(p.noise, p.bands, steps=self.steps, num_records=n, batch=batch,
                                           target_epsilon=target, delta=delta, accountant=p.accountant,
-                                          noise_multiplier=sigma, prior_history=self.lineage.history)
+                                          noise_multiplier=sigma, prior_history=self.lineage.history,
+                                          buffers=p.buffers)
             self.plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=self.steps,
                                      target_epsilon=target, delta=delta, accountant=p.accountant,
                                      noise_multiplier=sigma, prior_history=self.lineage.history,
