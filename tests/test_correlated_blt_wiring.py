@@ -104,6 +104,7 @@ def test_no_path_accounts_a_blt_run_as_amplified_dp_sgd():
     (("--noise", "blt", "--privacy_unit", "user", "--user_column", "u"), "blt is not yet supported with "
                                                                          "privacy_unit=user"),
     (("--noise", "blt", "--long_records", "split"), "blt is not yet supported with long_records=split"),
+    (("--noise", "blt", "--packing", "true"), "packing=true with noise: blt is not built yet"),
     (("--buffers", "3"), "privacy.buffers=3 needs privacy.noise=blt"),
     (("--noise", "banded", "--buffers", "2"), "needs privacy.noise=blt"),
     (("--noise", "blt", "--buffers", "9"), "from 1 to 8"),
