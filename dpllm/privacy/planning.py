@@ -454,12 +454,15 @@ def cli_main(argv: list[str]) -> int:
                 plan = plan_table(num_records=args.num_records, **common, schedule=schedule,
                                   progress=lambda line: print(f"dpllm plan: {line}", file=sys.stderr, flush=True))
             if args.noise != "independent":
-                if args.unit == "user" or args.target_epsilon is None or args.noise_schedule != "constant":
-                    raise PrivacyPlanError(f"--noise {args.noise} compares at --target-epsilon, for --unit record "
-                                           "plans with a constant σ")
+                if (args.unit == "user" and args.sampling != "uls") or args.target_epsilon is None or \
+                        args.noise_schedule != "constant":
+                    raise PrivacyPlanError(f"--noise {args.noise} compares at --target-epsilon, for --unit record or "
+                                           "--unit user --sampling uls plans with a constant σ")
                 print("dpllm plan: comparing banded and BLT correlated noise...", file=sys.stderr, flush=True)
+                uls = args.unit == "user"  # ULS: the unit sampled (and put in a cyclic group) is the user
                 plan["correlated_noise"] = correlated_table(
-                    num_records=args.num_records, batch=args.batch, steps=plan["steps"],
+                    num_records=plan["num_users"] if uls else args.num_records,
+                    batch=plan["users_per_batch"] if uls else args.batch, steps=plan["steps"],
                     target_epsilon=args.target_epsilon, delta=args.delta, bands=args.bands,
                     accountant=plan["accountant"], noise=args.noise, buffers=args.buffers)
     except PrivacyPlanError as err:
