@@ -194,6 +194,12 @@ def test_a_banded_uls_run_is_accounted_as_user_level_dp_sgd_at_q_b_over_ceil_t_o
     assert r.epsilon == pytest.approx(accounting.compute_epsilon_history(
         history=[(r.noise_multiplier, 2 / k, 3)], delta=1e-3, accountant=r.accountant), rel=1e-9)
     assert r.epsilon <= 8.0
+    from dpllm import ledger
+    from dpllm.export import correlated_note
+
+    assert ledger.verify(run).ok
+
+    assert "the users were split into 2 groups by a keyed hash of each user's id" in correlated_note(r)
     trained = json.loads((run / "splits.json").read_text())["train"]
     assert len(trained) == r.num_records
     import contextlib
