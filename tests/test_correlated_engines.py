@@ -214,6 +214,9 @@ def test_a_banded_uls_run_is_accounted_as_user_level_dp_sgd_at_q_b_over_ceil_t_o
                          "--epsilons", "", "--json"]) == 0
     rows = {row["bands"]: row for row in json.loads(buf.getvalue())["correlated_noise"]["rows"]}
     assert rows[2]["noise_multiplier"] == pytest.approx(r.noise_multiplier, rel=1e-9)
+    assert cli_main(["--unit", "user", "--sampling", "els", "--num-users", "100", "--records-per-user", "4",
+                     "--batch", "16", "--steps", "5", "--delta", "1e-3", "--target-epsilon", "8", "--noise",
+                     "banded"]) == 2  # refused before any calibration
 
 
 # ---- DPTrainer ----------------------------------------------------------------------------------------------------
