@@ -335,8 +335,10 @@ def correlated_note(report: PrivacyReport) -> str:
                 f"in at most ⌈{report.steps}/{c['bands']}⌉ steps, {c['bands']} apart; ε is that of one Gaussian "
                 f"mechanism with μ = sens/σ = {blt_mu(report.history):.4g} over the whole run, with no credit for "
                 "sampling (McMahan et al. 2024, arXiv 2408.08868).")
-    return (f" The noise was correlated across steps ({c['bands']}-banded matrix factorization): the records were "
-            f"split into {c['bands']} groups by a keyed hash of each record's own text, each step Poisson-sampled one "
+    # user-level sampling (ULS) puts each user, by a keyed hash of its id, in a group (dpllm.privacy.correlated.groups)
+    unit, key = ("users", "user's id") if report.privacy_unit == "user" else ("records", "record's own text")
+    return (f" The noise was correlated across steps ({c['bands']}-banded matrix factorization): the {unit} were "
+            f"split into {c['bands']} groups by a keyed hash of each {key}, each step Poisson-sampled one "
             f"group in turn at the rate q above, and ε is that of DP-SGD over ⌈{c['steps']}/{c['bands']}⌉ = "
             f"{c['accounted_steps']} steps at that rate (Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 1).")
 

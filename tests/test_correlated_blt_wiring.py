@@ -99,8 +99,8 @@ def test_no_path_accounts_a_blt_run_as_amplified_dp_sgd():
 @pytest.mark.parametrize("extra, words", [
     (("--noise", "blt", "--grad_sample_mode", "hooks"), "privacy.noise: blt is not yet supported with "
                                                         "grad_sample_mode=hooks"),
-    (("--noise", "blt", "--noise_schedule", "linear"), "blt is not yet supported with noise_schedule=linear"),
-    (("--noise", "blt", "--clipping", "quantile"), "blt is not yet supported with clipping: quantile"),
+    (("--noise", "blt", "--noise_schedule", "linear"), "noise_schedule=linear with privacy.noise: blt"),
+    (("--noise", "blt", "--clipping", "quantile"), "clipping: quantile with privacy.noise: blt"),
     (("--noise", "blt", "--privacy_unit", "user", "--user_column", "u"), "blt is not yet supported with "
                                                                          "privacy_unit=user"),
     (("--noise", "blt", "--long_records", "split"), "blt is not yet supported with long_records=split"),

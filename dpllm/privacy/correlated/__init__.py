@@ -143,10 +143,20 @@ class CorrelatedNoise:
         return {"theta": blt.theta.tolist(), "omega": blt.omega.tolist(), "min_separation": self.bands,
                 "steps": self.steps}
 
-    def sampler(self, *, texts: Sequence[str], key: int, generator, rank: int = 0, world_size: int = 1):
-        """The batch sampler: cyclic Poisson over ``bands`` groups of ``texts`` (plain Poisson for one band)."""
+    def sampler(self, *, texts: Sequence[str], key: int, generator, rank: int = 0, world_size: int = 1,
+                unit_records: Optional[Sequence[Sequence[int]]] = None):
+        """The batch sampler: cyclic Poisson over ``bands`` groups of ``texts`` (plain Poisson for one band).
+
+        ``unit_records`` (user-level sampling): the unit is a user, ``texts`` are the users' ids (one per unit, the
+        group a keyed hash of the id) and a sampled user yields its records
+        (:class:`.groups.CyclicPoissonBatchSampler`).
+        """
         from dpllm.sampling import PoissonBatchSampler
 
+        if unit_records is not None:  # one band included: the draws of plain user-level Poisson sampling
+            return CyclicPoissonBatchSampler(groups=assign_groups(texts, bands=self.bands, key=key), bands=self.bands,
+                                             sample_rate=self.sample_rate, generator=generator, rank=rank,
+                                             world_size=world_size, unit_records=unit_records)
         if self.bands == 1 and self.accounting == AMPLIFIED:  # BLT: the cyclic sampler its accounting names, always
             return PoissonBatchSampler(num_samples=len(texts), sample_rate=self.sample_rate, generator=generator,
                                        rank=rank, world_size=world_size)
