@@ -328,6 +328,64 @@ def run_llama(work: Path, quick: bool, no_progress: bool) -> list[dict]:
     return rows
 
 
+def step_noise_std(row: dict) -> float | None:
+    """The std of the noise ONE update carries, σ·‖row T of C⁻¹‖ in units of C (DP-SGD: σ). Correlated noise
+    cancels in the prefix sums, but every single step carries more of it than DP-SGD's at the same ε."""
+    from scipy.signal import lfilter
+
+    from dpllm.privacy.correlated import BandMF, blt_strategy
+
+    mech, sigma, steps = row.get("mechanism"), row.get("noise_multiplier"), row.get("steps") or row.get("total_steps")
+    if mech is None or sigma is None:
+        return None
+    if mech == "independent" or row.get("bands") == 1:
+        return float(sigma)
+    if mech == "banded":
+        c = np.asarray(BandMF.optimized(bands=int(row["bands"]), steps=int(steps)).coefficients)
+        inverse = lfilter([1.0], c, np.eye(1, int(steps))[0])
+    else:
+        inverse = blt_strategy(steps=int(steps), groups=int(row["bands"]), buffers=row.get("buffers")).blt \
+            .inverse().coefs(int(steps))
+    return float(sigma * np.linalg.norm(inverse))
+
+
+# Two side checks of why BandMF loses on the tiny Llama (docs/results/correlated_noise/README.md): (1) cyclic group
+# sampling alone, with negligible noise (σ = 0.01, ε not meaningful, RDP); (2) plain SGD instead of AdamW at ε = 8.
+LLAMA_CHECKS = (
+    ("sampling only (σ = 0.01)", None,
+     ["--noise_multiplier", "0.01", "--target_epsilon", "1e12", "--accountant", "rdp"],
+     (("independent", "auto"), ("banded", "4"), ("banded", "16"))),
+    ("SGD lr 0.5, ε = 8", 8.0, ["--optimizer", "sgd", "--learning_rate", "0.5", "--target_epsilon", "8"],
+     (("independent", "auto"), ("banded", "auto"))),
+)
+
+
+def run_llama_checks(work: Path, no_progress: bool) -> list[dict]:
+    """The side checks above, 5 epochs, seeds 0–2, through ``dpllm.train.train``."""
+    from dpllm.config import parse_config
+    from dpllm.train import train
+
+    todo = [(name, eps, extra, noise, bands, seed) for name, eps, extra, mechs in LLAMA_CHECKS
+            for noise, bands in mechs for seed in LLAMA_SEEDS]
+    rows, bar = [], progress(len(todo), "tiny Llama checks", no_progress)
+    for i, (name, eps, extra, noise, bands, seed) in enumerate(todo):
+        argv = [*LLAMA_ARGS, "--epochs", "5", "--seed", str(seed), *extra, "--noise", noise, "--bands", bands,
+                "--output_dir", str(work / f"check{i}")]
+        summary = train(parse_config(argv))
+        report = json.loads((work / f"check{i}" / "privacy_report.json").read_text())
+        chosen = int((report.get("correlated_noise") or {}).get("bands", 1))
+        key = noise if bands == "auto" else f"{noise}_{bands}"
+        rows.append({"part": "llama_checks", "setting": name, "target_epsilon": eps, "mechanism_key": key,
+                     "label": LABELS.get(key, f"BandMF (b = {bands})"), "seed": seed, "status": "ran",
+                     "recipe_args": argv, "mechanism": "banded" if chosen > 1 else "independent", "bands": chosen,
+                     "total_steps": report["steps"], "noise_multiplier": report["noise_multiplier"],
+                     "history": report["history"], "epsilon": report["epsilon"], "accountant": report["accountant"],
+                     "metrics": {"heldout_ppl": summary["final_eval_ppl"]}, "metric": summary["final_eval_ppl"]})
+        bar.update()
+    bar.close()
+    return rows
+
+
 # --- summary: per-cell means with t-intervals, paired differences against DP-SGD -----------------------------------
 
 def cells(rows: list[dict]) -> list[dict]:
@@ -343,10 +401,11 @@ def cells(rows: list[dict]) -> list[dict]:
             m, lo, hi = t_interval(r["metric"] for r in ran)
             cell.update(mean=m, ci=[lo, hi], epsilon_max=max((r["epsilon"] or 0.0) for r in ran) if eps else None,
                         noise_multiplier=ran[0].get("noise_multiplier"), bands=ran[0].get("bands"),
-                        buffers=ran[0].get("buffers"), predicted_error=ran[0].get("predicted_error"))
+                        buffers=ran[0].get("buffers"), predicted_error=ran[0].get("predicted_error"),
+                        step_noise_std=step_noise_std(ran[0]))
             base = [r for r in rows if (r["part"], r["setting"], r["target_epsilon"], r["mechanism_key"])
                     == (part, setting, eps, "independent") and r["status"] == "ran"]
-            if eps is not None and key != "independent" and base:
+            if key not in ("independent", "non-private") and base:
                 by_seed = {r["seed"]: r["metric"] for r in base}
                 diffs = [r["metric"] - by_seed[r["seed"]] for r in ran if r["seed"] in by_seed]
                 if diffs:
@@ -363,73 +422,100 @@ def summary(res: dict) -> str:
              f"δ = {DELTA:g}; ε from the PRV accountant on each row's recorded event (σ, q, steps); the prediction is "
              "σ·RMSE of the prefix-sum workload in units of C (BLT: σ/sens·RMSE). Intervals: 95% Student-t over "
              "seeds; Δ is paired by seed against DP-SGD (negative = better).", ""]
-    for part, metric in (("mlp", "test loss"), ("llama", "held-out perplexity")):
+    titles = {"mlp": "MLP (seed-000 setting)", "llama": "Tiny Llama (recipes/finetune_llm.py)",
+              "llama_checks": "Tiny Llama, side checks (5 epochs; b as given or auto)"}
+    ppl = "held-out perplexity"
+    for part, metric in (("mlp", "test loss"), ("llama", ppl), ("llama_checks", ppl)):
         cs = [c for c in res["cells"] if c["part"] == part]
         if not cs:
             continue
-        lines += [f"## {'MLP (seed-000 setting)' if part == 'mlp' else 'Tiny Llama (recipes/finetune_llm.py)'}", ""]
+        lines += [f"## {titles[part]}", ""]
         table = []
         for c in cs:
             if c["status"] != "ran":
-                table.append([c["setting"], fmt(c["target_epsilon"]), c["label"], "", "", "", "", c["status"][:90], ""])
+                table.append([c["setting"], fmt(c["target_epsilon"]), c["label"], "", "", "", "", "",
+                              c["status"][:90], ""])
                 continue
             diff = (f"{c['diff_vs_dpsgd']:+.4f} [{c['diff_ci'][0]:+.4f}, {c['diff_ci'][1]:+.4f}]"
                     if "diff_vs_dpsgd" in c else "")
             table.append([c["setting"], fmt(c["target_epsilon"]), c["label"], c.get("bands") or "",
                           fmt(c.get("noise_multiplier")), fmt(c.get("epsilon_max"), 4), fmt(c.get("predicted_error")),
+                          fmt(c.get("step_noise_std")),
                           f"{c['mean']:.4f} [{c['ci'][0]:.4f}, {c['ci'][1]:.4f}]", diff])
         lines += [markdown_table(["setting", "target ε", "noise", "b", "σ", "ε (max over seeds)",
-                                  "predicted error σ·RMSE", f"{metric} [95% CI]", "Δ vs DP-SGD [95% CI]"], table), ""]
-    lines += [f"Plot: ![{res['plot']}]({res['plot']})", ""]
+                                  "predicted error σ·RMSE", "noise std per step", f"{metric} [95% CI]",
+                                  "Δ vs DP-SGD [95% CI]"], table), ""]
+    if res.get("plot"):
+        lines += [f"Plot: ![{res['plot']}]({res['plot']})", ""]
     return "\n".join(lines)
 
 
 def plot(res: dict, path: Path) -> str:
+    """Top: each mechanism's metric minus DP-SGD's, paired by seed (mean and 95% t-interval; below 0 is better).
+    Bottom: its predicted error σ·RMSE over DP-SGD's. One column per setting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
-    panels = list(dict.fromkeys((c["part"], c["setting"]) for c in res["cells"]))
-    fig, axes = plt.subplots(2, len(panels), figsize=(3.6 * len(panels), 6.4), squeeze=False)
+    panels = list(dict.fromkeys((c["part"], c["setting"]) for c in res["cells"] if c["part"] != "llama_checks"))
+    if not panels:
+        return ""
+    fig, axes = plt.subplots(2, len(panels), figsize=(3.4 * len(panels), 6.2), squeeze=False)
     for j, (part, setting) in enumerate(panels):
         cs = [c for c in res["cells"] if (c["part"], c["setting"]) == (part, setting)]
-        keys = [k for k in dict.fromkeys(c["mechanism_key"] for c in cs) if k != "non-private"]
-        for i, key in enumerate(keys):
-            pts = [c for c in cs if c["mechanism_key"] == key and c["status"] == "ran"]
+        base = {c["target_epsilon"]: c for c in cs if c["mechanism_key"] == "independent" and c["status"] == "ran"}
+        keys = [k for k in dict.fromkeys(c["mechanism_key"] for c in cs) if k not in ("non-private", "independent")]
+        for i, key in enumerate(keys, start=1):
+            pts = [c for c in cs if c["mechanism_key"] == key and c["status"] == "ran" and "diff_vs_dpsgd" in c]
             if not pts:
                 continue
-            xs = np.array([c["target_epsilon"] for c in pts]) * (1 + 0.04 * (i - 1.5))
-            ys = np.array([c["mean"] for c in pts])
-            err = np.array([[c["mean"] - c["ci"][0], c["ci"][1] - c["mean"]] for c in pts]).T
+            xs = np.array([c["target_epsilon"] for c in pts]) * (1 + 0.05 * (i - 2))
+            ys = np.array([c["diff_vs_dpsgd"] for c in pts])
+            err = np.array([[c["diff_vs_dpsgd"] - c["diff_ci"][0], c["diff_ci"][1] - c["diff_vs_dpsgd"]]
+                            for c in pts]).T
             axes[0, j].errorbar(xs, ys, yerr=err, fmt="o-", capsize=3, color=f"C{i}", label=LABELS[key], ms=4)
-            axes[1, j].plot(xs, [c["predicted_error"] for c in pts], "o-", color=f"C{i}", label=LABELS[key], ms=4)
-        base = [c for c in cs if c["mechanism_key"] == "non-private" and c["status"] == "ran"]
-        if base:
-            axes[0, j].axhline(base[0]["mean"], color="grey", ls=":", label="non-private")
+            axes[1, j].plot(xs, [c["predicted_error"] / base[c["target_epsilon"]]["predicted_error"] for c in pts],
+                            "o-", color=f"C{i}", label=LABELS[key], ms=4)
+        not_run = [c for c in cs if c["status"] != "ran"]
+        if not_run:
+            axes[0, j].text(0.02, 0.02, f"{LABELS[not_run[0]['mechanism_key']]}: not run (recipe refuses)",
+                            transform=axes[0, j].transAxes, fontsize=7)
+        axes[0, j].axhline(0.0, color="C0", lw=1, label="DP-SGD")
+        axes[1, j].axhline(1.0, color="C0", lw=1, label="DP-SGD")
         for row in range(2):
-            axes[row, j].set_xscale("log")
-            axes[row, j].set_xticks(list(EPSILONS), [f"{e:g}" for e in EPSILONS])
-            axes[row, j].set_xlabel("ε (δ = 1e-5)")
-        axes[1, j].set_yscale("log")
+            ax = axes[row, j]
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_xticks(list(EPSILONS), [f"{e:g}" for e in EPSILONS])
+            ax.set_xlabel("ε (δ = 1e-5)")
         axes[0, j].set_title(setting, fontsize=9)
-        axes[0, j].set_ylabel("test loss" if part == "mlp" else "held-out perplexity")
-        axes[1, j].set_ylabel("predicted σ·RMSE (units of C)")
+        axes[0, j].set_ylabel(("test loss" if part == "mlp" else "held-out perplexity") + " − DP-SGD's")
+        axes[1, j].set_ylabel("predicted σ·RMSE / DP-SGD's")
     axes[0, 0].legend(fontsize=7)
-    fig.suptitle("Equal ε: measured (top, mean and 95% t-interval over seeds) and predicted prefix-sum error (bottom)",
-                 fontsize=10)
+    fig.suptitle("Equal ε: measured difference to DP-SGD, paired by seed (top; below 0 is better) and predicted "
+                 "prefix-sum error relative to DP-SGD (bottom)", fontsize=9)
     return save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     parser = recipe_parser(__doc__, default_output="runs/correlated_noise", dataset=None)
-    parser.add_argument("--parts", nargs="+", choices=["mlp", "llama"], default=["mlp", "llama"],
-                        help="which settings to run")
+    parser.add_argument("--parts", nargs="+", choices=["mlp", "llama", "llama_checks"], default=["mlp", "llama"],
+                        help="which settings to run (llama_checks: the side checks of why BandMF loses on the Llama)")
+    parser.add_argument("--replot", action="store_true",
+                        help="only rebuild summary.md and the plot from --output_dir's results.json (no training)")
     args = parser.parse_args(argv)
+    out = Path(args.output_dir)
+    if args.replot:
+        res = json.loads((out / "results.json").read_text())
+        res["cells"] = cells(res["rows"])
+        res["plot"] = plot(res, out / "correlated_noise.png")
+        write_outputs(out, res, summary(res))
+        return res
     quiet_warnings()
     torch.set_num_threads(1)
     timer = Timer()
-    out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     if "mlp" in args.parts:
@@ -443,6 +529,14 @@ def main(argv: Optional[list[str]] = None) -> dict:
         # the run directories (checkpoints, private held-out losses, noise state) stay out of --output_dir
         with tempfile.TemporaryDirectory(prefix="correlated_noise_llama_") as work:
             rows += run_llama(Path(work), args.quick, args.no_progress)
+    if "llama_checks" in args.parts:
+        import tempfile
+
+        from dpllm.logs import setup_logging
+
+        setup_logging()
+        with tempfile.TemporaryDirectory(prefix="correlated_noise_checks_") as work:
+            rows += run_llama_checks(Path(work), args.no_progress)
     res = {"study": "correlated_noise", "command": command_line(__file__, argv), "quick": args.quick,
            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{platform.machine()}, {environment()['cpus']} CPUs, torch threads 1",
