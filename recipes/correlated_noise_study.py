@@ -24,9 +24,13 @@ literature's metric, also printed by ``dpllm plan --noise``.
    banded (``bands: auto``) / blt. A row the recipe refuses is recorded as ``not run: <its message>``.
    Reported: held-out perplexity (bytes). ``privacy.reproducible_noise`` makes a row repeatable from its seed.
 
-    python recipes/correlated_noise_study.py --output_dir docs/results/correlated_noise          # ~15 min, 2 cores
-    python recipes/correlated_noise_study.py --output_dir runs/cn_quick --quick                  # seconds (tests)
-    python recipes/correlated_noise_study.py --output_dir runs/cn_mlp --parts mlp
+    python recipes/correlated_noise_study.py --output_dir docs/results/correlated_noise          # ~25 min, 2 cores
+    python recipes/correlated_noise_study.py --output_dir runs/cn_quick --quick --parts mlp      # seconds (tests)
+    python recipes/correlated_noise_study.py --output_dir runs/cn_checks --parts llama_checks    # ~8 min
+    python recipes/correlated_noise_study.py --output_dir docs/results/correlated_noise --replot # tables, plot
+
+``--parts llama_checks`` runs two side checks of the Llama result: cyclic group sampling alone (σ = 0.01) and plain
+SGD instead of AdamW at ε = 8. ``--replot`` rebuilds ``summary.md`` and the plot from an existing ``results.json``.
 
 Writes ``results.json`` (every run with its σ, q, steps, δ, accountant, ε and prediction; the per-cell means with
 95% Student-t intervals), ``summary.md`` and ``correlated_noise.png`` into ``--output_dir``.

@@ -169,3 +169,11 @@ def test_bands_auto_that_picks_one_band_is_dp_sgd_seed_for_seed(quick):
         assert c["diff_vs_dpsgd"] == pytest.approx(0.0, abs=1e-9)
         assert c["mean"] == pytest.approx(cells[(c["setting"], c["target_epsilon"], "independent")]["mean"])
     assert torch.get_num_threads() == 1
+
+
+def test_replot_rebuilds_the_same_tables_from_results_json(quick):
+    out, res = quick
+    before = (out / "summary.md").read_text()
+    again = study.main(["--output_dir", str(out), "--replot"])
+    assert (out / "summary.md").read_text() == before
+    assert again["cells"] == json.loads(json.dumps(res["cells"]))
