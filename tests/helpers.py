@@ -101,3 +101,18 @@ def assert_reproduces_committed(res: dict, name: str, *, metric_abs: float) -> N
                 assert ours[key] == (None if theirs[key] is None else pytest.approx(theirs[key], rel=1e-6)), key
         for key, value in theirs["metrics"].items():
             assert ours["metrics"][key] == pytest.approx(value, abs=metric_abs), (ours["config"], key)
+
+
+def in_process(main, argv: list[str], capsys):
+    """A command's entry point (``main(argv)``, what its console script or ``python -m`` calls) run in this process;
+    returns what ``subprocess.run`` would: ``returncode``, ``stdout``, ``stderr`` (from ``capsys``). A process of
+    its own would add only its start-up, ~13 s of CPU for torch, transformers and opacus."""
+    from types import SimpleNamespace
+
+    capsys.readouterr()
+    try:
+        code = main(argv)
+    except SystemExit as err:  # argparse's usage errors
+        code = err.code
+    out = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)

@@ -27,12 +27,14 @@ def _heldout_for(n_train: int, max_records: int = 60) -> str:
 
 
 def _train(out, *extra):
-    r = subprocess.run([sys.executable, "recipes/finetune_llm.py", "--max_records", "60", "--max_length", "32",
-                        "--heldout_fraction", _heldout_for(48),
-                        "--tiny_hidden_size", "32", "--logical_batch_size", "16", "--physical_batch_size", "16",
-                        "--eval_every", "0", "--progress", "false", "--target_epsilon", "8", "--output_dir", str(out),
-                        *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    """``python recipes/finetune_llm.py ...`` through its entry point, in this process (a process of its own would
+    add only start-up)."""
+    from tests.helpers import load_recipe
+
+    assert load_recipe("finetune_llm").cli([
+        "--max_records", "60", "--max_length", "32", "--heldout_fraction", _heldout_for(48), "--tiny_hidden_size",
+        "32", "--logical_batch_size", "16", "--physical_batch_size", "16", "--eval_every", "0", "--progress", "false",
+        "--target_epsilon", "8", "--output_dir", str(out), *extra]) == 0
     return out
 
 
@@ -71,14 +73,16 @@ def test_more_than_one_pass_is_not_met(runs):
     assert not any("expected passes" in w for w in one)
 
 
-def test_audit_then_stale_audit(runs, tmp_path):
+def test_audit_then_stale_audit(runs, tmp_path, capsys):
     from dpllm.export import compliance_section
+    from mia.__main__ import main as mia
+    from tests.helpers import in_process
 
     one, _ = runs
     run = tmp_path / "run"
     shutil.copytree(one, run)
-    r = subprocess.run([sys.executable, "-m", "mia", "audit", "--checkpoint", str(run), "--attacks", "loss",
-                        "--n-bootstrap", "20", "--no-progress"], capture_output=True, text=True, cwd=ROOT)
+    r = in_process(mia, ["audit", "--checkpoint", str(run), "--attacks", "loss", "--n-bootstrap", "20",
+                         "--no-progress"], capsys)
     assert r.returncode == 0, r.stderr[-2000:]
     assert _status(run)["mia_audit"] == compliance.MET
     # The audit reports the run's bounds next to what it measured (JSON, table and a plain reading).
