@@ -4,8 +4,6 @@ that should flip it (more passes, a tampered ledger, a missing or stale audit, s
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -127,17 +125,19 @@ def test_a_tampered_ledger_fails_logging_and_fixing(runs, tmp_path):
     assert s["epsilon_logged"] == compliance.NOT_MET and s["epsilon_fixed"] == compliance.NOT_MET
 
 
-def test_cli_exit_code_and_json(runs):
+def test_cli_exit_code_and_json(runs, capsys):
+    """`dpllm report` through its entry point (``dpllm.cli.main``, what the console script calls and exits with)."""
+    from dpllm.cli import main as dpllm
+    from tests.helpers import in_process
+
     one, _ = runs
-    r = subprocess.run([sys.executable, "-m", "dpllm.cli", "report", str(one), "--compliance", "--json"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = in_process(dpllm, ["report", str(one), "--compliance", "--json"], capsys)
     assert r.returncode == 1  # the audit is missing
     items = json.loads(r.stdout)
     assert [i["name"] for i in items] == ["differential_privacy", "epsilon_fixed", "single_epoch",
                                           "dp_gradient_checkpointing", "epsilon_logged", "noise_secret",
                                           "sensitivity_tiers", "data_sovereignty", "mia_audit"]
-    r = subprocess.run([sys.executable, "-m", "dpllm.cli", "report", str(one), "--json"], capture_output=True,
-                       text=True, cwd=ROOT)
+    r = in_process(dpllm, ["report", str(one), "--json"], capsys)
     assert r.returncode == 2 and "usage" in r.stderr
 
 
