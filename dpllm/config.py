@@ -238,7 +238,7 @@ class PrivacyConfig:
                                    "keeps bands−1 noise tensors of the trainable parameters' size per process; "
                                    "docs/privacy.md) or 'blt' (buffered linear Toeplitz: `buffers` noise tensors per "
                                    "process, `bands` cyclic groups, the run accounted as one Gaussian mechanism "
-                                   "without amplification; bk only, record level).")
+                                   "without amplification; the same engines and units as banded).")
     bands: str = _f("auto", "noise: banded: the number of bands b (≤ ⌈N/B⌉), or 'auto' (the b of 1, 2, 4, ..., 32 "
                             "with the least expected error at target_epsilon; dpllm plan shows the comparison). "
                             "noise: blt: the number of cyclic groups b (BLT's min-separation, ≤ ⌈N/B⌉), or 'auto' "
@@ -718,9 +718,10 @@ def correlated_problem(cfg: RunConfig) -> Optional[str]:
 
     What runs: bk (one process, DDP: rank 0 noises and keeps the recurrence, FSDP2: each process over its shards),
     Opacus hooks and ghost (one process, DDP: rank 0), record level or ULS (a user is grouped and sampled as the
-    unit), a constant σ, any fixed-norm clipping function. What the amplified reduction (Choquette-Choo et al.
-    2023, arXiv 2306.08153, Thm 1: one σ and one clip norm at every step, every unit in one cyclic group) does
-    not cover is refused in one line that says why; the rest is refused until it is built (issue 45).
+    unit), a constant σ, any fixed-norm clipping function; banded and blt alike. What the amplified reduction
+    (Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 1: one σ and one clip norm at every step, every unit in one
+    cyclic group) or BLT's Gaussian mechanism (the same participation, sensitivity sens(C, b, ⌈T/b⌉) at one clip norm)
+    does not cover is refused in one line that says why; the rest is refused until it is built (issue 45).
     """
     p = cfg.privacy
     if p.noise not in ("independent", "banded", "blt"):
@@ -735,12 +736,9 @@ def correlated_problem(cfg: RunConfig) -> Optional[str]:
         return f"privacy.buffers={p.buffers} needs privacy.noise=blt"
     if p.noise == "independent":
         return None if bands in ("auto", "1") else f"privacy.bands={p.bands} needs privacy.noise=banded"
-    if p.noise == "blt":  # one Gaussian mechanism over record-level cyclic groups: bk is what is built and tested
-        d = cfg.data
-        for bad, what in [(p.grad_sample_mode not in ("auto", "bk"), f"grad_sample_mode={p.grad_sample_mode} (use bk)"),
-                          (d.privacy_unit != "record", f"privacy_unit={d.privacy_unit}")]:
-            if bad:
-                return f"privacy.noise: blt is not yet supported with {what} (issue 45)"
+    # blt: one Gaussian mechanism whose sensitivity needs only that every unit (a record, or a ULS user) is clipped to C
+    # once per step and joins only its cyclic group's steps; the engine that clips and the process that noises (bk,
+    # hooks or ghost; rank 0 under DDP) change neither, so blt runs where banded does (dpllm.privacy.correlated)
     return _correlated_scope(cfg)
 
 

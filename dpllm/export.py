@@ -328,15 +328,15 @@ def correlated_note(report: PrivacyReport) -> str:
     c = report.correlated_noise
     if not c or c["mechanism"] == "independent":
         return ""
-    if blt_noise(c):
-        return (f" The noise was correlated across steps (BLT matrix factorization, {c['buffers']} buffer(s)): the "
-                f"records were split into {c['bands']} groups by a keyed hash of each record's own text, step t "
-                f"trained on group t mod {c['bands']} (each of its records at the rate q above), so a record took part "
-                f"in at most ⌈{report.steps}/{c['bands']}⌉ steps, {c['bands']} apart; ε is that of one Gaussian "
-                f"mechanism with μ = sens/σ = {blt_mu(report.history):.4g} over the whole run, with no credit for "
-                "sampling (McMahan et al. 2024, arXiv 2408.08868).")
     # user-level sampling (ULS) puts each user, by a keyed hash of its id, in a group (dpllm.privacy.correlated.groups)
     unit, key = ("users", "user's id") if report.privacy_unit == "user" else ("records", "record's own text")
+    if blt_noise(c):
+        return (f" The noise was correlated across steps (BLT matrix factorization, {c['buffers']} buffer(s)): the "
+                f"{unit} were split into {c['bands']} groups by a keyed hash of each {key}, step t "
+                f"trained on group t mod {c['bands']} (each of its {unit} at the rate q above), so a {unit[:-1]} took "
+                f"part in at most ⌈{report.steps}/{c['bands']}⌉ steps, {c['bands']} apart; ε is that of one Gaussian "
+                f"mechanism with μ = sens/σ = {blt_mu(report.history):.4g} over the whole run, with no credit for "
+                "sampling (McMahan et al. 2024, arXiv 2408.08868).")
     return (f" The noise was correlated across steps ({c['bands']}-banded matrix factorization): the {unit} were "
             f"split into {c['bands']} groups by a keyed hash of each {key}, each step Poisson-sampled one "
             f"group in turn at the rate q above, and ε is that of DP-SGD over ⌈{c['steps']}/{c['bands']}⌉ = "

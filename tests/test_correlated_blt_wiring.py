@@ -97,12 +97,11 @@ def test_no_path_accounts_a_blt_run_as_amplified_dp_sgd():
 
 
 @pytest.mark.parametrize("extra, words", [
-    (("--noise", "blt", "--grad_sample_mode", "hooks"), "privacy.noise: blt is not yet supported with "
-                                                        "grad_sample_mode=hooks"),
+    (("--noise", "blt", "--grad_sample_mode", "ghost_fsdp"), "privacy.noise: blt is not built for "
+                                                             "grad_sample_mode=ghost_fsdp"),
     (("--noise", "blt", "--noise_schedule", "linear"), "noise_schedule=linear with privacy.noise: blt"),
     (("--noise", "blt", "--clipping", "quantile"), "clipping: quantile with privacy.noise: blt"),
-    (("--noise", "blt", "--privacy_unit", "user", "--user_column", "u"), "blt is not yet supported with "
-                                                                         "privacy_unit=user"),
+    (("--noise", "blt", "--privacy_unit", "sequence"), "privacy_unit=sequence with privacy.noise: blt"),
     (("--noise", "blt", "--long_records", "split"), "blt is not yet supported with long_records=split"),
     (("--noise", "blt", "--packing", "true"), "packing=true with noise: blt is not built yet"),
     (("--buffers", "3"), "privacy.buffers=3 needs privacy.noise=blt"),

@@ -90,11 +90,14 @@ class PrivacyArguments:
                                          "schedule; σ₀ calibrated so the whole schedule meets target_epsilon).")
     noise_schedule_end: float = _f(0.5, "Last piece's σ / first piece's σ.")
     noise_schedule_pieces: int = _f(10, "Constant pieces of a linear or exponential schedule.")
-    noise: str = _f("independent", "How the noise is made, as the recipe's privacy.noise: 'independent' (DP-SGD) or "
+    noise: str = _f("independent", "How the noise is made, as the recipe's privacy.noise: 'independent' (DP-SGD), "
                                    "'banded' (noise correlated over `bands` steps; records, or users with "
-                                   "privacy_unit='user', sampled in bands cyclic groups; docs/privacy.md).")
+                                   "privacy_unit='user', sampled in bands cyclic groups) or 'blt' (buffered linear "
+                                   "Toeplitz over `bands` cyclic groups, accounted as one Gaussian mechanism; "
+                                   "docs/privacy.md).")
     bands: str = _f("auto", "noise='banded': the number of bands b, or 'auto' (the least expected error at "
-                            "target_epsilon; `dpllm plan --noise banded` shows the comparison).")
+                            "target_epsilon; `dpllm plan --noise banded` shows the comparison); noise='blt': the "
+                            "number of cyclic groups, or 'auto'.")
     buffers: str = _f("auto", "noise='blt': the BLT buffers d (1–8) or 'auto', as the recipe's privacy.buffers.")
 
     def privacy_config(self) -> PrivacyConfig:

@@ -219,8 +219,6 @@ def make_private(
     if recurrence is not None and mode == "ghost_fsdp":  # config.correlated_problem says so before any loading
         raise ValueError(f"privacy.noise: {noise.name} is not built for grad_sample_mode=ghost_fsdp (Opacus's FSDP "
                          "optimizer); use bk under FSDP")
-    if recurrence is not None and noise.name == "blt" and mode != "bk":  # config.correlated_problem says so first
-        raise ValueError(f"privacy.noise: blt needs grad_sample_mode bk; {mode} runs here ({choice.reason})")
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
             engine=engine, model=model, optimizer=optimizer,

@@ -237,7 +237,8 @@ class PrivacyReport:
         if blt_noise(c):
             mu = blt_mu(self.history)
             lines.append(f"noise: BLT (buffered linear Toeplitz) matrix factorization, {c['buffers']} buffer(s), "
-                         f"b = {c['bands']} cyclic groups (each record in at most ⌈{self.steps}/{c['bands']}⌉ = "
+                         f"b = {c['bands']} cyclic groups (each {'user' if self.privacy_unit == 'user' else 'record'} "
+                         f"in at most ⌈{self.steps}/{c['bands']}⌉ = "
                          f"{-(-self.steps // c['bands'])} steps, {c['bands']} apart; q_b = "
                          f"{c['group_sample_rate']:.4g}, not credited); sensitivity of the steps run "
                          f"{self.noise_multiplier * mu:.4g} (planned {c['steps']} steps: {c['sensitivity']:.4g}), "
