@@ -67,8 +67,8 @@ def test_record_groups_follow_each_records_own_content(data):
 def _engine(data, noise, bands, **kw):
     from dpllm.mlp.train import MLPRun, plan_for, train_mlp
 
-    run = MLPRun(width=16, epochs=3, lr=0.1, seed=7, noise_multiplier=2.0, grad_sample_mode="bk", noise=noise,
-                 bands=bands, **kw)
+    run = MLPRun(width=16, epochs=3, lr=0.1, seed=7, noise_multiplier=2.0, noise=noise, bands=bands,
+                 **{"grad_sample_mode": "bk", **kw})
     return train_mlp(run, data, plan=plan_for(run, n_train=data.n_train))
 
 
@@ -93,15 +93,23 @@ def test_mlp_engine_banded_is_the_study_loop_and_accounts_the_reduction(data):
         noise_multiplier=2.0, sample_rate=4 / 7, steps=6, delta=1e-5, accountant="prv"), rel=1e-9)
 
 
+def test_mlp_engine_banded_under_hooks_is_bks_run(data):
+    """Opacus hooks now take the correlated recurrence too (dpllm.privacy.correlated.optimizer): the same batches,
+    draws and recurrence as bk, so the same model up to the engines' different per-sample arithmetic (1e-5)."""
+    bk, hooks = _engine(data, "banded", "2"), _engine(data, "banded", "2", grad_sample_mode="hooks")
+    assert hooks.record["metrics"]["test_loss"] == pytest.approx(bk.record["metrics"]["test_loss"], abs=1e-5)
+    assert hooks.record["epsilon_prv"] == bk.record["epsilon_prv"]
+    plain = _engine(data, "independent", "auto", grad_sample_mode="hooks")
+    assert abs(plain.record["metrics"]["test_loss"] - hooks.record["metrics"]["test_loss"]) > 1e-4
+
+
 def test_mlp_paths_refuse_what_they_do_not_run(data):
     from dpllm.mlp.batched import train_mlps
-    from dpllm.mlp.train import MLPRun, plan_for, train_mlp
+    from dpllm.mlp.train import MLPRun
 
-    with pytest.raises(accounting.PrivacyPlanError, match="training with it is planned"):
+    with pytest.raises(accounting.PrivacyPlanError, match="noise: blt is not built into the MLP trainer"):
         _engine(data, "blt", "auto")  # one Gaussian mechanism: a PrivacyPlan cannot account it yet
     hooks = MLPRun(width=16, epochs=1, noise_multiplier=2.0, noise="banded", bands="2")  # default hooks
-    with pytest.raises(ValueError, match="needs grad_sample_mode bk"):
-        train_mlp(hooks, data, plan=plan_for(hooks, n_train=data.n_train))
     with pytest.raises(ValueError, match="not in the lockstep trainer"):
         train_mlps([hooks], data, plans=[None])
 
@@ -234,8 +242,8 @@ def test_committed_study_epsilons_recompute_from_each_rows_recorded_event():
     event is one Gaussian mechanism at σ/sens, sens that of the BLT it names (b groups, d buffers, T steps)."""
     from dpllm.privacy.correlated import blt_strategy
 
-    rows = [r for name in ("results.json", "llama_checks/results.json")
-            for r in json.loads((COMMITTED / name).read_text())["rows"]]
+    files = [json.loads((COMMITTED / name).read_text()) for name in ("results.json", "llama_checks/results.json")]
+    rows = [{"delta": res["delta"], **r} for res in files for r in res["rows"]]  # llama_checks: δ once per file
     assert not [r["status"] for r in rows if r["status"] != "ran"]
     private = [r for r in rows if r["target_epsilon"] is not None]
     assert {r["mechanism_key"] for r in private if r["part"] == "llama"} == {"independent", "banded", "blt"}
