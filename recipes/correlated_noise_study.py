@@ -526,7 +526,8 @@ def plot(res: dict, path: Path) -> str:
         cs = [c for c in res["cells"] if (c["part"], c["setting"]) == (part, setting)]
         base = {c["target_epsilon"]: c for c in cs if c["mechanism_key"] == "independent" and c["status"] == "ran"}
         keys = [k for k in dict.fromkeys(c["mechanism_key"] for c in cs) if k not in ("non-private", "independent")]
-        for i, key in enumerate(keys, start=1):
+        for key in keys:
+            i = MLP_MECHANISMS.index(key)  # one colour per mechanism in every panel (the legend is the first's)
             pts = [c for c in cs if c["mechanism_key"] == key and c["status"] == "ran" and "diff_vs_dpsgd" in c]
             if not pts:
                 continue
