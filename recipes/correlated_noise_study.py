@@ -28,9 +28,14 @@ literature's metric, also printed by ``dpllm plan --noise``.
     python recipes/correlated_noise_study.py --output_dir runs/cn_quick --quick --parts mlp      # seconds (tests)
     python recipes/correlated_noise_study.py --output_dir runs/cn_checks --parts llama_checks    # ~8 min
     python recipes/correlated_noise_study.py --output_dir docs/results/correlated_noise --replot # tables, plot
+    python recipes/correlated_noise_study.py --output_dir runs/cn_llama --parts llama             # one part again
+    python recipes/correlated_noise_study.py --output_dir docs/results/correlated_noise \
+        --merge runs/cn_llama/results.json                                                        # ...into the study
 
 ``--parts llama_checks`` runs two side checks of the Llama result: cyclic group sampling alone (σ = 0.01) and plain
 SGD instead of AdamW at ε = 8. ``--replot`` rebuilds ``summary.md`` and the plot from an existing ``results.json``.
+``--merge FILE`` trains nothing: in ``--output_dir``'s ``results.json`` it replaces the rows of every part that FILE
+(another run's ``results.json``) holds, keeps the other parts' rows, and records which command made each part.
 
 Writes ``results.json`` (every run with its σ, q, steps, δ, accountant, ε and prediction; the per-cell means with
 95% Student-t intervals), ``summary.md`` and ``correlated_noise.png`` into ``--output_dir``.
@@ -312,13 +317,14 @@ def run_llama(work: Path, quick: bool, no_progress: bool) -> list[dict]:
         report = json.loads((run_dir / "privacy_report.json").read_text())
         n, steps = report["num_records"], report["steps"]
         k = math.ceil(n / s.batch)
-        chosen = int((report.get("correlated_noise") or {}).get("bands", 1))
+        cn = report.get("correlated_noise") or {}
+        chosen = int(cn.get("bands", 1))
         rmse = llama_prefix_sum_rmse(noise, bands=chosen, steps=steps, num_records=n, batch=s.batch)
         predicted = {"prefix_sum_rmse": rmse, "predicted_error": report["noise_multiplier"] * rmse}
         history = [tuple(h) for h in report["history"]]
         rows.append({**row, "status": "ran", "steps_per_pass": k, "total_steps": steps, "num_records": n,
-                     "mechanism": (report.get("correlated_noise") or {}).get("mechanism", "independent"),
-                     "bands": chosen, "group_sample_rate": report["sample_rate"],
+                     "mechanism": cn.get("mechanism", "independent"), "bands": chosen, "buffers": cn.get("buffers"),
+                     "sensitivity": cn.get("sensitivity"), "group_sample_rate": report["sample_rate"],
                      "noise_multiplier": report["noise_multiplier"], "accounted_event": list(history[0]),
                      "history": [list(h) for h in history], "delta": report["delta"],
                      "accountant": report["accountant"], "epsilon": report["epsilon"],
@@ -419,10 +425,59 @@ def cells(rows: list[dict]) -> list[dict]:
     return out
 
 
+PARTS = ("mlp", "llama", "llama_checks")
+
+
+def provenance(res: dict) -> dict[str, dict]:
+    """Which command made each part's rows, with its date, machine and wall time: ``res["parts"]``, or, for a
+    results.json written by one command, that command for every part its rows hold."""
+    if "parts" in res:
+        return res["parts"]
+    made = {"command": res["command"], "date": res["date"], "machine": res["machine"],
+            "wall_s": (res.get("timing") or {}).get("wall_s"), "environment": res.get("environment")}
+    return {part: made for part in dict.fromkeys(r["part"] for r in res["rows"])}
+
+
+def merge_results(base: dict, new: dict, *, command: str) -> dict:
+    """``base`` with the rows of every part that ``new`` holds replaced by ``new``'s; the other parts' rows kept.
+
+    Raises:
+        ValueError: ``new`` holds no rows, or the two were run at different ``--quick`` or δ (their rows would not
+            belong in one table).
+    """
+    parts = list(dict.fromkeys(r["part"] for r in new["rows"]))
+    if not parts:
+        raise ValueError("the results.json to merge holds no rows; run a part first (--parts llama)")
+    for key in ("quick", "delta"):
+        if base.get(key) != new.get(key):
+            raise ValueError(f"cannot merge: {key} is {new.get(key)} in the file to merge and {base.get(key)} in "
+                             "--output_dir's results.json; rerun the part with the same setting")
+    rows = [r for r in base["rows"] if r["part"] not in parts] + new["rows"]
+    rows.sort(key=lambda r: PARTS.index(r["part"]))  # stable: each part's rows keep their order
+    made = {**provenance(base), **provenance(new)}
+    present = dict.fromkeys(r["part"] for r in rows)
+    res = {**base, "rows": rows, "cells": cells(rows), "parts": {p: made[p] for p in present},
+           "merged": {"command": command,
+                      "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                      "replaced_parts": parts}}
+    return res
+
+
+def header(res: dict) -> list[str]:
+    """The command(s) that made the rows: one, or one per part after ``--merge``."""
+    if "parts" not in res:
+        return [f"Command: `{res['command']}`  ", f"Date: {res['date']}; machine: {res['machine']}; wall time "
+                f"{res['timing']['wall_s']} s.", ""]
+    lines = ["Commands, by the part whose rows each made (wall time: the whole command):", ""]
+    for part, made in res["parts"].items():
+        lines.append(f"- {part}: `{made['command']}`; {made['date']}; {made['machine']}; wall time "
+                     f"{made['wall_s']} s.")
+    m = res["merged"]
+    return [*lines, f"- merged by `{m['command']}` ({m['date']}; replaced: {', '.join(m['replaced_parts'])}).", ""]
+
+
 def summary(res: dict) -> str:
-    lines = ["# Correlated noise at equal ε: DP-SGD vs BandMF vs BLT (issue 45)", "",
-             f"Command: `{res['command']}`  ", f"Date: {res['date']}; machine: {res['machine']}; wall time "
-             f"{res['timing']['wall_s']} s.", "",
+    lines = ["# Correlated noise at equal ε: DP-SGD vs BandMF vs BLT (issue 45)", "", *header(res),
              f"δ = {DELTA:g}; ε from the PRV accountant on each row's recorded event (σ, q, steps); the prediction is "
              "σ·RMSE of the prefix-sum workload in units of C (BLT: σ/sens·RMSE). Intervals: 95% Student-t over "
              "seeds; Δ is paired by seed against DP-SGD (negative = better).", ""]
@@ -471,7 +526,8 @@ def plot(res: dict, path: Path) -> str:
         cs = [c for c in res["cells"] if (c["part"], c["setting"]) == (part, setting)]
         base = {c["target_epsilon"]: c for c in cs if c["mechanism_key"] == "independent" and c["status"] == "ran"}
         keys = [k for k in dict.fromkeys(c["mechanism_key"] for c in cs) if k not in ("non-private", "independent")]
-        for i, key in enumerate(keys, start=1):
+        for key in keys:
+            i = MLP_MECHANISMS.index(key)  # one colour per mechanism in every panel (the legend is the first's)
             pts = [c for c in cs if c["mechanism_key"] == key and c["status"] == "ran" and "diff_vs_dpsgd" in c]
             if not pts:
                 continue
@@ -509,8 +565,22 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         help="which settings to run (llama_checks: the side checks of why BandMF loses on the Llama)")
     parser.add_argument("--replot", action="store_true",
                         help="only rebuild summary.md and the plot from --output_dir's results.json (no training)")
+    parser.add_argument("--merge", metavar="RESULTS_JSON", default=None,
+                        help="no training: replace the rows of the parts RESULTS_JSON holds (another run's "
+                             "results.json) in --output_dir's results.json, keep the rest, rebuild tables and plot")
     args = parser.parse_args(argv)
     out = Path(args.output_dir)
+    if args.merge:
+        target, source = out / "results.json", Path(args.merge)
+        for path in (target, source):
+            if not path.is_file():
+                raise SystemExit(f"--merge: {path} does not exist; --output_dir must hold the study's results.json "
+                                 "and --merge name the results.json of a --parts run")
+        res = merge_results(json.loads(target.read_text()), json.loads(source.read_text()),
+                            command=command_line(__file__, argv))
+        res["plot"] = plot(res, out / "correlated_noise.png")
+        write_outputs(out, res, summary(res))
+        return res
     if args.replot:
         res = json.loads((out / "results.json").read_text())
         res["cells"] = cells(res["rows"])

@@ -3,6 +3,7 @@ bookkeeping recomputes from what each row records (σ, q, steps, δ, accountant)
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,8 +67,8 @@ def test_record_groups_follow_each_records_own_content(data):
 def _engine(data, noise, bands, **kw):
     from dpllm.mlp.train import MLPRun, plan_for, train_mlp
 
-    run = MLPRun(width=16, epochs=3, lr=0.1, seed=7, noise_multiplier=2.0, grad_sample_mode="bk", noise=noise,
-                 bands=bands, **kw)
+    run = MLPRun(width=16, epochs=3, lr=0.1, seed=7, noise_multiplier=2.0, noise=noise, bands=bands,
+                 **{"grad_sample_mode": "bk", **kw})
     return train_mlp(run, data, plan=plan_for(run, n_train=data.n_train))
 
 
@@ -92,15 +93,23 @@ def test_mlp_engine_banded_is_the_study_loop_and_accounts_the_reduction(data):
         noise_multiplier=2.0, sample_rate=4 / 7, steps=6, delta=1e-5, accountant="prv"), rel=1e-9)
 
 
+def test_mlp_engine_banded_under_hooks_is_bks_run(data):
+    """Opacus hooks now take the correlated recurrence too (dpllm.privacy.correlated.optimizer): the same batches,
+    draws and recurrence as bk, so the same model up to the engines' different per-sample arithmetic (1e-5)."""
+    bk, hooks = _engine(data, "banded", "2"), _engine(data, "banded", "2", grad_sample_mode="hooks")
+    assert hooks.record["metrics"]["test_loss"] == pytest.approx(bk.record["metrics"]["test_loss"], abs=1e-5)
+    assert hooks.record["epsilon_prv"] == bk.record["epsilon_prv"]
+    plain = _engine(data, "independent", "auto", grad_sample_mode="hooks")
+    assert abs(plain.record["metrics"]["test_loss"] - hooks.record["metrics"]["test_loss"]) > 1e-4
+
+
 def test_mlp_paths_refuse_what_they_do_not_run(data):
     from dpllm.mlp.batched import train_mlps
-    from dpllm.mlp.train import MLPRun, plan_for, train_mlp
+    from dpllm.mlp.train import MLPRun
 
-    with pytest.raises(accounting.PrivacyPlanError, match="training with it is planned"):
+    with pytest.raises(accounting.PrivacyPlanError, match="noise: blt is not built into the MLP trainer"):
         _engine(data, "blt", "auto")  # one Gaussian mechanism: a PrivacyPlan cannot account it yet
     hooks = MLPRun(width=16, epochs=1, noise_multiplier=2.0, noise="banded", bands="2")  # default hooks
-    with pytest.raises(ValueError, match="needs grad_sample_mode bk"):
-        train_mlp(hooks, data, plan=plan_for(hooks, n_train=data.n_train))
     with pytest.raises(ValueError, match="not in the lockstep trainer"):
         train_mlps([hooks], data, plans=[None])
 
@@ -177,3 +186,79 @@ def test_replot_rebuilds_the_same_tables_from_results_json(quick):
     again = study.main(["--output_dir", str(out), "--replot"])
     assert (out / "summary.md").read_text() == before
     assert again["cells"] == json.loads(json.dumps(res["cells"]))
+
+
+def test_merge_replaces_the_parts_it_is_given_and_keeps_the_others(quick, tmp_path):
+    """--merge FILE: the rows of every part FILE holds replace that part's rows in --output_dir's results.json, the
+    other parts' rows stay as they were, each part names the command that made it, and merging again replaces
+    rather than appends. FILE here is the quick MLP run's rows relabelled as a Llama part (the merge reads only
+    ``part``; the real Llama part trains for minutes)."""
+    import shutil
+
+    out, res = quick
+    study_dir = tmp_path / "study"
+    study_dir.mkdir()
+    shutil.copy(out / "results.json", study_dir / "results.json")
+    mlp_rows = json.loads((out / "results.json").read_text())["rows"]
+
+    def llama_part(shift):
+        rows = [{**r, "part": "llama", "metric": r["metric"] + shift} for r in mlp_rows]
+        path = tmp_path / f"llama{shift}.json"
+        path.write_text(json.dumps({**res, "command": f"python recipes/correlated_noise_study.py --parts llama "
+                                               f"# {shift}", "rows": rows}))
+        return path
+
+    merged = study.main(["--output_dir", str(study_dir), "--merge", str(llama_part(1.0))])
+    assert [r for r in merged["rows"] if r["part"] == "mlp"] == mlp_rows
+    assert [r["metric"] for r in merged["rows"] if r["part"] == "llama"] == [r["metric"] + 1.0 for r in mlp_rows]
+    assert merged["parts"]["mlp"]["command"] == res["command"]
+    assert merged["parts"]["llama"]["command"].endswith("# 1.0")
+    text = (study_dir / "summary.md").read_text()
+    assert res["command"] in text and "--parts llama # 1.0" in text and "merged by" in text
+    assert "## Tiny Llama" in text and "## MLP" in text
+
+    again = study.main(["--output_dir", str(study_dir), "--merge", str(llama_part(2.0))])
+    assert len(again["rows"]) == 2 * len(mlp_rows)  # replaced, not appended
+    assert [r["metric"] for r in again["rows"] if r["part"] == "llama"] == [r["metric"] + 2.0 for r in mlp_rows]
+    assert again["parts"]["mlp"] == merged["parts"]["mlp"]  # the MLP rows' provenance survives a second merge
+    before = (study_dir / "summary.md").read_text()
+    study.main(["--output_dir", str(study_dir), "--replot"])
+    assert (study_dir / "summary.md").read_text() == before
+
+    full = tmp_path / "full.json"
+    full.write_text(json.dumps({**json.loads(llama_part(3.0).read_text()), "quick": False}))
+    with pytest.raises(ValueError, match="quick is False in the file to merge and True"):
+        study.main(["--output_dir", str(study_dir), "--merge", str(full)])
+    with pytest.raises(SystemExit, match="does not exist"):
+        study.main(["--output_dir", str(tmp_path / "none"), "--merge", str(full)])
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "docs" / "results" / "correlated_noise"
+
+
+def test_committed_study_epsilons_recompute_from_each_rows_recorded_event():
+    """docs/results/correlated_noise (and its llama_checks/): every private row's ε is at most its target and is
+    what the row's accountant gives on the event(s) it records; every Llama row ran (BLT too), and a BLT row's
+    event is one Gaussian mechanism at σ/sens, sens that of the BLT it names (b groups, d buffers, T steps)."""
+    from dpllm.privacy.correlated import blt_strategy
+
+    files = [json.loads((COMMITTED / name).read_text()) for name in ("results.json", "llama_checks/results.json")]
+    rows = [{"delta": res["delta"], **r} for res in files for r in res["rows"]]  # llama_checks: δ once per file
+    assert not [r["status"] for r in rows if r["status"] != "ran"]
+    private = [r for r in rows if r["target_epsilon"] is not None]
+    assert {r["mechanism_key"] for r in private if r["part"] == "llama"} == {"independent", "banded", "blt"}
+    by_event: dict = {}
+    for r in private:
+        history = tuple(tuple(h) for h in (r.get("history") or [r["accounted_event"]]))
+        by_event.setdefault((history, r["delta"], r["accountant"]), []).append(r)
+        assert r["epsilon"] <= r["target_epsilon"]
+        if r["part"] == "llama" and r["mechanism"] == "blt":
+            (sigma, q, steps), = history
+            assert (q, steps) == (1.0, 1)
+            assert sigma == pytest.approx(r["noise_multiplier"] / r["sensitivity"], rel=1e-9)
+            strategy = blt_strategy(steps=r["total_steps"], groups=r["bands"], buffers=r["buffers"])
+            assert r["sensitivity"] == pytest.approx(strategy.sensitivity(r["total_steps"]), rel=1e-9)
+    for (history, delta, acc), rs in by_event.items():  # one accountant call per distinct event (seeds share it)
+        eps = accounting.compute_epsilon_history(history=list(history), delta=delta, accountant=acc)
+        for r in rs:
+            assert r["epsilon"] == pytest.approx(eps, rel=1e-9)

@@ -10,8 +10,8 @@ Correlated noise (``noise="banded"``, :mod:`dpllm.privacy.correlated`): :func:`p
 the registry's ``build`` (σ calibrated for its event: DP-SGD's at the group rate q_b over ⌈T/b⌉ steps) and
 :func:`train_mlp` hands it to ``make_private`` with each record's text (:func:`record_texts`, what its cyclic group is
 a keyed hash of; the key is the run's seed): the engine's cyclic sampler and the bk optimizer's noise recurrence.
-bk only, as for the LLM trainer; b = 1 is DP-SGD's run exactly. BLT is accounted as one Gaussian mechanism, which a
-``PrivacyPlan`` does not hold yet: ``noise="blt"`` is refused here until the engine trains it.
+bk only, as for the LLM trainer; b = 1 is DP-SGD's run exactly. BLT is accounted as one Gaussian mechanism, which this
+trainer's plan and record do not carry: ``noise="blt"`` is refused here (the LLM recipe and ``DPTrainer`` train it).
 
 Speed (2-layer MLPs, ~0.2-1 ms a step): batches are gathered by indexing the full training tensors
 with the index lists of the engine's own Poisson batch sampler, instead of iterating its DataLoader,
@@ -66,7 +66,8 @@ class MLPRun:
         clipping_r, clipping_s: r and s of automatic / psac / psasc.
         delta: δ of the guarantee.
         accountant: accountant used to plan (``prv``; see :data:`PRV_SKIP_ABOVE`).
-        grad_sample_mode: ``hooks``, ``ghost`` or ``bk`` (correlated noise needs ``bk``).
+        grad_sample_mode: ``hooks``, ``ghost`` or ``bk`` (correlated noise: any of them here; the lockstep
+            :mod:`dpllm.mlp.batched` runs independent noise only).
         noise: ``independent`` (DP-SGD) or ``banded`` (:mod:`dpllm.privacy.correlated`).
         bands: ``banded``: b, or ``auto`` (calibrates against a target ε; needs ``target_epsilon``).
     """
@@ -104,14 +105,15 @@ class MLPRun:
         """The registry's mechanism for this run (:func:`dpllm.privacy.correlated.build`): sampler, recurrence, event.
 
         Raises:
-            dpllm.privacy.accounting.PrivacyPlanError: an unknown mechanism or bad bands; ``blt`` (not trainable
-                through a ``PrivacyPlan`` yet) or ``bands: auto`` with a given σ.
+            dpllm.privacy.accounting.PrivacyPlanError: an unknown mechanism or bad bands; ``blt`` (not built into
+                this trainer) or ``bands: auto`` with a given σ.
         """
         from dpllm.privacy.accounting import PrivacyPlanError
-        from dpllm.privacy.correlated import BLT_TRAINING, build
+        from dpllm.privacy.correlated import build
 
-        if self.noise == "blt":
-            raise PrivacyPlanError(BLT_TRAINING)
+        if self.noise == "blt":  # the MLP plan and record do not carry BLT's Gaussian-mechanism accounting
+            raise PrivacyPlanError("noise: blt is not built into the MLP trainer (dpllm.mlp.train); use noise: "
+                                   "banded here, or train BLT with recipes/finetune_llm.py or DPTrainer")
         return build(self.noise, self.bands, steps=self.epochs * batches_per_epoch(n_train, self.batch_size),
                      num_records=n_train, batch=self.batch_size, target_epsilon=self.target_epsilon,
                      delta=self.delta, accountant=accountant or self.accountant,
