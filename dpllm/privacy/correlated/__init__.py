@@ -52,7 +52,6 @@ from dpllm.privacy.accounting import PrivacyPlanError
 from dpllm.privacy.correlated import blt as blt_math
 from dpllm.privacy.correlated.banded import BandMF
 from dpllm.privacy.correlated.base import Independent, NoiseRecurrence, Strategy
-from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler, assign_groups
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +144,7 @@ class CorrelatedNoise:
 
     def sampler(self, *, texts: Sequence[str], key: int, generator, rank: int = 0, world_size: int = 1):
         """The batch sampler: cyclic Poisson over ``bands`` groups of ``texts`` (plain Poisson for one band)."""
+        from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler, assign_groups  # torch: not for plan
         from dpllm.sampling import PoissonBatchSampler
 
         if self.bands == 1 and self.accounting == AMPLIFIED:  # BLT: the cyclic sampler its accounting names, always
