@@ -20,7 +20,7 @@ buffers of each parameter (``extra_tensors_per_parameter = d`` model-sized tenso
 b apart, changes ``CG`` by at most ``sens(C, b, k)·clip`` in Frobenius norm. When C's coefficients are
 non-negative and non-increasing (true here) the worst pattern is k participations exactly b apart from step
 0 (arXiv 2405.13763, Thm 2; jax_privacy computes it the same way), so ``sens² = ‖Σ_{j<k} C·e_{jb}‖²``: a sum of
-geometric series in closed form (:func:`blt_sensitivity`, O(k²d²), independent of T).
+geometric series in closed form (:func:`blt_sensitivity`, O(d² log k), independent of T).
 
 **Accounting: no amplification, one Gaussian mechanism.** Amplification by sampling is proven for *banded*
 strategies under cyclic Poisson sampling (Choquette-Choo et al. 2023, Thm 1); a BLT is not banded (every
@@ -180,37 +180,24 @@ def toeplitz_sensitivity(coefs, *, min_separation: int, max_participations: int 
     return float(np.sqrt(np.dot(v, v)))
 
 
-def _geo(r: np.ndarray, n: np.ndarray | int) -> np.ndarray:
-    """Σ_{m=0}^{n−1} r^m for 0 ≤ r < 1 (elementwise)."""
-    return -np.expm1(n * np.log(r)) / (1.0 - r) if np.all(r > 0) else (1.0 - r ** n) / (1.0 - r)
-
-
 def blt_sensitivity(blt: BLT, *, steps: int, min_separation: int, max_participations: int | None = None) -> float:
-    """sens(C, b, k) of a BLT with non-negative decreasing coefficients, in closed form (independent of T).
+    """sens(C, b, k) of a BLT with non-negative decreasing coefficients, in closed form: O(d² log k), whatever T.
 
     ``sens² = Σ_{j,j'<k} ⟨C e_{jb}, C e_{j'b}⟩``; for j ≤ j' with Δ = (j'−j)b and L = T − j'b rows below the
-    later column, ``⟨·,·⟩ = c_Δ + Σ_{i,l} ωᵢω_l θ_l^Δ (1 − (θᵢθ_l)^(L−1))/(1 − θᵢθ_l)`` (with c₀ = 1).
+    later column, ``⟨·,·⟩ = c_Δ + Σ_{i,l} ωᵢω_l θ_l^Δ (1 − (θᵢθ_l)^(L−1))/(1 − θᵢθ_l)`` (with c₀ = 1); summed over
+    j ≤ j' these are sums of geometric series (:func:`_closed_sens2`, the comment above it).
 
     Raises:
-        ValueError: the BLT's coefficients could be negative or increasing (ω ≤ 0, θ ∉ [0, 1) or Σω > 1).
+        ValueError: the BLT's coefficients could be negative or increasing (ω ≤ 0, θ ∉ (0, 1) or Σω > 1).
     """
     th, om = blt.theta, blt.omega
-    if blt.buffers and (np.any(om <= 0) or np.any(th < 0) or np.any(th >= 1) or om.sum() > 1):
-        raise ValueError("the closed form needs 0 <= theta < 1, omega > 0 and sum(omega) <= 1 "
+    if blt.buffers and (np.any(om <= 0) or np.any(th <= 0) or np.any(th >= 1) or om.sum() > 1):
+        raise ValueError("the closed form needs 0 < theta < 1, omega > 0 and sum(omega) <= 1 "
                          f"(got theta={th.tolist()}, omega={om.tolist()})")
     k = participations(steps, min_separation, max_participations)
-    pair_om = om[:, None] * om[None, :]
-    pair_th = th[:, None] * th[None, :]
-    total = 0.0
-    for jp in range(k):
-        length = steps - jp * min_separation  # rows at or below the later column
-        tail = (pair_om * _geo(pair_th, length - 1)) if length > 1 else np.zeros_like(pair_om)
-        for j in range(jp + 1):
-            delta = (jp - j) * min_separation
-            c_delta = 1.0 if delta == 0 else float(np.dot(om, th ** (delta - 1)))
-            inner = c_delta + float((tail * (th[None, :] ** delta)).sum())
-            total += inner if j == jp else 2.0 * inner
-    return math.sqrt(total)
+    if not blt.buffers:
+        return math.sqrt(k)
+    return math.sqrt(float(_closed_sens2(np.log(th), om, int(steps), int(min_separation), k)))
 
 
 def prefix_sum_rmse_of(noise_coefs: np.ndarray, sensitivity: float) -> float:
@@ -349,15 +336,16 @@ class BLTStrategy:
     def sensitivity(self, steps: int | None = None) -> float:
         """sens(C, b, k) over ``steps`` (default: the steps it was built for), k = ⌈steps/b⌉ capped."""
         n = self.steps if steps is None else steps
-        kw = dict(min_separation=self.min_separation, max_participations=self.max_participations)
-        k = participations(n, **kw)
-        if k * k * max(self.blt.buffers, 1) ** 2 <= n:  # the closed form is cheaper (both are exact)
-            return blt_sensitivity(self.blt, steps=n, **kw)
-        return toeplitz_sensitivity(self.blt.coefs(n), **kw)
+        return blt_sensitivity(self.blt, steps=n, min_separation=self.min_separation,
+                               max_participations=self.max_participations)
 
     def prefix_sum_rmse(self, steps: int) -> float:
-        """RMSE per step on the prefix-sum workload, noise std 1, times sens(C, b, k): multiply by clip/μ."""
-        return prefix_sum_rmse_of(self.blt.inverse().coefs(steps), self.sensitivity(steps))
+        """RMSE per step on the prefix-sum workload, noise std 1, times sens(C, b, k): multiply by clip/μ.
+
+        In closed form (:func:`_closed_error`), equal to :func:`prefix_sum_rmse_of` of C⁻¹'s coefficients."""
+        inv = self.blt.inverse()
+        return self.sensitivity(steps) * math.sqrt(float(_closed_error(np.log(inv.theta), inv.omega, int(steps)))
+                                                   / steps)
 
     def to_json(self) -> dict:
         inv = self.blt.inverse()
@@ -518,17 +506,14 @@ def _simplex_sum(x: np.ndarray, y: np.ndarray, m: int) -> np.ndarray:
     return out[..., 0, 3]
 
 
-def _closed_terms(log_theta, omega, log_theta_hat, omega_hat, n: int, b: int, k: int):
-    """(sens², Σ_m (n − m)B_m²) of the BLT with decays exp(log_theta), scales omega and inverse (exp(log_theta_hat),
-    omega_hat), over n steps with k participations b apart; leading axes are a batch."""
+def _closed_sens2(log_theta, omega, n: int, b: int, k: int):
+    """sens(C, b, k)² of the BLT with decays exp(log_theta) and scales omega over n steps, k participations b apart
+    (the sum above); leading axes are a batch."""
     r = n - 1 - (k - 1) * b
     lx = b * log_theta
     lp = log_theta[..., :, None] + log_theta[..., None, :]
-    lr = np.concatenate([np.zeros(log_theta_hat.shape[:-1] + (1,), dtype=log_theta_hat.dtype), log_theta_hat], -1)
-    lrr = lr[..., :, None] + lr[..., None, :]
-    p_x, p_kx, p_p, p_rp, p_bp, p_kbp, p_rr, p_nrr = _psis(lx, k * lx, lp, r * lp, b * lp, (k * b) * lp, lrr,
-                                                           (n + 1) * lrr)
-    e_x, e_p, e_bp, e_rr = 1 + lx * p_x, 1 + lp * p_p, 1 + b * lp * p_bp, 1 + lrr * p_rr
+    p_x, p_kx, p_p, p_rp, p_bp, p_kbp = _psis(lx, k * lx, lp, r * lp, b * lp, (k * b) * lp)
+    e_x, e_p, e_bp = 1 + lx * p_x, 1 + lp * p_p, 1 + b * lp * p_bp
     s2_x = (k * k * p_kx - k * p_x) / (e_x * e_x)  # S2(x, k − 1)
     s2_y = (k * k * p_kbp - k * p_bp) / (e_bp * e_bp)  # S2(y, k − 1)
     s1_r = r * (1 + r * lp * p_rp) / e_p  # S1(P, r)
@@ -536,12 +521,21 @@ def _closed_terms(log_theta, omega, log_theta_hat, omega_hat, n: int, b: int, k:
     x = np.broadcast_to(np.exp(lx)[..., None, :], lp.shape)  # x_l
     pair = s1_r * (k + 2 * x * s2_x[..., None, :]) + np.exp(r * lp) * s1_b * (
         s2_y + 2 * x * _simplex_sum(x, np.exp(b * lp), k - 2))
-    sens2 = (k + 2 * np.sum(omega * np.exp((b - 1) * log_theta) * s2_x, axis=-1)
-             + np.sum(omega[..., :, None] * omega[..., None, :] * pair, axis=(-2, -1)))
+    return (k + 2 * np.sum(omega * np.exp((b - 1) * log_theta) * s2_x, axis=-1)
+            + np.sum(omega[..., :, None] * omega[..., None, :] * pair, axis=(-2, -1)))
+
+
+def _closed_error(log_theta_hat, omega_hat, n: int):
+    """Σ_{m<n} (n − m)·B_m², B the prefix sums of the coefficients of C⁻¹ (decays exp(log_theta_hat), scales
+    omega_hat): n times the mean squared prefix-sum error per step at noise std 1; leading axes are a batch."""
+    lr = np.concatenate([np.zeros(log_theta_hat.shape[:-1] + (1,), dtype=log_theta_hat.dtype), log_theta_hat], -1)
+    lrr = lr[..., :, None] + lr[..., None, :]
+    p_rr, p_nrr = _psis(lrr, (n + 1) * lrr)
+    e_rr = 1 + lrr * p_rr
     beta = omega_hat / (log_theta_hat * (1 + log_theta_hat * p_rr[..., 0, 1:]))  # −ω̂/(1 − θ̂), 1 − θ̂ = −expm1(log θ̂)
     a = np.concatenate([(1 - beta.sum(-1))[..., None], beta], axis=-1)
     s2_n = ((n + 1.0) ** 2 * p_nrr - (n + 1.0) * p_rr) / (e_rr * e_rr)  # S2(r_p r_q, n)
-    return sens2, np.sum(a[..., :, None] * a[..., None, :] * s2_n, axis=(-2, -1))
+    return np.sum(a[..., :, None] * a[..., None, :] * s2_n, axis=(-2, -1))
 
 
 def _softplus(s: np.ndarray) -> np.ndarray:
@@ -563,9 +557,8 @@ def _closed_loss(u: np.ndarray, n: int, b: int, k: int) -> np.ndarray:
     logs = -_softplus(s)  # log(1 − sigmoid(s)), exact even where θ rounds to 1
     vals = np.exp(logs)
     theta, theta_hat = vals[..., 0::2], vals[..., 1::2]
-    sens2, err = _closed_terms(logs[..., 0::2], _batch_scales(theta, theta_hat), logs[..., 1::2],
-                               _batch_scales(theta_hat, theta), n, b, k)
-    return sens2 * err / n
+    return (_closed_sens2(logs[..., 0::2], _batch_scales(theta, theta_hat), n, b, k)
+            * _closed_error(logs[..., 1::2], _batch_scales(theta_hat, theta), n) / n)
 
 
 _FTOL = 1e-7
