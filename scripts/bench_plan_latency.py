@@ -116,8 +116,9 @@ def run_blt(steps: int, groups: int, bands: str, *, pythonpath: str, timeout: fl
 
 def blt_plan_args(steps: int, groups: int) -> list[str]:
     """``dpllm plan --noise blt`` at ⌈N/B⌉ = b batches per epoch and T/b epochs (T steps)."""
-    return ["--num-records", str(groups * 100), "--batch", "100", "--epochs", str(steps // groups),
-            "--target-epsilon", "8", "--delta", "1e-6", "--noise", "blt", "--epsilons", ""]
+    records = groups * 100
+    return ["--num-records", str(records), "--batch", "100", "--epochs", str(steps // groups),
+            "--target-epsilon", "8", "--delta", f"{min(1e-6, 0.1 / records):.3g}", "--noise", "blt", "--epsilons", ""]
 
 
 def main(argv=None) -> None:
