@@ -49,7 +49,16 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from dpllm.io import atomic_directory, looks_local, write_text_atomic
-from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError, blt_mu, blt_noise, sequence_unit_words
+from dpllm.privacy.report import (
+    NOT_RELEASABLE,
+    PrivacyReport,
+    ReportError,
+    blt_mu,
+    blt_noise,
+    sampling_of,
+    sampling_words,
+    sequence_unit_words,
+)
 
 # What save_pretrained writes for a model, an adapter or a tokenizer; nothing else leaves the run.
 RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
@@ -63,7 +72,8 @@ RELEASED_FIELDS = ("enabled", "steps", "logical_batch_size", "physical_batch_siz
                    "max_grad_norm", "clipping", "sensitivity", "grad_sample_mode", "poisson_sampling", "secure_mode",
                    "noise_secret", "history", "model_adjustments", "versions", "noise_schedule", "sequence_level",
                    "adaptive_clipping",  # clipping: quantile: γ, η, σ_b, σ_g and C, a function of noised counts
-                   "correlated_noise")  # noise: banded: b, coefficients, q_b, ⌈T/b⌉ (functions of q and T, released)
+                   "correlated_noise",  # noise: banded: b, coefficients, q_b, ⌈T/b⌉ (functions of q and T, released)
+                   "sampling")  # the scheme, q or q_b, b, what ε credits (and BLT's μ): functions of the above
 # Not "note" (free text, could say anything) and not "warnings": they quote data-dependent counts (records removed as
 # duplicates, the expected batch q·N, a logical batch capped at N) for the operator, who reads them in the private run.
 # A stage's name is its output directory's (it may name the data: "runs/patients_2024"): released as "stage i".
@@ -358,8 +368,8 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind
         guarantee = (f"**(ε = {report.epsilon:.3f}, δ = {report.delta:g})-differential privacy** at the level of one "
                      f"**{report.privacy_unit}**, for neighbouring datasets that "
                      f"**{release.get('neighbouring_relation')}**, from {source} over the full "
-                     f"training history: noise multiplier σ = {report.noise_multiplier:.4g}, Poisson sampling rate "
-                     f"q = {report.sample_rate:.4g}, {report.steps} steps, per-{clipped} clipping norm "
+                     f"training history: noise multiplier σ = {report.noise_multiplier:.4g}, {sampling_words(report)}, "
+                     f"{report.steps} steps, per-{clipped} clipping norm "
                      f"C = {report.max_grad_norm:g} ({report.clipping}). Noise and sampling randomness came from "
                      "the operating system's entropy and were never written to disk outside the private run "
                      "directory."
@@ -375,14 +385,19 @@ def model_card(report: PrivacyReport, *, lora: bool, has_base: bool, record_kind
         rate = (f"q = 1/⌈N/B⌉ with a logical batch of B = {report.logical_batch_size} records" if unit == "record" else
                 f"q = 1/⌈U/B_u⌉ over U users, with B_u = round(B·U/N) = {user.get('users_per_batch')} users per step "
                 f"(B = {report.logical_batch_size} records)")
+        groups = (sampling_of(report) or {}).get("groups", 1) if unit == "record" else 1
+        cyclic = " of its group" if groups > 1 else ""  # correlated noise: b cyclic groups, q = q_b = b/⌈N/B⌉
+        if groups > 1:
+            rate = f"q = {groups}/⌈N/B⌉ over {groups} cyclic groups, with a logical batch of B = " \
+                   f"{report.logical_batch_size} records"
         params = (f"\n\n**What is published about the data's size.** The guarantee also hides whether a {unit} was in "
                   f"the data at all, so the exact number of {units} is not published (someone who knew every other "
                   f"{unit} could read the missing one off the count), unless the publisher declares it public.{size} "
                   f"Two numbers that depend on it are published, because nobody could check ε without them: the "
                   f"sampling rate q = {report.sample_rate:.4g}, the chance that any one {unit} is used in a given "
-                  f"training step ({rate}), and the number of steps, {report.steps}. Together they give the data's "
-                  f"size only roughly, to within one batch ({report.logical_batch_size} records). Like every DP-SGD "
-                  "guarantee, this one treats the noise σ, "
+                  f"training step{cyclic} ({rate}), and the number of steps, {report.steps}. Together they give the "
+                  f"data's size only roughly, to within one batch ({report.logical_batch_size} records). Like every "
+                  "DP-SGD guarantee, this one treats the noise σ, "
                   "q, the number of steps and the clipping norm C as fixed settings of the training: it compares "
                   "datasets that lead to the same settings, which adding or removing one "
                   f"{unit} does except when it changes the number of batches per pass (a count of {units} within one "

@@ -39,6 +39,14 @@ class PushError(ValueError):
     """A push that cannot or may not happen; the message says what to do."""
 
 
+# the card metadata's "mechanism", by the report's sampling scheme (dpllm.privacy.report.sampling_record)
+MECHANISM_WORDS = {
+    "poisson": "DP-SGD with Poisson sampling (amplification credited)",
+    "cyclic_poisson": "banded matrix-factorization noise with cyclic Poisson sampling over b groups (amplification "
+                      "credited: DP-SGD at q_b over ceil(T/b) steps)",
+    "cyclic_groups": "BLT correlated noise over cyclic groups, one Gaussian mechanism (no sampling credit)"}
+
+
 def dp_metadata(report) -> dict:
     """The ``differential_privacy:`` mapping of a card, from a *released* :class:`PrivacyReport`.
 
@@ -50,14 +58,16 @@ def dp_metadata(report) -> dict:
         return {"enabled": False, "guarantee": "none: trained without differential privacy"}
     release = report.release or {}
     user = report.user_level or {}
+    from dpllm.privacy.report import sampling_of
+
+    sampling = sampling_of(report)
     out = {"enabled": True, "guarantee": "(epsilon, delta)-differential privacy",
            "epsilon": float(report.epsilon), "delta": float(report.delta), "unit": report.privacy_unit,
            "neighbouring_relation": release.get("neighbouring_relation"),
            "accountant": ("pld (user-level mixture of Gaussians, dp-accounting)" if "record_delta" in user
                           else report.accountant),
-           "mechanism": ("BLT correlated noise over cyclic groups, one Gaussian mechanism (no sampling credit)"
-                         if (report.correlated_noise or {}).get("accounting") == "gaussian_mechanism" else
-                         "DP-SGD with Poisson sampling" if report.poisson_sampling is not False else "DP-SGD"),
+           "mechanism": MECHANISM_WORDS[sampling["scheme"]] if sampling else "DP-SGD",
+           "sampling": sampling,
            "noise_multiplier": float(report.noise_multiplier), "sampling_rate": float(report.sample_rate),
            "steps": int(report.steps), "max_grad_norm": float(report.max_grad_norm), "clipping": report.clipping,
            "composition": report.composition}

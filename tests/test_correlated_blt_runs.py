@@ -118,8 +118,24 @@ def test_a_blt_run_trains_and_its_report_and_ledger_recompute(whole):
     assert "= 2 (⌈8/4⌉ steps of its cyclic group) = 0.533 expected passes" in single.evidence
     released = release_report(report)
     assert released.correlated_noise["sensitivity"] == pytest.approx(sens)  # the bundle's report recomputes ε
-    assert "BLT matrix factorization, 2 buffer(s)" in model_card(released, lora=False, has_base=False)
+    card = model_card(released, lora=False, has_base=False)
+    assert "BLT matrix factorization, 2 buffer(s)" in card
     assert dp_metadata(released)["mechanism"].startswith("BLT correlated noise")
+    # what sampling ran and what ε credits: cyclic groups, no sampling credit, μ-GDP with μ = sens/σ
+    mu = sens / r["noise_multiplier"]
+    assert r["poisson_sampling"] is False and r["sampling"] == {
+        "scheme": "cyclic_groups", "groups": 4, "rate": pytest.approx(4 / 15), "credited": False,
+        "accounting": "gaussian_mechanism", "max_participations": 2, "mu": pytest.approx(mu, rel=1e-12)}
+    assert (f"cyclic groups (b = 4: step t trains group t mod b, each of its records with probability q_b = 0.2667; "
+            f"each record in at most 2 steps), sampling not credited: the run is one Gaussian mechanism, μ-GDP with "
+            f"μ = sens/σ = {mu:.4g}") in card and "Poisson sampling" not in card
+    assert dp_metadata(released)["sampling"]["credited"] is False
+    assert any(x.startswith("sampling: cyclic groups (b = 4") for x in report.details())
+    # a report written before the field: the same record, derived from correlated_noise, q, steps and history
+    older = {k: v for k, v in r.items() if k != "sampling"}
+    from dpllm.privacy.report import sampling_of
+
+    assert sampling_of(PrivacyReport.from_dict(older)) == r["sampling"]
 
 
 def test_a_stopped_blt_run_resumes_the_same_noise_sequence(whole, tmp_path, monkeypatch):

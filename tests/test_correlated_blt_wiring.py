@@ -164,3 +164,17 @@ def test_one_epoch_at_small_epsilon_dp_sgd_beats_unamplified_blt():
     c = correlated_table(num_records=2000, batch=100, steps=20, target_epsilon=1.0, delta=1e-5, noise="blt")
     errors = {r["mechanism"]: r["error"] for r in c["comparison"]}
     assert errors["independent"] < errors["blt"]
+
+
+def test_plan_with_blt_imports_neither_torch_nor_opacus():
+    """``dpllm plan --noise blt`` (the registry, BLT's optimisation, banded's) runs without importing torch or Opacus,
+    which cost several seconds of a planning command's CPU before anything is computed; importing the planner does
+    not import scipy.signal either (banded noise imports it when it optimises)."""
+    import subprocess
+
+    code = ("import sys; from dpllm.privacy.planning import cli_main; signal = 'scipy.signal' in sys.modules; "
+            "rc = cli_main(['--num-records', '2000', '--batch', '100', '--epochs', '2', '--target-epsilon', '8', "
+            "'--delta', '1e-5', '--noise', 'blt', '--epsilons', '']); "
+            "print(rc, signal, *(m in sys.modules for m in ('torch', 'opacus')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "0 False False False"

@@ -256,8 +256,10 @@ def test_committed_study_epsilons_recompute_from_each_rows_recorded_event():
             (sigma, q, steps), = history
             assert (q, steps) == (1.0, 1)
             assert sigma == pytest.approx(r["noise_multiplier"] / r["sensitivity"], rel=1e-9)
+            # re-optimised here: the rows were made before the closed-form optimiser, whose optima agree with the old
+            # ones to 2e-5 relative (tests/test_correlated_blt.py); a wrong b, d or T moves sens by far more
             strategy = blt_strategy(steps=r["total_steps"], groups=r["bands"], buffers=r["buffers"])
-            assert r["sensitivity"] == pytest.approx(strategy.sensitivity(r["total_steps"]), rel=1e-9)
+            assert r["sensitivity"] == pytest.approx(strategy.sensitivity(r["total_steps"]), rel=1e-4)
     for (history, delta, acc), rs in by_event.items():  # one accountant call per distinct event (seeds share it)
         eps = accounting.compute_epsilon_history(history=list(history), delta=delta, accountant=acc)
         for r in rs:

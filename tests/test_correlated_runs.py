@@ -84,7 +84,22 @@ def test_a_banded_run_trains_reports_and_recomputes(tmp_path):
 
     released = release_report(PrivacyReport.read(out))
     assert released.correlated_noise["accounted_steps"] == 2  # the bundle's report recomputes ε as the run's
-    assert "4-banded matrix factorization" in model_card(released, lora=False, has_base=False)
+    card = model_card(released, lora=False, has_base=False)
+    assert "4-banded matrix factorization" in card
+    # what sampling ran and what ε credits: cyclic Poisson at q_b over 4 groups, DP-SGD over ⌈8/4⌉ = 2 steps
+    assert r["poisson_sampling"] is True and r["sampling"] == {
+        "scheme": "cyclic_poisson", "groups": 4, "rate": pytest.approx(4 / 15), "credited": True,
+        "accounting": "amplified_dpsgd", "accounted_steps": 2}
+    assert released.sampling == r["sampling"]
+    assert ("cyclic Poisson sampling over b = 4 groups at rate q_b = 0.2667 (step t samples group t mod b), credited: "
+            "DP-SGD at q_b over ⌈8/4⌉ = 2 steps, 8 steps") in card and "Poisson sampling rate" not in card
+    assert "used in a given training step of its group (q = 4/⌈N/B⌉ over 4 cyclic groups" in card
+    from dpllm.hub import dp_metadata
+
+    meta = dp_metadata(released)
+    assert meta["mechanism"].startswith("banded matrix-factorization noise with cyclic Poisson sampling")
+    assert meta["sampling"]["scheme"] == "cyclic_poisson" and meta["sampling"]["credited"] is True
+    assert any(x.startswith("sampling: cyclic Poisson sampling over b = 4") for x in PrivacyReport.read(out).details())
 
 
 def test_one_band_is_todays_dp_sgd_run_exactly(tmp_path, monkeypatch):
@@ -98,6 +113,18 @@ def test_one_band_is_todays_dp_sgd_run_exactly(tmp_path, monkeypatch):
     a, b = (json.loads((tmp_path / n / "privacy_report.json").read_text()) for n in ("one", "dpsgd"))
     assert a["history"] == b["history"] and a["epsilon"] == b["epsilon"]
     assert a["correlated_noise"]["bands"] == 1 and "correlated_noise" not in b
+    # DP-SGD: Poisson sampling at q, credited over every step (one band is the same)
+    want = {"scheme": "poisson", "groups": 1, "rate": b["sample_rate"], "credited": True,
+            "accounting": "amplified_dpsgd", "accounted_steps": b["steps"]}
+    assert a["sampling"] == b["sampling"] == want and a["poisson_sampling"] is b["poisson_sampling"] is True
+    from dpllm.export import model_card, release_report
+    from dpllm.hub import dp_metadata
+    from dpllm.privacy.report import PrivacyReport
+
+    released = release_report(PrivacyReport.read(tmp_path / "dpsgd"))
+    assert (f"Poisson sampling rate q = {b['sample_rate']:.4g}, credited over {b['steps']} steps, {b['steps']} steps"
+            in model_card(released, lora=False, has_base=False))
+    assert dp_metadata(released)["mechanism"] == "DP-SGD with Poisson sampling (amplification credited)"
     assert (tmp_path / "one" / "checkpoint" / "model.safetensors").read_bytes() == \
         (tmp_path / "dpsgd" / "checkpoint" / "model.safetensors").read_bytes()
 

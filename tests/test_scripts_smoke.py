@@ -37,7 +37,7 @@ SMOKE = {
     "scripts/scaling_example.py": "--out {tmp}/example --n-boot 5 --sweeps 0 --n-boot-replicates 5",
     "scripts/scaling_extrapolation.py": "--sweeps 1 --n-boot 5",
     "scripts/bench_scaling_fit.py": "--rows 20 --n-boot 5",
-    "scripts/bench_plan_latency.py": "--cases n1e6_target --out {tmp}/plan.json",
+    "scripts/bench_plan_latency.py": "--cases n1e6_target --blt-steps 5 --out {tmp}/plan.json",
     "scripts/bench_packing.py": "--smoke --out {tmp}/packing.json",
     "scripts/bench_correlated_noise.py": "--params 20000 --bands 1 3 --repeats 1 --json {tmp}/correlated.json",
     "scripts/gpu_proof.py": None,  # its own test: tests/test_gpu_proof.py

@@ -55,6 +55,9 @@ class PrivacyReport:
     sensitivity: Optional[float] = None
     grad_sample_mode: Optional[str] = None
     grad_sample_mode_reason: Optional[str] = None  # why that engine ran (grad_sample_mode: auto's choice)
+    # True where ε credits Poisson sampling (independent: Poisson at q; banded: cyclic Poisson at q_b over b groups,
+    # ⌈T/b⌉ accounted steps), False where it credits none (blt: cyclic groups, one Gaussian mechanism); exactly
+    # which sampling ran and what ε credits is in ``sampling`` (:func:`sampling_record`; absent before 2026-11-27)
     poisson_sampling: Optional[bool] = None
     secure_mode: Optional[bool] = None
     noise_secret: Optional[bool] = None
@@ -66,6 +69,10 @@ class PrivacyReport:
     versions: dict = field(default_factory=dict)
     warnings: list = field(default_factory=list)
     note: Optional[str] = None
+    # {"scheme" (poisson | cyclic_poisson | cyclic_groups), "rate" (q or q_b), "groups" (b), "credited" (does ε
+    # credit the sampling), "accounting" (amplified_dpsgd | gaussian_mechanism), "accounted_steps" (poisson:
+    # steps; cyclic_poisson: ⌈steps/b⌉) or, for cyclic_groups, "max_participations" (⌈steps/b⌉) and "mu" (sens/σ)}
+    sampling: Optional[dict] = None
     # privacy_unit=user: {"unit", "sampling" (uls|els), "num_users", "max_records_per_user", "group_size" (k of the
     # group-privacy accounting: the declared cap; 1 for ULS; None for record sampling without a cap), "users_trimmed",
     # "users_dropped", "records_dropped", "group_privacy" (which accounting), for ELS "record_epsilon", "record_delta"
@@ -129,7 +136,7 @@ class PrivacyReport:
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
         for key in ("note", "user_level", "release", "noise_schedule", "grad_sample_mode_reason", "accountant_method",
-                    "sequence_level", "data", "adaptive_clipping", "correlated_noise"):
+                    "sequence_level", "data", "adaptive_clipping", "correlated_noise", "sampling"):
             if out[key] is None:
                 del out[key]
         return out
@@ -233,6 +240,8 @@ class PrivacyReport:
             lines.append("unit: " + sequence_unit_words(self.sequence_level, self.epsilon))
         if self.data:
             lines.append("data: " + truncation.describe(self.data))
+        if self.enabled and self.sample_rate is not None:
+            lines.append("sampling: " + sampling_words(self))
         c = self.correlated_noise
         if blt_noise(c):
             mu = blt_mu(self.history)
@@ -291,6 +300,50 @@ def blt_mu(history: list) -> float:
     """μ = sens/σ of a BLT run from its history, whose last entry is the run as one Gaussian mechanism (σ/sens, 1,
     1)."""
     return 1.0 / float(history[-1][0]) if history else 0.0
+
+
+def sampling_record(correlated: Optional[dict], *, sample_rate: float, steps: int, history: list) -> dict:
+    """What sampling a DP run used and what its ε credits, from its ``correlated_noise``, q, steps and history.
+
+    independent noise (or one band): Poisson at q, credited over every step; banded: cyclic Poisson at q_b over b
+    groups, credited as DP-SGD over ⌈steps/b⌉ steps; blt: cyclic groups (step t trains group t mod b, each record
+    at q_b), no sampling credited, the run one Gaussian mechanism with μ = sens/σ (:mod:`dpllm.privacy.correlated`).
+    """
+    c = correlated or {}
+    b = int(c.get("bands") or 1)
+    if blt_noise(c):
+        return {"scheme": "cyclic_groups", "groups": b, "rate": float(sample_rate), "credited": False,
+                "accounting": "gaussian_mechanism", "max_participations": -(-int(steps) // b), "mu": blt_mu(history)}
+    if c.get("mechanism") not in (None, "independent") and b > 1:
+        return {"scheme": "cyclic_poisson", "groups": b, "rate": float(sample_rate), "credited": True,
+                "accounting": "amplified_dpsgd", "accounted_steps": -(-int(steps) // b)}
+    return {"scheme": "poisson", "groups": 1, "rate": float(sample_rate), "credited": True,
+            "accounting": "amplified_dpsgd", "accounted_steps": int(steps)}
+
+
+def sampling_of(report: PrivacyReport) -> Optional[dict]:
+    """The report's ``sampling``, or for a report written before that field, the same derived from its other fields;
+    None without DP."""
+    if not report.enabled or report.sample_rate is None:
+        return None
+    return report.sampling or sampling_record(report.correlated_noise, sample_rate=report.sample_rate,
+                                              steps=report.steps, history=report.history)
+
+
+def sampling_words(report: PrivacyReport) -> str:
+    """The sampling a DP run used and what ε credits, in words (the card's guarantee sentence, ``dpllm report``)."""
+    s = sampling_of(report)
+    if s is None:
+        return ""
+    if s["scheme"] == "cyclic_groups":
+        return (f"cyclic groups (b = {s['groups']}: step t trains group t mod b, each of its records with probability "
+                f"q_b = {s['rate']:.4g}; each record in at most {s['max_participations']} steps), sampling not "
+                f"credited: the run is one Gaussian mechanism, μ-GDP with μ = sens/σ = {s['mu']:.4g}")
+    if s["scheme"] == "cyclic_poisson":
+        return (f"cyclic Poisson sampling over b = {s['groups']} groups at rate q_b = {s['rate']:.4g} (step t samples "
+                f"group t mod b), credited: DP-SGD at q_b over ⌈{report.steps}/{s['groups']}⌉ = {s['accounted_steps']} "
+                "steps")
+    return f"Poisson sampling rate q = {s['rate']:.4g}, credited over {s['accounted_steps']} steps"
 
 
 def sequence_unit_words(info: dict, epsilon: float) -> str:

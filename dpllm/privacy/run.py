@@ -36,7 +36,7 @@ from dpllm.privacy.composition import Lineage, lineage, set_digest
 from dpllm.privacy.engine import count_noise_multiplier, make_private
 from dpllm.privacy.plan import PrivacyPlan, plan_privacy, sample_rate_for, steps_for
 from dpllm.privacy.quantile import check_count_noise
-from dpllm.privacy.report import PrivacyReport
+from dpllm.privacy.report import PrivacyReport, sampling_record
 from dpllm.privacy.schedule import noise_schedule
 
 log = logging.getLogger(__name__)
@@ -383,6 +383,8 @@ class RunPrivacy:
         p, plan = self.p, self.plan
         eps, delta = self.epsilon()
         history = [list(h) for h in self.private.history()]
+        # what the sampler did and what ε credits: Poisson (q), cyclic Poisson (q_b, ⌈T/b⌉), BLT's cyclic groups (none)
+        sampling = sampling_record(plan.noise, sample_rate=plan.sample_rate, steps=common["steps"], history=history)
         return PrivacyReport(
             **common, epsilon=eps, delta=delta, accountant=plan.accountant,
             accountant_method=(None if self.els and self.group_size > 1 else  # the mixture's: user_level says
@@ -401,7 +403,7 @@ class RunPrivacy:
             adaptive_clipping=self.adaptive_clipping(), correlated_noise=plan.noise,
             grad_sample_mode=self.private.grad_sample_mode,
             grad_sample_mode_reason=self.private.grad_sample_mode_reason or None,
-            poisson_sampling=True, secure_mode=p.secure_mode,
+            poisson_sampling=sampling["credited"], sampling=sampling, secure_mode=p.secure_mode,
             noise_secret=not p.reproducible_noise, history=history,
             noise_schedule=({**plan.schedule, "pieces_sigma_steps": [[s, n] for s, _, n in plan.stage_history()]}
                             if plan.schedule else None),

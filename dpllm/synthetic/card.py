@@ -18,7 +18,7 @@ from dpllm.privacy.report import PrivacyReport
 
 PRIVACY_FIELDS = ("enabled", "epsilon", "delta", "privacy_unit", "accountant", "noise_multiplier", "sample_rate",
                   "steps", "max_grad_norm", "clipping", "noise_schedule", "noise_secret", "user_level", "release",
-                  "poisson_sampling", "composition")
+                  "poisson_sampling", "sampling", "composition")
 
 
 def card_paths(out: str | Path) -> tuple[Path, Path]:

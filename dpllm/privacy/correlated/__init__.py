@@ -52,7 +52,6 @@ from dpllm.privacy.accounting import PrivacyPlanError
 from dpllm.privacy.correlated import blt as blt_math
 from dpllm.privacy.correlated.banded import BandMF
 from dpllm.privacy.correlated.base import Independent, NoiseRecurrence, Strategy
-from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler, assign_groups
 
 log = logging.getLogger(__name__)
 
@@ -151,6 +150,7 @@ class CorrelatedNoise:
         group a keyed hash of the id) and a sampled user yields its records
         (:class:`.groups.CyclicPoissonBatchSampler`).
         """
+        from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler, assign_groups  # torch: not for plan
         from dpllm.sampling import PoissonBatchSampler
 
         if unit_records is not None:  # one band included: the draws of plain user-level Poisson sampling

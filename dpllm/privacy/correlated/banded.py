@@ -32,11 +32,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from scipy.optimize import minimize
-from scipy.signal import lfilter
+
+if TYPE_CHECKING:  # torch is imported where noise is drawn, never by dpllm plan
+    import torch
 
 
 def sqrt_coefficients(n: int) -> np.ndarray:
@@ -58,6 +60,8 @@ def _impulse(n: int) -> np.ndarray:
 
 def prefix_coefficients(c: np.ndarray, steps: int) -> np.ndarray:
     """``β``: the Toeplitz coefficients of ``A C⁻¹`` (series of ``1/((1−x)·c(x))``), length ``steps``."""
+    from scipy.signal import lfilter  # here, not at import: scipy.signal takes ~1 s to import, dpllm plan none
+
     return lfilter([1.0], np.convolve(c, [1.0, -1.0]), _impulse(steps))
 
 
@@ -73,6 +77,8 @@ def _loss_and_grad(v: np.ndarray, steps: int) -> tuple[float, np.ndarray]:
     ∂β/∂c_j is the series of ``−x^j / ((1−x)·c(x)²)`` = ``−x^j·β(x)/c(x)``, so with ``e = β/c`` (one more
     filter) ``∂L/∂c_j = −2 Σ_k w_k β_k e_{k−j}``, ``w_k = T−k``. The log keeps L-BFGS's scale independent of T.
     """
+    from scipy.signal import lfilter
+
     norm = float(np.linalg.norm(v))
     c = v / norm
     with np.errstate(over="ignore", invalid="ignore"):  # an unstable c (a root of c(x) inside the unit disk)

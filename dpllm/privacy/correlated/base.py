@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-import torch
+if TYPE_CHECKING:  # torch is imported where noise is drawn, never by dpllm plan
+    import torch
 
 
 @runtime_checkable

@@ -20,7 +20,7 @@ buffers of each parameter (``extra_tensors_per_parameter = d`` model-sized tenso
 b apart, changes ``CG`` by at most ``sens(C, b, k)·clip`` in Frobenius norm. When C's coefficients are
 non-negative and non-increasing (true here) the worst pattern is k participations exactly b apart from step
 0 (arXiv 2405.13763, Thm 2; jax_privacy computes it the same way), so ``sens² = ‖Σ_{j<k} C·e_{jb}‖²``: a sum of
-geometric series in closed form (:func:`blt_sensitivity`, O(k²d²), independent of T).
+geometric series in closed form (:func:`blt_sensitivity`, O(d² log k), independent of T).
 
 **Accounting: no amplification, one Gaussian mechanism.** Amplification by sampling is proven for *banded*
 strategies under cyclic Poisson sampling (Choquette-Choo et al. 2023, Thm 1); a BLT is not banded (every
@@ -47,6 +47,7 @@ Example:
     >>> s = optimize_blt(steps=64, buffers=2, min_separation=16)
     >>> round(s.prefix_sum_rmse(64), 1) < round(dpsgd_prefix_sum_rmse(steps=64, min_separation=16), 1)
     True
+    >>> import torch
     >>> rec = s.recurrence()
     >>> x = rec.apply(0, torch.ones(3)); rec.end_step(); x.tolist()
     [1.0, 1.0, 1.0]
@@ -56,11 +57,14 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 from scipy import optimize as sp_optimize
 from scipy import special
+
+if TYPE_CHECKING:  # torch is imported where noise is drawn (and by the O(T) reference loss), never by dpllm plan
+    import torch
 
 NAME = "blt"
 MAX_BUFFERS = 8  # past ~8 buffers the partial-fraction scales lose float64 precision (jax_privacy warns at 15)
@@ -176,37 +180,24 @@ def toeplitz_sensitivity(coefs, *, min_separation: int, max_participations: int 
     return float(np.sqrt(np.dot(v, v)))
 
 
-def _geo(r: np.ndarray, n: np.ndarray | int) -> np.ndarray:
-    """Σ_{m=0}^{n−1} r^m for 0 ≤ r < 1 (elementwise)."""
-    return -np.expm1(n * np.log(r)) / (1.0 - r) if np.all(r > 0) else (1.0 - r ** n) / (1.0 - r)
-
-
 def blt_sensitivity(blt: BLT, *, steps: int, min_separation: int, max_participations: int | None = None) -> float:
-    """sens(C, b, k) of a BLT with non-negative decreasing coefficients, in closed form (independent of T).
+    """sens(C, b, k) of a BLT with non-negative decreasing coefficients, in closed form: O(d² log k), whatever T.
 
     ``sens² = Σ_{j,j'<k} ⟨C e_{jb}, C e_{j'b}⟩``; for j ≤ j' with Δ = (j'−j)b and L = T − j'b rows below the
-    later column, ``⟨·,·⟩ = c_Δ + Σ_{i,l} ωᵢω_l θ_l^Δ (1 − (θᵢθ_l)^(L−1))/(1 − θᵢθ_l)`` (with c₀ = 1).
+    later column, ``⟨·,·⟩ = c_Δ + Σ_{i,l} ωᵢω_l θ_l^Δ (1 − (θᵢθ_l)^(L−1))/(1 − θᵢθ_l)`` (with c₀ = 1); summed over
+    j ≤ j' these are sums of geometric series (:func:`_closed_sens2`, the comment above it).
 
     Raises:
-        ValueError: the BLT's coefficients could be negative or increasing (ω ≤ 0, θ ∉ [0, 1) or Σω > 1).
+        ValueError: the BLT's coefficients could be negative or increasing (ω ≤ 0, θ ∉ (0, 1) or Σω > 1).
     """
     th, om = blt.theta, blt.omega
-    if blt.buffers and (np.any(om <= 0) or np.any(th < 0) or np.any(th >= 1) or om.sum() > 1):
-        raise ValueError("the closed form needs 0 <= theta < 1, omega > 0 and sum(omega) <= 1 "
+    if blt.buffers and (np.any(om <= 0) or np.any(th <= 0) or np.any(th >= 1) or om.sum() > 1):
+        raise ValueError("the closed form needs 0 < theta < 1, omega > 0 and sum(omega) <= 1 "
                          f"(got theta={th.tolist()}, omega={om.tolist()})")
     k = participations(steps, min_separation, max_participations)
-    pair_om = om[:, None] * om[None, :]
-    pair_th = th[:, None] * th[None, :]
-    total = 0.0
-    for jp in range(k):
-        length = steps - jp * min_separation  # rows at or below the later column
-        tail = (pair_om * _geo(pair_th, length - 1)) if length > 1 else np.zeros_like(pair_om)
-        for j in range(jp + 1):
-            delta = (jp - j) * min_separation
-            c_delta = 1.0 if delta == 0 else float(np.dot(om, th ** (delta - 1)))
-            inner = c_delta + float((tail * (th[None, :] ** delta)).sum())
-            total += inner if j == jp else 2.0 * inner
-    return math.sqrt(total)
+    if not blt.buffers:
+        return math.sqrt(k)
+    return math.sqrt(float(_closed_sens2(np.log(th), om, int(steps), int(min_separation), k)))
 
 
 def prefix_sum_rmse_of(noise_coefs: np.ndarray, sensitivity: float) -> float:
@@ -249,6 +240,7 @@ class BLTRecurrence:
     """
 
     def __init__(self, blt: BLT, *, dtype: torch.dtype | None = None):
+        import torch
         if dtype not in (None, torch.float32, torch.float64):
             raise ValueError(f"BLT buffers in {dtype} would round the noise's correlation away; use torch.float32 "
                              "or torch.float64")
@@ -262,6 +254,7 @@ class BLTRecurrence:
 
     def apply(self, key: int, z: torch.Tensor) -> torch.Tensor:
         """This step's correlated noise for parameter ``key`` from its fresh draw ``z`` (``z`` is not modified)."""
+        import torch
         if key in self._seen:
             raise RuntimeError(f"BLT noise for parameter {key} was already drawn at step {self._step}; "
                                "call end_step() between steps")
@@ -343,15 +336,16 @@ class BLTStrategy:
     def sensitivity(self, steps: int | None = None) -> float:
         """sens(C, b, k) over ``steps`` (default: the steps it was built for), k = ⌈steps/b⌉ capped."""
         n = self.steps if steps is None else steps
-        kw = dict(min_separation=self.min_separation, max_participations=self.max_participations)
-        k = participations(n, **kw)
-        if k * k * max(self.blt.buffers, 1) ** 2 <= n:  # the closed form is cheaper (both are exact)
-            return blt_sensitivity(self.blt, steps=n, **kw)
-        return toeplitz_sensitivity(self.blt.coefs(n), **kw)
+        return blt_sensitivity(self.blt, steps=n, min_separation=self.min_separation,
+                               max_participations=self.max_participations)
 
     def prefix_sum_rmse(self, steps: int) -> float:
-        """RMSE per step on the prefix-sum workload, noise std 1, times sens(C, b, k): multiply by clip/μ."""
-        return prefix_sum_rmse_of(self.blt.inverse().coefs(steps), self.sensitivity(steps))
+        """RMSE per step on the prefix-sum workload, noise std 1, times sens(C, b, k): multiply by clip/μ.
+
+        In closed form (:func:`_closed_error`), equal to :func:`prefix_sum_rmse_of` of C⁻¹'s coefficients."""
+        inv = self.blt.inverse()
+        return self.sensitivity(steps) * math.sqrt(float(_closed_error(np.log(inv.theta), inv.omega, int(steps)))
+                                                   / steps)
 
     def to_json(self) -> dict:
         inv = self.blt.inverse()
@@ -375,6 +369,7 @@ def optimal_toeplitz_coefs(*, steps: int, min_separation: int, max_participation
 
     Parametrised as c₀ = 1, c_m = c_{m−1}·sigmoid(u_m), started from the square-root factorisation.
     """
+    import torch
     k = participations(steps, min_separation, max_participations)
     r = sqrt_factorization_coefs(steps)
     u0 = special.logit(np.clip(r[1:] / r[:-1], 1e-9, 1 - 1e-9))
@@ -410,18 +405,21 @@ def toeplitz_prefix_sum_rmse(coefs, *, min_separation: int, max_participations: 
 
 def _interlaced(u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Unconstrained u (2d) → θ (d) and θ̂ (d) with 1 > θ₁ > θ̂₁ > θ₂ > … > θ̂_d > 0."""
+    import torch
     s = torch.cumsum(torch.cat([u[:1], torch.exp(u[1:])]), 0)
     vals = 1.0 - torch.sigmoid(s)
     return vals[0::2], vals[1::2]
 
 
 def _torch_scales(theta: torch.Tensor, theta_hat: torch.Tensor) -> torch.Tensor:
+    import torch
     num = torch.prod(theta[:, None] - theta_hat[None, :], dim=1)
     diff = theta[:, None] - theta[None, :] + torch.eye(len(theta), dtype=theta.dtype)
     return num / torch.prod(diff, dim=1)
 
 
 def _torch_coefs(theta, omega, n):
+    import torch
     m = torch.arange(n - 1, dtype=theta.dtype)
     tail = (omega[None, :] * torch.exp(m[:, None] * torch.log(theta[None, :]))).sum(1)
     return torch.cat([torch.ones(1, dtype=theta.dtype), tail])
@@ -435,6 +433,7 @@ def _workload_coefs(n: int, momentum: float) -> np.ndarray:
 
 
 def _loss(u, n, b, k, workload):
+    import torch
     theta, theta_hat = _interlaced(u)
     c = _torch_coefs(theta, _torch_scales(theta, theta_hat), n)
     cinv = _torch_coefs(theta_hat, _torch_scales(theta_hat, theta), n)
@@ -455,40 +454,185 @@ def _to_u(vals: np.ndarray) -> np.ndarray:
     return np.concatenate([s[:1], np.log(np.maximum(np.diff(s), 1e-12))])
 
 
+# --- the prefix-sum loss in closed form: O(d² log k) per evaluation, whatever T ----------------------------------
+#
+# Every sum below is a sum of geometric series, evaluated from ψ(z) = (eᶻ − 1 − z)/z² (a series near 0), so that no
+# formula divides by 1 − θ where θ is near 1. With S1(L, N) = Σ_{m<N} e^{Lm} = N·E1(NL)/E1(L) (E1(z) = 1 + zψ(z))
+# and S2(L, N) = Σ_{m<N} (N − m)e^{Lm} = ((N+1)²ψ((N+1)L) − (N+1)ψ(L))/E1(L)²:
+#
+# * error: C⁻¹'s prefix sums are B_m = α + Σᵢ βᵢθ̂ᵢ^m with βᵢ = −ω̂ᵢ/(1 − θ̂ᵢ) > 0 and α = 1 − Σβ > 0, so
+#   Σ_m (T − m)B_m² = Σ_{p,q} a_p a_q S2(log r_p + log r_q, T) over (a, r) = (α, 1), (βᵢ, θ̂ᵢ): positive terms only.
+# * sensitivity: sens² = Σ_{j ≤ j' < k} (2 − [j = j']) ⟨C e_{jb}, C e_{j'b}⟩ (module docstring) sums to
+#   k + 2Σᵢ ωᵢθᵢ^{b−1}S2(xᵢ, k−1) + Σ_{i,l} ωᵢω_l [S1(P, r)(k + 2x_l S2(x_l, k−1))
+#   + P^r S1(P, b)(S2(y, k−1) + 2x_l·Σ_{e+g≤k−3}(k−2−e−g)x_l^e y^g)], with xᵢ = θᵢ^b, P = θᵢθ_l, y = P^b and
+#   r = T − 1 − (k−1)b. The last (two-variable) sum is an entry of the k-th power of a 4×4 bidiagonal matrix with
+#   non-negative entries (a divided difference of t^k), computed by repeated squaring: stable for any decays.
+# The gradient is exact by complex-step differentiation (all of the above is analytic), 2d evaluations in one batch.
+
+_PSI_SMALL = 0.05  # below it, ψ's Taylor series (to z⁶) is exact to float64; above, the direct formula loses < 5e-15
+
+
+def _psi(z: np.ndarray) -> np.ndarray:
+    """(eᶻ − 1 − z)/z², real or complex, accurate for every z (series near 0)."""
+    small = np.abs(z) < _PSI_SMALL
+    zs = np.where(small, _PSI_SMALL, z)
+    direct = (np.expm1(zs) - zs) / (zs * zs)
+    series = 1 / 2 + z * (1 / 6 + z * (1 / 24 + z * (1 / 120 + z * (1 / 720 + z * (1 / 5040 + z / 40320)))))
+    return np.where(small, series, direct)
+
+
+def _psis(*zs: np.ndarray) -> list[np.ndarray]:
+    """:func:`_psi` of several arrays in one call (the arrays are tiny: the cost is per call)."""
+    out = _psi(np.concatenate([z.reshape(-1) for z in zs]))
+    parts = np.split(out, np.cumsum([z.size for z in zs])[:-1])
+    return [part.reshape(z.shape) for part, z in zip(parts, zs)]
+
+
+def _simplex_sum(x: np.ndarray, y: np.ndarray, m: int) -> np.ndarray:
+    """Σ_{e+g≤m−1} (m − e − g)·x^e·y^g (0 for m ≤ 0): entry (0, 3) of J^(m+2), J bidiagonal (y, x, 1, 1) with ones
+    above the diagonal (a divided difference of t^(m+2) at y, x, 1, 1), by repeated squaring."""
+    if m <= 0:
+        return np.zeros_like(x)
+    jm = np.zeros(x.shape + (4, 4), dtype=x.dtype)
+    jm[..., 0, 0], jm[..., 1, 1], jm[..., 2, 2], jm[..., 3, 3] = y, x, 1.0, 1.0
+    jm[..., 0, 1] = jm[..., 1, 2] = jm[..., 2, 3] = 1.0
+    power, out, e = jm, None, m + 2
+    while e:
+        if e & 1:
+            out = power if out is None else out @ power
+        e >>= 1
+        if e:
+            power = power @ power
+    return out[..., 0, 3]
+
+
+def _closed_sens2(log_theta, omega, n: int, b: int, k: int):
+    """sens(C, b, k)² of the BLT with decays exp(log_theta) and scales omega over n steps, k participations b apart
+    (the sum above); leading axes are a batch."""
+    r = n - 1 - (k - 1) * b
+    lx = b * log_theta
+    lp = log_theta[..., :, None] + log_theta[..., None, :]
+    p_x, p_kx, p_p, p_rp, p_bp, p_kbp = _psis(lx, k * lx, lp, r * lp, b * lp, (k * b) * lp)
+    e_x, e_p, e_bp = 1 + lx * p_x, 1 + lp * p_p, 1 + b * lp * p_bp
+    s2_x = (k * k * p_kx - k * p_x) / (e_x * e_x)  # S2(x, k − 1)
+    s2_y = (k * k * p_kbp - k * p_bp) / (e_bp * e_bp)  # S2(y, k − 1)
+    s1_r = r * (1 + r * lp * p_rp) / e_p  # S1(P, r)
+    s1_b = b * e_bp / e_p  # S1(P, b)
+    x = np.broadcast_to(np.exp(lx)[..., None, :], lp.shape)  # x_l
+    pair = s1_r * (k + 2 * x * s2_x[..., None, :]) + np.exp(r * lp) * s1_b * (
+        s2_y + 2 * x * _simplex_sum(x, np.exp(b * lp), k - 2))
+    return (k + 2 * np.sum(omega * np.exp((b - 1) * log_theta) * s2_x, axis=-1)
+            + np.sum(omega[..., :, None] * omega[..., None, :] * pair, axis=(-2, -1)))
+
+
+def _closed_error(log_theta_hat, omega_hat, n: int):
+    """Σ_{m<n} (n − m)·B_m², B the prefix sums of the coefficients of C⁻¹ (decays exp(log_theta_hat), scales
+    omega_hat): n times the mean squared prefix-sum error per step at noise std 1; leading axes are a batch."""
+    lr = np.concatenate([np.zeros(log_theta_hat.shape[:-1] + (1,), dtype=log_theta_hat.dtype), log_theta_hat], -1)
+    lrr = lr[..., :, None] + lr[..., None, :]
+    p_rr, p_nrr = _psis(lrr, (n + 1) * lrr)
+    e_rr = 1 + lrr * p_rr
+    beta = omega_hat / (log_theta_hat * (1 + log_theta_hat * p_rr[..., 0, 1:]))  # −ω̂/(1 − θ̂), 1 − θ̂ = −expm1(log θ̂)
+    a = np.concatenate([(1 - beta.sum(-1))[..., None], beta], axis=-1)
+    s2_n = ((n + 1.0) ** 2 * p_nrr - (n + 1.0) * p_rr) / (e_rr * e_rr)  # S2(r_p r_q, n)
+    return np.sum(a[..., :, None] * a[..., None, :] * s2_n, axis=(-2, -1))
+
+
+def _softplus(s: np.ndarray) -> np.ndarray:
+    pos = s.real > 0
+    sp, sn = np.where(pos, s, 0.0), np.where(pos, 0.0, s)
+    return np.where(pos, sp + np.log1p(np.exp(-sp)), np.log1p(np.exp(sn)))
+
+
+def _batch_scales(theta: np.ndarray, theta_hat: np.ndarray) -> np.ndarray:
+    """:func:`_scales` over leading batch axes (real or complex)."""
+    num = np.prod(theta[..., :, None] - theta_hat[..., None, :], axis=-1)
+    diff = theta[..., :, None] - theta[..., None, :] + np.eye(theta.shape[-1])
+    return num / np.prod(diff, axis=-1)
+
+
+def _closed_loss(u: np.ndarray, n: int, b: int, k: int) -> np.ndarray:
+    """:func:`_loss` (prefix sums) in closed form, over leading batch axes of u; log θ = −softplus(s) directly."""
+    s = np.cumsum(np.concatenate([u[..., :1], np.exp(u[..., 1:])], axis=-1), axis=-1)
+    logs = -_softplus(s)  # log(1 − sigmoid(s)), exact even where θ rounds to 1
+    vals = np.exp(logs)
+    theta, theta_hat = vals[..., 0::2], vals[..., 1::2]
+    return (_closed_sens2(logs[..., 0::2], _batch_scales(theta, theta_hat), n, b, k)
+            * _closed_error(logs[..., 1::2], _batch_scales(theta_hat, theta), n) / n)
+
+
+_FTOL = 1e-7  # L-BFGS stops below 1e-7 relative progress: optima within 2e-5 of 3 starts at scipy's default 2e-9
+_STEP = 1e-30  # complex step: f(u + ih·e_j) = f(u) + ih·∂_j f + O(h²), exact to rounding for any h this small
+
+
+def _distinct(u: np.ndarray) -> bool:
+    """The decays and inverse decays of u are distinct, non-zero floats (else ω, ω̂ are not defined)."""
+    vals = 1.0 - special.expit(np.cumsum(np.concatenate([u[:1], np.exp(u[1:])])))
+    return bool(vals[-1] > 0 and np.all(np.diff(vals) < 0))
+
+
+def _closed_loss_and_grad(u: np.ndarray, n: int, b: int, k: int) -> tuple[float, np.ndarray]:
+    """The loss and its exact gradient (complex step, one batched evaluation); (1e300, 0) where not finite."""
+    with np.errstate(all="ignore"):
+        f = _closed_loss(u[None, :] + 1j * _STEP * np.eye(u.size), n, b, k)
+    if not (np.all(np.isfinite(f)) and _distinct(u)):
+        return 1e300, np.zeros_like(u)
+    return float(f[0].real), f.imag / _STEP
+
+
 def _initial_points(d: int, n: int, b: int, k: int, momentum: float):
-    """Decays spread geometrically between ~1 − 1/n and ~0.5 (θ̂ between neighbouring θ's), and the optimum
-    for d − 1 buffers with one more buffer pair below its smallest decay (so more buffers never do worse)."""
-    for top, bottom in ((1.0 / n, 0.5), (3.0 / n, 0.8)):
-        yield _to_u(1.0 - np.geomspace(top, bottom, 2 * d + 1)[:-1])
+    """Where L-BFGS starts, best first: for d > 1 the optimum for d − 1 buffers with one more buffer pair below its
+    smallest decay (so more buffers never do worse), then decays spread geometrically between ~1 − 1/n and ~0.5
+    (θ̂ between neighbouring θ's) and between ~1 − 3/n and ~0.8. :func:`_optimize` stops at the first start that
+    converges to an interlaced BLT."""
     if d > 1:
         theta, omega = _optimize(n, d - 1, b, k, momentum)
         prev = BLT(theta, omega)
         vals = np.empty(2 * d - 2)
         vals[0::2], vals[1::2] = prev.theta, prev.inverse().theta
         yield _to_u(np.concatenate([vals, vals[-1] * np.array([0.5, 0.25])]))
+    for top, bottom in ((1.0 / n, 0.5), (3.0 / n, 0.8)):
+        yield _to_u(1.0 - np.geomspace(top, bottom, 2 * d + 1)[:-1])
+
+
+def _torch_fun(n: int, b: int, k: int, workload: np.ndarray):
+    """:func:`_loss` and its gradient for scipy (torch autograd): O(n) per evaluation."""
+    import torch
+
+    workload = torch.tensor(workload)
+    def fun(u):
+        ut = torch.tensor(u, dtype=torch.float64, requires_grad=True)
+        val = _loss(ut, n, b, k, workload)
+        if not torch.isfinite(val):
+            return 1e300, np.zeros_like(u)
+        (g,) = torch.autograd.grad(val, ut)
+        return float(val.detach()), g.numpy()
+    return fun
 
 
 @functools.lru_cache(maxsize=64)
 def _optimize(n: int, d: int, b: int, k: int, momentum: float) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    workload = None if momentum == 0 else torch.tensor(_workload_coefs(n, momentum))
+    """(θ, ω) of the optimised BLT; cached on the integers, so a plan and a training start in one process (and the
+    next buffer count's warm start) never optimise the same case twice."""
+    if momentum == 0:  # prefix sums: the closed form, whatever n
+        def fun(u):
+            return _closed_loss_and_grad(u, n, b, k)
+    else:  # the momentum workload: O(n) per evaluation (torch autograd, FFT product)
+        fun = _torch_fun(n, b, k, _workload_coefs(n, momentum))
     best = (math.inf, None)
     for u0 in _initial_points(d, n, b, k, momentum):
-        def fun(u):
-            ut = torch.tensor(u, dtype=torch.float64, requires_grad=True)
-            val = _loss(ut, n, b, k, workload)
-            if not torch.isfinite(val):
-                return 1e300, np.zeros_like(u)
-            (g,) = torch.autograd.grad(val, ut)
-            return float(val.detach()), g.numpy()
-        res = sp_optimize.minimize(fun, u0, jac=True, method="L-BFGS-B", options={"maxiter": 500})
-        theta, theta_hat = (t.numpy() for t in _interlaced(torch.tensor(res.x, dtype=torch.float64)))
-        blt = BLT(theta, _scales(theta, theta_hat))
+        res = sp_optimize.minimize(fun, u0, jac=True, method="L-BFGS-B", options={"maxiter": 500, "ftol": _FTOL})
+        vals = 1.0 - special.expit(np.cumsum(np.concatenate([res.x[:1], np.exp(res.x[1:])])))  # _interlaced
+        theta, theta_hat = vals[0::2], vals[1::2]
         try:
+            blt = BLT(theta, _scales(theta, theta_hat))
             ok = blt.is_interlaced() and np.allclose(blt.inverse().theta, theta_hat, rtol=1e-6, atol=1e-12)
         except ValueError:
             ok = False
         if ok and res.fun < best[0]:
             best = (res.fun, blt)
+        if best[1] is not None:  # the first start that converges to an interlaced BLT (the warm one, for d > 1)
+            break
     if best[1] is None:
         raise RuntimeError(f"BLT optimisation failed for steps={n}, buffers={d}, min_separation={b}; "
                            "try fewer buffers")
