@@ -49,10 +49,12 @@ def recurrence_for(mode: str):
     kind, k = mode.split(":")
     if kind == "banded":
         noise = correlated.build("banded", int(k), noise_multiplier=1.0, **PLAN)
-    elif kind == "blt":  # BLT's groups = one epoch's batches (its min-separation), d buffers
+    elif kind in ("blt", "blt-reuse"):  # BLT's groups = one epoch's batches (its min-separation), d buffers
         noise = correlated.build("blt", PLAN["num_records"] // PLAN["batch"], buffers=int(k), **PLAN)
+        # blt-reuse: x computed in the fresh draw's storage (BLTRecurrence(reuse_draws=True)), no copy per step
+        return noise.strategy.recurrence(reuse_draws=kind == "blt-reuse")
     else:
-        raise SystemExit(f"mode {mode!r}: use independent, banded:b or blt:d")
+        raise SystemExit(f"mode {mode!r}: use independent, banded:b, blt:d or blt-reuse:d")
     return noise.recurrence()
 
 
@@ -152,6 +154,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     ap.add_argument("--bands", type=int, nargs="*", default=[2, 4, 8], help="banded modes: b")
     ap.add_argument("--buffers", type=int, nargs="*", default=[1, 2, 3, 4], help="BLT modes: d")
+    ap.add_argument("--reuse-buffers", type=int, nargs="*", default=[1, 2, 3, 4],
+                    help="BLT modes whose recurrence computes x in the draw's storage (reuse_draws): d")
+    ap.add_argument("--no-independent", action="store_true",
+                    help="skip the independent-only process (its peak RSS is the reference of '+ MiB')")
     ap.add_argument("--smoke", action="store_true", help="tiny Llama, one round, b = 2 and d = 1, in this process")
     ap.add_argument("--out", default="runs/bench/correlated_step.json")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: one child
@@ -162,11 +168,12 @@ def main(argv=None) -> dict:
     args = parser().parse_args(argv)
     if args.smoke:
         args.shape, args.seq, args.batch, args.rounds, args.warmup = "llama-tiny", 16, 2, 1, 0
-        args.bands, args.buffers = [2], [1]
+        args.bands, args.buffers, args.reuse_buffers = [2], [1], [1]
     if args.mode:
         print(json.dumps(one_mode(args)))
         return {}
-    modes = ["independent"] + [f"banded:{b}" for b in args.bands] + [f"blt:{d}" for d in args.buffers]
+    modes = ([] if args.no_independent else ["independent"]) + [f"banded:{b}" for b in args.bands] \
+        + [f"blt:{d}" for d in args.buffers] + [f"blt-reuse:{d}" for d in args.reuse_buffers]
     base = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--smoke"]
     if args.smoke:
         base += ["--shape", args.shape, "--seq", "16", "--batch", "2", "--rounds", "1", "--warmup", "0"]

@@ -130,3 +130,25 @@ def test_a_run_that_fits_logs_its_cost_once_at_setup(tmp_path, monkeypatch, capl
     assert len(lines) == 1 and "b−1 = 1 past draws" in lines[0] and "of 64 GiB free" in lines[0]
     n = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
     assert f"rank 0: {memory.size(n * 4)} of 64 GiB free" in lines[0]
+
+
+def test_blt_reusing_the_draws_storage_gives_the_same_noise_without_a_copy():
+    """BLTRecurrence(reuse_draws=True) computes x in the fresh draw's own storage (no model-sized allocation per
+    step) and gives the noise of the copying recurrence; a draw in another dtype is still copied into float32."""
+    strategy = optimize_blt(16, 2, 4)
+    copying, reusing = strategy.recurrence(), strategy.recurrence(reuse_draws=True)
+    g = torch.Generator().manual_seed(0)
+    for t in range(5):
+        z = torch.randn(50, generator=g)
+        want = copying.apply(0, z)
+        kept = z.clone()
+        got = reusing.apply(0, z)
+        assert got.data_ptr() == z.data_ptr() and want.data_ptr() != z.data_ptr()
+        assert t == 0 or not torch.equal(kept, z)  # the draw's storage now holds x (= z at the first step)
+        assert torch.allclose(got, want, rtol=0, atol=1e-6)
+        copying.end_step()
+        reusing.end_step()
+    low = strategy.recurrence(reuse_draws=True)
+    zb = torch.randn(8, generator=g).bfloat16()
+    x = low.apply(0, zb)
+    assert x.dtype == torch.bfloat16 and x.data_ptr() != zb.data_ptr()
