@@ -7,7 +7,8 @@
 The model: GPT-2 small's shape (124M parameters, random init from its config, no download), full fine-tuning under
 bk on CPU, one thread, AdamW; a whole step is timed (forward, bk's backward and clipping, the noise, the update).
 
-Same run, drift cancelled. Each correlated mode (banded b = 2, 4, 8; BLT d = 1 … 4 buffers) gets one child
+Same run, drift cancelled. Each correlated mode (banded b = 2, 4, 8; BLT d = 1 … 4 buffers, with and without
+``reuse_draws``: x computed in the fresh draw's storage, or in a copy of it) gets one child
 process that builds the model once and, round after round, takes one step with independent noise and one with the
 mode's noise recurrence set on the bk optimizer (``LeanAccumulation.recurrence``, the hook every training run
 uses), the order flipped each round. The ratio reported is the median over rounds of (mode step / independent
@@ -51,7 +52,8 @@ def recurrence_for(mode: str):
         noise = correlated.build("banded", int(k), noise_multiplier=1.0, **PLAN)
     elif kind in ("blt", "blt-reuse"):  # BLT's groups = one epoch's batches (its min-separation), d buffers
         noise = correlated.build("blt", PLAN["num_records"] // PLAN["batch"], buffers=int(k), **PLAN)
-        # blt-reuse: x computed in the fresh draw's storage (BLTRecurrence(reuse_draws=True)), no copy per step
+        # blt-reuse: x computed in the fresh draw's storage (BLTRecurrence(reuse_draws=True), what
+        # CorrelatedNoise.recurrence() gives the optimizer); blt: the recurrence that copies each draw first
         return noise.strategy.recurrence(reuse_draws=kind == "blt-reuse")
     else:
         raise SystemExit(f"mode {mode!r}: use independent, banded:b, blt:d or blt-reuse:d")
@@ -131,9 +133,10 @@ def one_mode(args) -> dict:
                 wall[i].append(time.perf_counter() - t0)
                 cpu[i].append(time.process_time() - c0)
         print(f"{args.mode}: round {r + 1}/{args.warmup + args.rounds}", file=sys.stderr, flush=True)
+    peak = peak_rss_mib()  # before state_bytes: BLT's state_dict clones its buffers
     row = {"mode": args.mode, "trainable_parameters": trainable, "rounds": args.rounds,
            "extra_tensors_per_parameter": 0 if rec is None else rec.extra_tensors_per_parameter,
-           "state_bytes": state_bytes(rec), "peak_rss_mib": peak_rss_mib(),
+           "state_bytes": state_bytes(rec), "peak_rss_mib": peak,
            "median_step_s": statistics.median(wall[len(pairs) - 1]),
            "median_cpu_s": statistics.median(cpu[len(pairs) - 1])}
     if rec is not None:
