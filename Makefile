@@ -26,6 +26,12 @@ demo: $(VENV)/.installed
 # and CLI calls in-process): four of the files went from 990 to 502 s of test time under load 6-9 (other jobs); the
 # whole suite was not re-timed then (at load 8-11 it would have taken over an hour). After the trimming and that day's
 # new tests: 16:00 for 1081 tests (quiet machine) and 16:31 for 1082 in a clean-clone CI run.
+# Then launches that added only start-up (~13 s of CPU each: torch, opacus, transformers) were folded: recipe,
+# `python -m mia` and `dpllm` calls whose process is not what a test checks go through their entry points in the
+# test process, and test_fsdp_bk's rank-0 loading shares the recipe test's launches. CPU-s per file, before -> after,
+# back to back under load 4-9: audit_pipeline 137 -> 79, fsdp_bk's two recipe tests 193 -> 122, mia_embedding
+# 79 -> 28, compliance 92 -> 49, mia_lira_lm 57 -> 32, scaling_sweep 74 -> 55, its two-stage test 48 -> 35, the
+# demo test 45 -> 31 (about 300 CPU-s in all); the whole suite was not re-timed (the machine was loaded).
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports

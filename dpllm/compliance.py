@@ -125,8 +125,8 @@ def _single_epoch(report) -> Item:
     if not report.enabled:
         return Item("single_epoch", req, NA, "privacy_report.json: enabled = false")
     q = report.sample_rate or 0.0
-    c = report.correlated_noise  # banded: a record's group is sampled (at q_b) on ⌈T/b⌉ of the T steps
-    steps = c["accounted_steps"] if c else report.steps
+    c = report.correlated_noise  # banded, BLT: a record's group is sampled (at q_b) on ⌈T/b⌉ of the T steps
+    steps = c.get("accounted_steps", -(-report.steps // int(c["bands"]))) if c else report.steps
     one_pass = passes_warning(q, steps) is None
     ev = (f"privacy_report.json: sample_rate = {q:.4g} × steps = {steps}"
           + (f" (⌈{report.steps}/{c['bands']}⌉ steps of its cyclic group)" if c and c["bands"] > 1 else "")

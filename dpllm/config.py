@@ -232,18 +232,20 @@ class PrivacyConfig:
                                          "target_epsilon.")
     noise_schedule_end: float = _f(0.5, "σ of the schedule's last piece / σ of its first (< 1: decaying noise).")
     noise_schedule_pieces: int = _f(10, "Constant pieces of a linear or exponential schedule (2–4: step decay).")
-    noise: str = _f("independent", "How the noise is made (dpllm.privacy.correlated): 'independent' (DP-SGD) or "
-                                   "'banded' (BandMF: noise correlated over `bands` steps, records sampled in "
-                                   "bands cyclic groups; bk only; keeps bands−1 noise tensors of the trainable "
-                                   "parameters' size per process; docs/privacy.md). 'blt' is compared by dpllm plan "
-                                   "--noise blt; training with it is refused until it is built (issue 45).")
+    noise: str = _f("independent", "How the noise is made (dpllm.privacy.correlated): 'independent' (DP-SGD), "
+                                   "'banded' (BandMF: noise correlated over `bands` steps, records (ULS: users) "
+                                   "sampled in bands cyclic groups; bk, hooks or ghost; constant σ, fixed clip norm; "
+                                   "keeps bands−1 noise tensors of the trainable parameters' size per process; "
+                                   "docs/privacy.md) or 'blt' (buffered linear Toeplitz: `buffers` noise tensors per "
+                                   "process, `bands` cyclic groups, the run accounted as one Gaussian mechanism "
+                                   "without amplification; the same engines and units as banded).")
     bands: str = _f("auto", "noise: banded: the number of bands b (≤ ⌈N/B⌉), or 'auto' (the b of 1, 2, 4, ..., 32 "
                             "with the least expected error at target_epsilon; dpllm plan shows the comparison). "
-                            "noise: blt: the number of cyclic groups b (BLT's min-separation).")
+                            "noise: blt: the number of cyclic groups b (BLT's min-separation, ≤ ⌈N/B⌉), or 'auto' "
+                            "(the b of ⌈N/B⌉, ⌈N/B⌉/2, /4, /8 with the least expected error).")
     buffers: str = _f("auto", "noise: blt: the BLT buffers d (1–8; each keeps one noise tensor of the trainable "
                               "parameters' size per process), or 'auto' (the fewest after which one more lowers the "
-                              "error by less than a hundredth, at most 5). BLT runs in dpllm plan only for now "
-                              "(issue 45).")
+                              "error by less than a hundredth, at most 5).")
     reproducible_noise: bool = _f(False, "Derive noise and Poisson sampling from train.seed (tests and debugging "
                                          "ONLY): anyone with the config can regenerate them, so the run is marked "
                                          "noise_secret=false and is not releasable.")
@@ -712,13 +714,16 @@ def quantile_problem(cfg: RunConfig) -> Optional[str]:
 
 
 def correlated_problem(cfg: RunConfig) -> Optional[str]:
-    """Why ``noise: banded`` cannot run with this configuration (dpllm.privacy.correlated), or None.
+    """Why ``noise: banded`` or ``blt`` cannot run with this configuration (dpllm.privacy.correlated), or None.
 
-    What runs: bk on one process, under DDP (rank 0 noises and keeps the recurrence) or FSDP2 (each process over its
-    shards), record level, a constant σ, flat clipping.
-    The rest is refused in one line each until it is built (issue 45).
+    What runs: bk (one process, DDP: rank 0 noises and keeps the recurrence, FSDP2: each process over its shards),
+    Opacus hooks and ghost (one process, DDP: rank 0), record level or ULS (a user is grouped and sampled as the
+    unit), a constant σ, any fixed-norm clipping function; banded and blt alike. What the amplified reduction
+    (Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 1: one σ and one clip norm at every step, every unit in one
+    cyclic group) or BLT's Gaussian mechanism (the same participation, sensitivity sens(C, b, ⌈T/b⌉) at one clip norm)
+    does not cover is refused in one line that says why; the rest is refused until it is built (issue 45).
     """
-    p, d = cfg.privacy, cfg.data
+    p = cfg.privacy
     if p.noise not in ("independent", "banded", "blt"):
         return f"privacy.noise={p.noise!r}; choose one of independent, banded, blt"
     bands = str(p.bands).strip()
@@ -729,18 +734,50 @@ def correlated_problem(cfg: RunConfig) -> Optional[str]:
         return f"privacy.buffers={p.buffers!r}: give 'auto' or a whole number of BLT buffers from 1 to 8"
     if buffers != "auto" and p.noise != "blt":
         return f"privacy.buffers={p.buffers} needs privacy.noise=blt"
-    if p.noise == "blt":  # dpllm.privacy.correlated.BLT_TRAINING (config sits below privacy)
-        return "noise: blt is available in dpllm plan; training with it is planned (issue 45): use noise: banded"
     if p.noise == "independent":
         return None if bands in ("auto", "1") else f"privacy.bands={p.bands} needs privacy.noise=banded"
-    unsupported = [(p.grad_sample_mode not in ("auto", "bk"), f"grad_sample_mode={p.grad_sample_mode} (use bk)"),
-                   (p.noise_schedule != "constant", f"noise_schedule={p.noise_schedule}"),
-                   (p.clipping == "quantile", "clipping: quantile"),
-                   (d.privacy_unit != "record", f"privacy_unit={d.privacy_unit}"),
-                   (d.long_records == "split", "long_records=split")]
-    for bad, what in unsupported:
-        if bad:
-            return f"privacy.noise: banded is not yet supported with {what} (issue 45)"
+    # blt: one Gaussian mechanism whose sensitivity needs only that every unit (a record, or a ULS user) is clipped to C
+    # once per step and joins only its cyclic group's steps; the engine that clips and the process that noises (bk,
+    # hooks or ghost; rank 0 under DDP) change neither, so blt runs where banded does (dpllm.privacy.correlated)
+    return _correlated_scope(cfg)
+
+
+# Why the amplified reduction does not cover these (one line each; tests/test_correlated_engines.py checks them)
+CORRELATED_SCHEDULE = (
+    "noise_schedule={kind} with privacy.noise: {noise}: the reduction (arXiv 2306.08153, Thm 1) is proved for one σ at "
+    "every step, and a unit's clipped gradient is noised again in the rows of the next b steps, so a σ that falls "
+    "inside them noises it less than the σ accounted for its step; use noise_schedule: constant")
+CORRELATED_QUANTILE = (
+    "clipping: quantile with privacy.noise: {noise}: the reduction (arXiv 2306.08153, Thm 1) needs one clip norm at "
+    "every step; a gradient clipped at C_t is noised again at σ·C_(t+k) in the next b rows, so a falling C gives it "
+    "more than the sensitivity accounted, and the count's release is a second mechanism the reduction does not "
+    "include; use clipping: flat (or another fixed-norm function)")
+CORRELATED_USER_GROUPS = (
+    "user_sampling={sampling} with privacy.noise: {noise}: records are put in cyclic groups one by one, so one user's "
+    "records can sit in different groups and the user joins more than ceil(T/b) steps, which the group-privacy "
+    "accounting of {sampling} (made for DP-SGD's participation) does not cover; use user_sampling: uls (each user is "
+    "grouped and sampled as the unit)")
+CORRELATED_SEQUENCE = (
+    "privacy_unit=sequence with privacy.noise: {noise}: a record cut across two blocks is covered by group privacy "
+    "over the blocks, which can sit in different cyclic groups (more than ceil(T/b) steps); use privacy_unit: record")
+
+
+def _correlated_scope(cfg: RunConfig) -> Optional[str]:
+    """The engines, units and options a correlated mechanism runs with (:func:`correlated_problem`), or why not."""
+    p, d, noise = cfg.privacy, cfg.data, cfg.privacy.noise
+    if p.grad_sample_mode == "ghost_fsdp":
+        return (f"privacy.noise: {noise} is not built for grad_sample_mode=ghost_fsdp (Opacus's FSDP optimizer); "
+                "use grad_sample_mode: bk (or auto) under FSDP")
+    if p.noise_schedule != "constant":
+        return CORRELATED_SCHEDULE.format(kind=p.noise_schedule, noise=noise)
+    if p.clipping == "quantile":
+        return CORRELATED_QUANTILE.format(noise=noise)
+    if d.privacy_unit == "user" and p.user_sampling != "uls":
+        return CORRELATED_USER_GROUPS.format(sampling=p.user_sampling, noise=noise)
+    if d.privacy_unit == "sequence":
+        return CORRELATED_SEQUENCE.format(noise=noise)
+    if d.long_records == "split":
+        return f"privacy.noise: {noise} is not yet supported with long_records=split (issue 45)"
     return None
 
 

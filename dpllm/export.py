@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from dpllm.io import atomic_directory, looks_local, write_text_atomic
-from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError, sequence_unit_words
+from dpllm.privacy.report import NOT_RELEASABLE, PrivacyReport, ReportError, blt_mu, blt_noise, sequence_unit_words
 
 # What save_pretrained writes for a model, an adapter or a tokenizer; nothing else leaves the run.
 RELEASED_PATTERNS = ("config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json",
@@ -328,8 +328,17 @@ def correlated_note(report: PrivacyReport) -> str:
     c = report.correlated_noise
     if not c or c["mechanism"] == "independent":
         return ""
-    return (f" The noise was correlated across steps ({c['bands']}-banded matrix factorization): the records were "
-            f"split into {c['bands']} groups by a keyed hash of each record's own text, each step Poisson-sampled one "
+    # user-level sampling (ULS) puts each user, by a keyed hash of its id, in a group (dpllm.privacy.correlated.groups)
+    unit, key = ("users", "user's id") if report.privacy_unit == "user" else ("records", "record's own text")
+    if blt_noise(c):
+        return (f" The noise was correlated across steps (BLT matrix factorization, {c['buffers']} buffer(s)): the "
+                f"{unit} were split into {c['bands']} groups by a keyed hash of each {key}, step t "
+                f"trained on group t mod {c['bands']} (each of its {unit} at the rate q above), so a {unit[:-1]} took "
+                f"part in at most ⌈{report.steps}/{c['bands']}⌉ steps, {c['bands']} apart; ε is that of one Gaussian "
+                f"mechanism with μ = sens/σ = {blt_mu(report.history):.4g} over the whole run, with no credit for "
+                "sampling (McMahan et al. 2024, arXiv 2408.08868).")
+    return (f" The noise was correlated across steps ({c['bands']}-banded matrix factorization): the {unit} were "
+            f"split into {c['bands']} groups by a keyed hash of each {key}, each step Poisson-sampled one "
             f"group in turn at the rate q above, and ε is that of DP-SGD over ⌈{c['steps']}/{c['bands']}⌉ = "
             f"{c['accounted_steps']} steps at that rate (Choquette-Choo et al. 2023, arXiv 2306.08153, Thm 1).")
 

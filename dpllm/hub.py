@@ -55,7 +55,9 @@ def dp_metadata(report) -> dict:
            "neighbouring_relation": release.get("neighbouring_relation"),
            "accountant": ("pld (user-level mixture of Gaussians, dp-accounting)" if "record_delta" in user
                           else report.accountant),
-           "mechanism": "DP-SGD with Poisson sampling" if report.poisson_sampling is not False else "DP-SGD",
+           "mechanism": ("BLT correlated noise over cyclic groups, one Gaussian mechanism (no sampling credit)"
+                         if (report.correlated_noise or {}).get("accounting") == "gaussian_mechanism" else
+                         "DP-SGD with Poisson sampling" if report.poisson_sampling is not False else "DP-SGD"),
            "noise_multiplier": float(report.noise_multiplier), "sampling_rate": float(report.sample_rate),
            "steps": int(report.steps), "max_grad_norm": float(report.max_grad_norm), "clipping": report.clipping,
            "composition": report.composition}

@@ -416,9 +416,11 @@ def load(ckpt: Path, *, model, optimizer, scheduler, world: World, generators: d
         scheduler.load_state_dict(torch.load(ckpt / "scheduler.pt", weights_only=True))
         saved = sc.saved_ranks(ckpt)  # each process reads its own file; on another count, rank 0's sampler
         own = sc.load_rng(ckpt, world.rank if saved == world.size else 0)
-        if saved != world.size and (own.get("noise_recurrence") or {}).get("history"):
-            raise ConfigError(f"cannot resume {ckpt} on {world.size} process(es): its banded noise keeps each of its "
-                              f"{saved} processes' past noise for that process's shards; resume on {saved} processes")
+        past = own.get("noise_recurrence") or {}
+        if saved != world.size and (past.get("history") or past.get("buffers")):  # banded's past noise, BLT's buffers
+            raise ConfigError(f"cannot resume {ckpt} on {world.size} process(es): its correlated noise keeps each of "
+                              f"its {saved} processes' past noise for that process's shards; resume on {saved} "
+                              "processes")
         _set_rng_state(own if saved == world.size else _without_noise(own, saved, world), generators)
         return state
     _load_model(model, ckpt, world)

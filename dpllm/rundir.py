@@ -277,6 +277,9 @@ def summary(cfg: RunConfig, report: PrivacyReport, *, steps: int, tokens: int, p
         "logical_batch_size": t.logical_batch_size, "epsilon": report.epsilon, "delta": report.delta,
         "noise_multiplier": report.noise_multiplier, "sample_rate": report.sample_rate,
         "privacy_enabled": cfg.privacy.enabled, "noise_secret": report.noise_secret,
+        # how the noise was made (privacy.noise): a sweep's fit must not mix DP-SGD's runs with correlated ones
+        "noise": (report.correlated_noise or {}).get("mechanism", "independent") if cfg.privacy.enabled else None,
+        "bands": (report.correlated_noise or {}).get("bands", 1) if cfg.privacy.enabled else None,
         "initial_eval_loss": initial_eval["loss"] if initial_eval else None,
         "final_eval_loss": final["loss"], "final_eval_ppl": final["ppl"], "seed": t.seed,
         "wall_time_s": round(wall, 2), "world_size": world_size, "params_sha256": digest,

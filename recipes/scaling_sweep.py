@@ -25,6 +25,16 @@ Resuming: a run is done when its line is in a runs table (``runs.jsonl``, ``lr_r
 fresh machine given only the runs tables. Pretraining saves checkpoints (``pretrain.save_every``) and resumes
 from them. ``--stop_after_s`` starts no new run after that many seconds (a device command is capped at
 10 minutes); ``--only_sizes 0,1`` restricts to some sizes; ``--no_fit`` skips the fit.
+
+Correlated noise: ``--noise banded --bands auto|k`` (or ``privacy.noise`` / ``privacy.bands`` in ``base``) makes every
+private run of the sweep a BandMF run, ``--noise blt --bands auto|b --buffers auto|d`` a BLT run (docs/privacy.md);
+the runs table records each run's ``noise`` and ``bands`` (BLT: its cyclic groups).
+A fit form that reads σ̄ = σ/B (``dp_noise``, ``noise_batch``) is refused for such a sweep before any run: σ̄ is
+DP-SGD's noise per record and ``dpllm scaling plan`` calibrates σ with DP-SGD's event, neither of which is the
+correlated run's; fit ``chinchilla`` or ``power_law`` (loss against N and tokens at each ε) instead.
+
+    python recipes/scaling_sweep.py --config recipes/configs/tiny/scaling_sweep_cpu.yaml --output_dir runs/sweep_mf \
+        --noise banded --bands auto
 """
 
 from __future__ import annotations
@@ -192,7 +202,38 @@ def plan_stages(doc: dict, *, quick: bool, out: Path, only_sizes: list[int] | No
     return todo
 
 
-def main(argv: list[str] | None = None) -> dict:
+def with_noise(doc: dict, *, noise: str | None, bands: str | None, form: str | None, fit: bool = True,
+               buffers: str | None = None) -> dict:
+    """Set the base's ``privacy.noise`` / ``bands`` / ``buffers`` (every private run inherits them) and, when the sweep
+    ends with a fit, refuse a form that reads σ̄ under correlated noise (``form``: the one asked for, else the
+    config's).
+
+    Raises:
+        ConfigError: a correlated mechanism (banded or blt) with a form whose inputs include ``sigma_bar``, or
+            buffers without ``noise: blt``.
+    """
+    from dpllm.scaling.forms import get_form
+
+    privacy = doc.setdefault("base", {}).setdefault("privacy", {})
+    if noise is not None:
+        privacy["noise"] = noise
+    if bands is not None:
+        privacy["bands"] = str(bands)
+    if buffers is not None:
+        privacy["buffers"] = str(buffers)
+    mechanism = privacy.get("noise", "independent")
+    if str(privacy.get("buffers", "auto")).strip() != "auto" and mechanism != "blt":
+        raise ConfigError(f"sweep: privacy.buffers={privacy['buffers']} needs privacy.noise=blt (--noise blt)")
+    fitted = form or doc.get("fit", {}).get("form", "chinchilla")
+    if fit and mechanism != "independent" and "sigma_bar" in get_form(fitted).inputs:
+        raise ConfigError(f"sweep: fit form {fitted} reads σ̄ = noise_multiplier / logical batch as DP-SGD's noise, "
+                          f"and dpllm scaling plan calibrates σ with DP-SGD's event; with privacy.noise: {mechanism} "
+                          "neither is the run's: fit chinchilla or power_law (--form), or pass --no_fit")
+    return doc
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The sweep's command line."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="sweep YAML (base + sweep [+ quick, fit, corpora, pretrain, "
                     "lr_grid])")
@@ -203,9 +244,20 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--only_sizes", default=None, help="comma-separated size indices to run (default all)")
     ap.add_argument("--stop_after_s", type=float, default=None, help="start no new run after this many seconds")
     ap.add_argument("--no_fit", action="store_true", help="run only; skip the fit and plots")
-    args = ap.parse_args(argv)
+    ap.add_argument("--noise", default=None, help="privacy.noise of every private run (independent, banded, blt; "
+                    "default: the config's base)")
+    ap.add_argument("--bands", default=None, help="privacy.bands of every private run (auto or b: banded's bands, "
+                    "blt's cyclic groups; default: the config's base)")
+    ap.add_argument("--buffers", default=None, help="privacy.buffers of every private run (noise blt: auto or 1–8; "
+                    "default: the config's base)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     doc = yaml.safe_load(Path(args.config).read_text()) or {}
+    with_noise(doc, noise=args.noise, bands=args.bands, buffers=args.buffers, form=args.form, fit=not args.no_fit)
     out = Path(args.output_dir)
     runs_file, lr_file, pre_file = out / "runs.jsonl", out / "lr_runs.jsonl", out / "pretrain_runs.jsonl"
     files = {"main": runs_file, "lr_grid": lr_file, "pretrain": pre_file}

@@ -29,6 +29,7 @@ from dpllm.config import ModelConfig  # noqa: E402
 from dpllm.distributed import finish_process, shard_model  # noqa: E402
 from dpllm.models import build_tiny, byte_tokenizer, prepare_model  # noqa: E402
 from dpllm.privacy.bk import make_private_bk  # noqa: E402
+from dpllm.privacy.correlated.blt import optimize_blt  # noqa: E402
 from dpllm.train import forward_loss  # noqa: E402
 from tests.helpers import TEXTS, batch_of  # noqa: E402
 
@@ -137,16 +138,17 @@ def noise(rank) -> dict:
             "first_rank1": gathered[1].tolist()}
 
 
-def banded(rank) -> dict:
-    """privacy.noise: banded under FSDP2: each process runs the recurrence over its own shards' draws; the noise
-    its optimizer adds equals the recurrence applied to draws from its own generator, step after step."""
+def banded(rank, strategy=None) -> dict:
+    """privacy.noise: banded (or blt, given its ``strategy``) under FSDP2: each process runs the recurrence over its
+    own shards' draws; the noise its optimizer adds equals the recurrence applied to draws from its own generator,
+    step after step."""
     from opacus.optimizers.optimizer import _generate_noise
 
     from dpllm.privacy.bk.optimizer import ShardedLeanAccumulation
     from dpllm.privacy.correlated.banded import BandMF
 
     model = shard_model(build("tiny-llama", "full", dtype=torch.float32)[0])
-    strategy = BandMF.optimized(bands=3, steps=8)
+    strategy = strategy or BandMF.optimized(bands=3, steps=8)
     opt = ShardedLeanAccumulation(torch.optim.SGD(model.parameters(), lr=0.0), noise_multiplier=2.0,
                                   max_grad_norm=0.5, expected_batch_size=1,
                                   generator=torch.Generator().manual_seed(50 + rank))
@@ -167,7 +169,10 @@ def banded(rank) -> dict:
     gathered = [torch.zeros(0)] * 2
     dist.all_gather_object(gathered, first[:2048])
     shapes = [list(x.shape) for x in steps[0]]
-    return {"max_abs_diff": worst, "history": len(opt.recurrence.history[0]), "shapes": shapes,
+    kept = opt.recurrence.state_dict()  # banded: the b−1 latest x of each parameter; BLT: its d buffers
+    history = len(kept["history"][0]) if "history" in kept else int(kept["buffers"][0].shape[0])
+    return {"max_abs_diff": worst, "history": history, "shapes": shapes,
+            "buffer_shapes": [list(v.shape) for v in kept.get("buffers", {}).values()],
             "global_shapes": [list(p.shape) for p in opt.params], "first_rank0": gathered[0].tolist(),
             "first_rank1": gathered[1].tolist(), "step_corr": float(torch.corrcoef(torch.stack(
                 [torch.cat([x.flatten() for x in steps[0]]), torch.cat([x.flatten() for x in steps[1]])]))[0, 1])}
@@ -363,6 +368,7 @@ if __name__ == "__main__":
         "noise": noise(rank),
         "mixed_precision": mixed_precision(rank),
         "banded": banded(rank),
+        "blt": banded(rank, strategy=optimize_blt(8, 2, 2)),  # 2 buffers, min-separation 2: 4 participations
         "quantile": quantile(rank),
         "quantile_ddp": {mode: quantile_ddp(rank, mode) for mode in ("hooks", "ghost")},
     }

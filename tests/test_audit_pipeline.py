@@ -13,8 +13,6 @@ checks the issue's targets at its scale (10,000 canaries without DP; white-box a
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -30,7 +28,13 @@ def common(m, max_length):
 
 
 def run(*args):
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=1800)
+    """``python -m mia ...`` through its entry point (``mia.__main__.main``) in this process: a process of its own
+    would add only start-up (the command runs as a process in tests/test_rough_edges.py)."""
+    from mia.__main__ import main
+    from tests.helpers import in_process
+
+    assert args[:2] == ("-m", "mia"), args
+    return in_process(main, list(args[2:]))
 
 
 def train(out, m, max_length, *extra):

@@ -4,8 +4,6 @@ that should flip it (more passes, a tampered ledger, a missing or stale audit, s
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,12 +25,14 @@ def _heldout_for(n_train: int, max_records: int = 60) -> str:
 
 
 def _train(out, *extra):
-    r = subprocess.run([sys.executable, "recipes/finetune_llm.py", "--max_records", "60", "--max_length", "32",
-                        "--heldout_fraction", _heldout_for(48),
-                        "--tiny_hidden_size", "32", "--logical_batch_size", "16", "--physical_batch_size", "16",
-                        "--eval_every", "0", "--progress", "false", "--target_epsilon", "8", "--output_dir", str(out),
-                        *extra], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    """``python recipes/finetune_llm.py ...`` through its entry point, in this process (a process of its own would
+    add only start-up)."""
+    from tests.helpers import load_recipe
+
+    assert load_recipe("finetune_llm").cli([
+        "--max_records", "60", "--max_length", "32", "--heldout_fraction", _heldout_for(48), "--tiny_hidden_size",
+        "32", "--logical_batch_size", "16", "--physical_batch_size", "16", "--eval_every", "0", "--progress", "false",
+        "--target_epsilon", "8", "--output_dir", str(out), *extra]) == 0
     return out
 
 
@@ -71,14 +71,16 @@ def test_more_than_one_pass_is_not_met(runs):
     assert not any("expected passes" in w for w in one)
 
 
-def test_audit_then_stale_audit(runs, tmp_path):
+def test_audit_then_stale_audit(runs, tmp_path, capsys):
     from dpllm.export import compliance_section
+    from mia.__main__ import main as mia
+    from tests.helpers import in_process
 
     one, _ = runs
     run = tmp_path / "run"
     shutil.copytree(one, run)
-    r = subprocess.run([sys.executable, "-m", "mia", "audit", "--checkpoint", str(run), "--attacks", "loss",
-                        "--n-bootstrap", "20", "--no-progress"], capture_output=True, text=True, cwd=ROOT)
+    r = in_process(mia, ["audit", "--checkpoint", str(run), "--attacks", "loss", "--n-bootstrap", "20",
+                         "--no-progress"], capsys)
     assert r.returncode == 0, r.stderr[-2000:]
     assert _status(run)["mia_audit"] == compliance.MET
     # The audit reports the run's bounds next to what it measured (JSON, table and a plain reading).
@@ -123,17 +125,19 @@ def test_a_tampered_ledger_fails_logging_and_fixing(runs, tmp_path):
     assert s["epsilon_logged"] == compliance.NOT_MET and s["epsilon_fixed"] == compliance.NOT_MET
 
 
-def test_cli_exit_code_and_json(runs):
+def test_cli_exit_code_and_json(runs, capsys):
+    """`dpllm report` through its entry point (``dpllm.cli.main``, what the console script calls and exits with)."""
+    from dpllm.cli import main as dpllm
+    from tests.helpers import in_process
+
     one, _ = runs
-    r = subprocess.run([sys.executable, "-m", "dpllm.cli", "report", str(one), "--compliance", "--json"],
-                       capture_output=True, text=True, cwd=ROOT)
+    r = in_process(dpllm, ["report", str(one), "--compliance", "--json"], capsys)
     assert r.returncode == 1  # the audit is missing
     items = json.loads(r.stdout)
     assert [i["name"] for i in items] == ["differential_privacy", "epsilon_fixed", "single_epoch",
                                           "dp_gradient_checkpointing", "epsilon_logged", "noise_secret",
                                           "sensitivity_tiers", "data_sovereignty", "mia_audit"]
-    r = subprocess.run([sys.executable, "-m", "dpllm.cli", "report", str(one), "--json"], capture_output=True,
-                       text=True, cwd=ROOT)
+    r = in_process(dpllm, ["report", str(one), "--json"], capsys)
     assert r.returncode == 2 and "usage" in r.stderr
 
 

@@ -1,6 +1,6 @@
 """privacy.noise: blt behind the registry: build() pairs its sampler, recurrence and single Gaussian event; no path
-accounts it as amplified DP-SGD; the config refuses it for training; ``dpllm plan --noise blt`` compares it.
-The BLT math alone is in test_correlated_blt.py."""
+accounts it as amplified DP-SGD; the config refuses what is not built in one line; ``dpllm plan --noise blt``
+compares it. The BLT math alone is in test_correlated_blt.py; training runs in test_correlated_blt_runs.py."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from dpllm.config import ConfigError, parse_config
 from dpllm.privacy import accounting
 from dpllm.privacy.accounting import PrivacyPlanError
-from dpllm.privacy.correlated import BLT_TRAINING, GAUSSIAN, build
+from dpllm.privacy.correlated import GAUSSIAN, build
 from dpllm.privacy.correlated import blt as blt_math
 from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler, assign_groups
 
@@ -60,36 +60,56 @@ def test_build_pairs_the_fixed_cyclic_sampler_the_recurrence_and_one_gaussian_ev
 
 
 def test_no_path_accounts_a_blt_run_as_amplified_dp_sgd():
+    """The plan calibrates the draw's σ for one Gaussian mechanism and accounts every partial run as one (with the
+    sensitivity of the steps run); the engine's history maps the accountant's per-step (σ, q_b) records to it."""
     from types import SimpleNamespace
 
     from dpllm.privacy.engine import PrivateTraining
-    from dpllm.privacy.plan import PrivacyPlan, plan_privacy
+    from dpllm.privacy.plan import plan_privacy
 
     n = _blt()
-    with pytest.raises(PrivacyPlanError, match="training with it is planned"):
-        plan_privacy(num_records=1000, logical_batch_size=100, steps=40, target_epsilon=2.0, delta=1e-5,
-                     accountant="prv", noise=n)
-    # a plan carrying BLT's noise record (e.g. written by hand, or by a future path) refuses to account it
-    plan = PrivacyPlan(num_records=1000, sample_rate=1.0, steps=40, noise_multiplier=3.0, delta=1e-5,
-                       accountant="prv", expected_batch_size=100, noise=n.to_json())
-    for read in (lambda: plan.epsilon(), lambda: plan.history, lambda: plan.bands, lambda: plan.stage_history(10)):
-        with pytest.raises(PrivacyPlanError, match="one Gaussian mechanism, never amplified"):
-            read()
-    engine = SimpleNamespace(accountant=SimpleNamespace(history=[(3.0, 1.0, 40)]))
+    plan = plan_privacy(num_records=1000, logical_batch_size=100, steps=40, target_epsilon=2.0, delta=1e-5,
+                        accountant="prv", noise=n)
+    assert plan.gaussian and plan.bands == 10 and plan.sample_rate == 1.0 and plan.expected_batch_size == 100
+    assert plan.noise_multiplier == n.calibrate(target_epsilon=2.0, delta=1e-5)  # as dpllm plan calibrates it
+    sens = n.sensitivity
+    assert plan.history == [(pytest.approx(plan.noise_multiplier / sens, rel=1e-15), 1.0, 1)]
+    assert plan.history[0][0] * sens >= plan.noise_multiplier * (1 - 1e-15)  # never rounded to less noise
+    exact = blt_math.epsilon_for_mu(sens / plan.noise_multiplier, 1e-5)
+    assert exact <= plan.epsilon() <= 2.0 and plan.epsilon() <= 1.01 * exact
+    # a run stopped after 15 steps: 2 participations, less sensitivity, less ε; none before the first step
+    early = blt_math.toeplitz_sensitivity(n.strategy.blt.coefs(15), min_separation=10)
+    assert plan.stage_history(15) == [(pytest.approx(plan.noise_multiplier / early, rel=1e-12), 1.0, 1)]
+    assert early < sens and plan.epsilon(15) < plan.epsilon() and plan.stage_history(0) == []
+    # past the planned 40 steps: k = 5 participations, not the plan's 4 (more ε, never under-reported)
+    late = blt_math.toeplitz_sensitivity(n.strategy.blt.coefs(45), min_separation=10)
+    assert plan.stage_history(45)[0][0] == pytest.approx(plan.noise_multiplier / late, rel=1e-12) and late > sens
+    engine = SimpleNamespace(accountant=SimpleNamespace(history=[(plan.noise_multiplier, 1.0, 15),
+                                                                 (plan.noise_multiplier, 1.0, 25)]))
     private = PrivateTraining(model=None, optimizer=None, criterion=None, data_loader=None, engine=engine, plan=plan)
-    with pytest.raises(PrivacyPlanError, match="never amplified"):
+    assert private.history() == plan.history and private.steps_taken() == 40
+    engine.accountant.history.append((1.0, 0.1, 1))  # a step at another (σ, q) than the plan's: a bug, refused
+    with pytest.raises(RuntimeError, match="a dpllm bug"):
         private.history()
+    with pytest.raises(PrivacyPlanError, match="over 40 steps of BLT noise over 10 cyclic groups"):
+        plan_privacy(num_records=1000, logical_batch_size=100, steps=40, target_epsilon=2.0, delta=1e-5,
+                     accountant="prv", noise=n, noise_multiplier=0.9 * plan.noise_multiplier)
 
 
 @pytest.mark.parametrize("extra, words", [
-    (("--noise", "blt"), BLT_TRAINING),
-    (("--noise", "blt", "--buffers", "3"), BLT_TRAINING),
+    (("--noise", "blt", "--grad_sample_mode", "ghost_fsdp"), "privacy.noise: blt is not built for "
+                                                             "grad_sample_mode=ghost_fsdp"),
+    (("--noise", "blt", "--noise_schedule", "linear"), "noise_schedule=linear with privacy.noise: blt"),
+    (("--noise", "blt", "--clipping", "quantile"), "clipping: quantile with privacy.noise: blt"),
+    (("--noise", "blt", "--privacy_unit", "sequence"), "privacy_unit=sequence with privacy.noise: blt"),
+    (("--noise", "blt", "--long_records", "split"), "blt is not yet supported with long_records=split"),
+    (("--noise", "blt", "--packing", "true"), "packing=true with noise: blt is not built yet"),
     (("--buffers", "3"), "privacy.buffers=3 needs privacy.noise=blt"),
     (("--noise", "banded", "--buffers", "2"), "needs privacy.noise=blt"),
     (("--noise", "blt", "--buffers", "9"), "from 1 to 8"),
     (("--noise", "dense"), "choose one of independent, banded, blt"),
 ])
-def test_config_refuses_blt_training_and_bad_buffers_in_one_line(tmp_path, extra, words):
+def test_config_refuses_what_blt_does_not_cover_and_bad_buffers_in_one_line(tmp_path, extra, words):
     with pytest.raises(ConfigError) as err:
         parse_config(["--output_dir", str(tmp_path / "x"), *SHORT, *extra])
     assert words in str(err.value)

@@ -102,11 +102,11 @@ def test_one_band_is_todays_dp_sgd_run_exactly(tmp_path, monkeypatch):
         (tmp_path / "dpsgd" / "checkpoint" / "model.safetensors").read_bytes()
 
 
-@pytest.mark.parametrize("extra, words", [
-    (("--grad_sample_mode", "hooks"), "not yet supported with grad_sample_mode=hooks"),
-    (("--noise_schedule", "linear"), "not yet supported with noise_schedule=linear"),
-    (("--clipping", "quantile"), "not yet supported with clipping: quantile"),
-    (("--privacy_unit", "user", "--user_column", "u"), "not yet supported with privacy_unit=user"),
+@pytest.mark.parametrize("extra, words", [  # the reasons are checked in test_correlated_engines.py
+    (("--grad_sample_mode", "ghost_fsdp"), "not built for grad_sample_mode=ghost_fsdp"),
+    (("--noise_schedule", "linear"), "noise_schedule=linear with privacy.noise: banded"),
+    (("--clipping", "quantile"), "clipping: quantile with privacy.noise: banded"),
+    (("--privacy_unit", "user", "--user_column", "u", "--user_sampling", "record"), "user_sampling=record with"),
     (("--bands", "two"), "give 'auto' or a positive whole number"),
 ])
 def test_unsupported_combinations_are_refused_in_one_line(tmp_path, extra, words):

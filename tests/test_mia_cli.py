@@ -1,8 +1,6 @@
 """End-to-end: overfit a tiny Llama, audit it with ``python -m mia``, audit canaries, bad inputs."""
 
 import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -58,14 +56,17 @@ def overfit(tmp_path_factory):
                                  final_loss=loss.item())
 
 
-def test_audit_cli_end_to_end(overfit):
+def test_audit_cli_end_to_end(overfit, capsys):
+    """`python -m mia audit` through its entry point (``mia.__main__.main``) in this process: a process of its own
+    adds only start-up; tests/test_audit_pipeline.py and test_rough_edges.py run the command as a process."""
+    from mia.__main__ import main
+    from tests.helpers import in_process
+
     out = overfit.run / "audit"
-    cmd = [sys.executable, "-m", "mia", "audit", "--checkpoint", str(overfit.ckpt),
-           "--members", str(overfit.run / "m.jsonl"), "--nonmembers", str(overfit.run / "n.jsonl"),
-           "--attacks", "loss,zlib,mink,minkpp", "--out", str(out), "--n-bootstrap", "200",
-           "--no-progress"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    argv = ["audit", "--checkpoint", str(overfit.ckpt), "--members", str(overfit.run / "m.jsonl"), "--nonmembers",
+            str(overfit.run / "n.jsonl"), "--attacks", "loss,zlib,mink,minkpp", "--out", str(out), "--n-bootstrap",
+            "200", "--no-progress"]
+    proc = in_process(main, argv, capsys)
     assert proc.returncode == 0, proc.stderr
     for name in ("mia_report.json", "mia_report.md", "mia_roc.png", "mia_scores.json"):
         assert (out / name).is_file()

@@ -3,8 +3,6 @@ power on known signal and noise, the reference options, and the real command on 
 
 import copy
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -127,24 +125,28 @@ def test_reference_attacks_need_a_reference(tiny):
         run_embedding_audit(model, tok, TEXTS[:2], TEXTS[2:], attacks="loss", progress=False)
 
 
-def _mia(*args):
-    return subprocess.run([sys.executable, "-m", "mia", "audit", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600)
+def _mia(capsys, *args):
+    """``python -m mia audit ...`` through its entry point, in this process (tests.helpers.in_process)."""
+    from mia.__main__ import main
+    from tests.helpers import in_process
+
+    return in_process(main, ["audit", *args], capsys)
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory):
+    from tests.helpers import load_recipe
+
     out = tmp_path_factory.mktemp("emb") / "run"
-    r = subprocess.run([sys.executable, "recipes/finetune_llm.py", "--max_records", "60", "--max_length", "32",
-                        "--tiny_hidden_size", "32", "--logical_batch_size", "16", "--physical_batch_size", "16",
-                        "--max_steps", "3", "--eval_every", "0", "--progress", "false", "--target_epsilon", "8",
-                        "--output_dir", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert load_recipe("finetune_llm").cli(["--max_records", "60", "--max_length", "32", "--tiny_hidden_size", "32",
+                                            "--logical_batch_size", "16", "--physical_batch_size", "16", "--max_steps",
+                                            "3", "--eval_every", "0", "--progress", "false", "--target_epsilon", "8",
+                                            "--output_dir", str(out)]) == 0
     return out
 
 
-def test_embedding_audit_command_on_a_lora_run(lora_run):
-    r = _mia("--checkpoint", str(lora_run), "--interface", "embedding", "--reference", "base", "--layer", "-1",
+def test_embedding_audit_command_on_a_lora_run(lora_run, capsys):
+    r = _mia(capsys, "--checkpoint", str(lora_run), "--interface", "embedding", "--reference", "base", "--layer", "-1",
              "--n-bootstrap", "50", "--no-progress")
     assert r.returncode == 0, r.stderr[-2000:]
     out = lora_run / "audit"
@@ -163,6 +165,6 @@ def test_embedding_audit_command_on_a_lora_run(lora_run):
     (["--attacks", "prefix_lens"], "need a reference model"),
     (["--unit", "user"], "drop --interface embedding"),
 ])
-def test_embedding_audit_command_refuses(lora_run, args, message):
-    r = _mia("--checkpoint", str(lora_run), "--interface", "embedding", "--no-progress", *args)
+def test_embedding_audit_command_refuses(lora_run, args, message, capsys):
+    r = _mia(capsys, "--checkpoint", str(lora_run), "--interface", "embedding", "--no-progress", *args)
     assert r.returncode == 2 and message in r.stderr, r.stderr[-2000:]

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -115,13 +113,17 @@ def test_plan_outside_fitted_range_is_refused_and_allowed_loudly():
         compute_for_target(chin, target_loss=2.0, extrapolate=1e6)
 
 
-def test_committed_cpu_fit_is_flagged_and_its_plan_refused(tmp_path):
-    # Issue #16: this command answered N = 1.7e-9 parameters and 0.2 FLOPs without a word.
-    cmd = [sys.executable, "-m", "dpllm.cli", "scaling", "plan", "--fit", "docs/results/scaling_sweep_cpu/fit.json",
+def test_committed_cpu_fit_is_flagged_and_its_plan_refused(tmp_path, capsys):
+    # Issue #16: this command answered N = 1.7e-9 parameters and 0.2 FLOPs without a word. `dpllm scaling plan`
+    # through its entry point (dpllm.cli.main) in this process: a process of its own adds only start-up.
+    from dpllm.cli import main as dpllm
+    from tests.helpers import in_process
+
+    cmd = ["scaling", "plan", "--fit", os.path.join(ROOT, "docs/results/scaling_sweep_cpu/fit.json"),
            "--epsilon", "8", "--target-ppl", "20"]
-    res = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    res = in_process(dpllm, cmd, capsys)
     assert res.returncode == 2 and "degenerate" in res.stderr, res.stderr
-    res = subprocess.run(cmd + ["--force"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    res = in_process(dpllm, cmd + ["--force"], capsys)
     assert res.returncode == 2 and "outside the fitted range [3.49e+04, 4.06e+05]" in res.stderr, res.stderr
     # the non-private group's E = 1.08e-10 is negligible next to losses of ~2-3 nats: flagged
     from dpllm.scaling import load_fit

@@ -1,19 +1,21 @@
-"""The tiny scaling sweep runs end to end (quick mode) and its loss-versus-tokens fits are good."""
+"""The tiny scaling sweep runs end to end (quick mode) and its loss-versus-tokens fits are good.
+
+The recipe and `dpllm scaling fit` run in this process (their ``main``, as the commands call it): a process of
+their own would add only its start-up (imports), ~10 s of CPU each."""
 
 import json
 import os
-import subprocess
-import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_quick_sweep_end_to_end(tmp_path):
+    from dpllm.cli import main as dpllm
+    from tests.helpers import load_recipe
+
     out = tmp_path / "sweep"
-    res = subprocess.run([sys.executable, "recipes/scaling_sweep.py", "--config",
-                          "recipes/configs/tiny/scaling_sweep_cpu.yaml", "--output_dir", str(out), "--quick",
-                          "--n_boot", "50"], capture_output=True, text=True, cwd=ROOT, timeout=900)
-    assert res.returncode == 0, res.stderr[-3000:]
+    load_recipe("scaling_sweep").main(["--config", os.path.join(ROOT, "recipes/configs/tiny/scaling_sweep_cpu.yaml"),
+                                       "--output_dir", str(out), "--quick", "--n_boot", "50"])
     rows = [json.loads(line) for line in (out / "runs.jsonl").read_text().splitlines()]
     assert len(rows) == 8
     for r in rows:
@@ -31,7 +33,5 @@ def test_quick_sweep_end_to_end(tmp_path):
         assert f["r2"] > 0.9, f
     assert list((out / "fit").glob("*.png"))
     # the sweep's own fit feeds `dpllm scaling fit` unchanged
-    res = subprocess.run([os.path.join(os.path.dirname(sys.executable), "dpllm"), "scaling", "fit", "--runs",
-                          str(out / "runs.jsonl"), "--form", "chinchilla", "--out", str(tmp_path / "fit2"),
-                          "--n-boot", "50"], capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-2000:]
+    assert dpllm(["scaling", "fit", "--runs", str(out / "runs.jsonl"), "--form", "chinchilla", "--out",
+                  str(tmp_path / "fit2"), "--n-boot", "50"]) == 0

@@ -17,9 +17,12 @@ ULS = ("--reproducible_noise", "true", "--privacy_unit", "user", "--user_samplin
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["hooks", "bk"])
-def test_uls_one_and_two_processes_train_the_same_run(tmp_path, mode):
-    extra = ULS + ("--grad_sample_mode", mode) + SGD
+@pytest.mark.parametrize("mode, noise", [("hooks", ()), ("bk", ()), ("hooks", ("--noise", "banded", "--bands", "2"))],
+                         ids=["hooks", "bk", "hooks_banded"])
+def test_uls_one_and_two_processes_train_the_same_run(tmp_path, mode, noise):
+    """Banded noise (hooks): users in 2 cyclic groups by their ids, Opacus's DDP optimizer subclassed so that rank 0
+    alone adds the recurrence's noise: the same run as one process (dpllm.privacy.correlated.optimizer)."""
+    extra = ULS + ("--grad_sample_mode", mode) + SGD + noise
     two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=extra)
     one = _launch(tmp_path / "one", "--cpu", "--num_processes", "1", extra=extra)
     _finish(one)
@@ -29,6 +32,8 @@ def test_uls_one_and_two_processes_train_the_same_run(tmp_path, mode):
         assert r1[key] == r2[key], key
     assert r2["privacy_unit"] == "user" and r2["user_level"]["sampling"] == "uls"
     assert r1["grad_sample_mode"] == r2["grad_sample_mode"] == mode
+    if noise:  # ⌈T/2⌉ accounted steps at q_b
+        assert r2["correlated_noise"]["bands"] == 2 and r2["history"][0][2] == -(-r2["steps"] // 2)
     s1, s2 = (json.loads((tmp_path / n / "run_summary.json").read_text()) for n in ("one", "two"))
     assert s2["world_size"] == 2 and s1["tokens_seen"] == s2["tokens_seen"]  # same users, split by user
     p1, p2 = _trainable(tmp_path / "one"), _trainable(tmp_path / "two")

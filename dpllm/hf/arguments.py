@@ -90,6 +90,15 @@ class PrivacyArguments:
                                          "schedule; σ₀ calibrated so the whole schedule meets target_epsilon).")
     noise_schedule_end: float = _f(0.5, "Last piece's σ / first piece's σ.")
     noise_schedule_pieces: int = _f(10, "Constant pieces of a linear or exponential schedule.")
+    noise: str = _f("independent", "How the noise is made, as the recipe's privacy.noise: 'independent' (DP-SGD), "
+                                   "'banded' (noise correlated over `bands` steps; records, or users with "
+                                   "privacy_unit='user', sampled in bands cyclic groups) or 'blt' (buffered linear "
+                                   "Toeplitz over `bands` cyclic groups, accounted as one Gaussian mechanism; "
+                                   "docs/privacy.md).")
+    bands: str = _f("auto", "noise='banded': the number of bands b, or 'auto' (the least expected error at "
+                            "target_epsilon; `dpllm plan --noise banded` shows the comparison); noise='blt': the "
+                            "number of cyclic groups, or 'auto'.")
+    buffers: str = _f("auto", "noise='blt': the BLT buffers d (1–8) or 'auto', as the recipe's privacy.buffers.")
 
     def privacy_config(self) -> PrivacyConfig:
         return PrivacyConfig(
@@ -101,7 +110,7 @@ class PrivacyArguments:
             secure_mode=self.secure_mode,
             reproducible_noise=self.reproducible_noise, noise_schedule=self.noise_schedule,
             noise_schedule_end=self.noise_schedule_end, noise_schedule_pieces=self.noise_schedule_pieces,
-            user_sampling=self.user_sampling)
+            user_sampling=self.user_sampling, noise=self.noise, bands=str(self.bands), buffers=str(self.buffers))
 
     def data_config(self, **kw) -> DataConfig:
         """The recipe's data options these arguments set (the unit, users, long records), plus ``kw``."""

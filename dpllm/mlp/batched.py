@@ -107,6 +107,10 @@ def train_mlps(runs: Sequence[MLPRun], data: Split, *, plans: Sequence[Optional[
     start = time.perf_counter()
     if not runs:
         return []
+    correlated = sorted({r.noise for r in runs} - {"independent"})
+    if correlated:  # cyclic groups and a noise recurrence per run: train_mlp (the engine, bk) has them
+        raise ValueError(f"noise={correlated[0]!r} is not in the lockstep trainer; train those runs one at a time "
+                         "with dpllm.mlp.train.train_mlp (grad_sample_mode='bk')")
     if len({group_key(r) for r in runs}) != 1:
         raise ValueError(f"runs trained together must share {', '.join(SHARED)}")
     x_all, y_all = data.x_train, data.y_train

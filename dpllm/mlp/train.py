@@ -6,6 +6,13 @@ A private run goes plan → wrap → loop: :func:`plan_for` calls :func:`dpllm.p
 the accountant), then runs plain SGD steps. A non-private run is the same loop with the same Poisson
 sampler and no clipping or noise, so a DP/non-DP gap is due to clipping and noise alone.
 
+Correlated noise (``noise="banded"``, :mod:`dpllm.privacy.correlated`): :func:`plan_for` takes the mechanism from
+the registry's ``build`` (σ calibrated for its event: DP-SGD's at the group rate q_b over ⌈T/b⌉ steps) and
+:func:`train_mlp` hands it to ``make_private`` with each record's text (:func:`record_texts`, what its cyclic group is
+a keyed hash of; the key is the run's seed): the engine's cyclic sampler and the bk optimizer's noise recurrence.
+bk only, as for the LLM trainer; b = 1 is DP-SGD's run exactly. BLT is accounted as one Gaussian mechanism, which this
+trainer's plan and record do not carry: ``noise="blt"`` is refused here (the LLM recipe and ``DPTrainer`` train it).
+
 Speed (2-layer MLPs, ~0.2-1 ms a step): batches are gathered by indexing the full training tensors
 with the index lists of the engine's own Poisson batch sampler, instead of iterating its DataLoader,
 which fetches and collates records one by one (~20% of a step). The sampling is unchanged: the same
@@ -59,7 +66,10 @@ class MLPRun:
         clipping_r, clipping_s: r and s of automatic / psac / psasc.
         delta: δ of the guarantee.
         accountant: accountant used to plan (``prv``; see :data:`PRV_SKIP_ABOVE`).
-        grad_sample_mode: ``hooks`` or ``ghost``.
+        grad_sample_mode: ``hooks``, ``ghost`` or ``bk`` (correlated noise: any of them here; the lockstep
+            :mod:`dpllm.mlp.batched` runs independent noise only).
+        noise: ``independent`` (DP-SGD) or ``banded`` (:mod:`dpllm.privacy.correlated`).
+        bands: ``banded``: b, or ``auto`` (calibrates against a target ε; needs ``target_epsilon``).
     """
 
     width: int = 64
@@ -77,6 +87,8 @@ class MLPRun:
     delta: float = 1e-5
     accountant: str = "prv"
     grad_sample_mode: str = "hooks"
+    noise: str = "independent"
+    bands: str = "auto"
 
     def privacy_config(self, accountant: Optional[str] = None) -> PrivacyConfig:
         if self.clipping == "quantile":  # its C, γ, η and σ_b would be missing from the MLP results
@@ -86,8 +98,26 @@ class MLPRun:
             noise_multiplier=self.noise_multiplier, target_epsilon=self.target_epsilon,
             target_delta=self.delta, max_grad_norm=self.max_grad_norm, accountant=accountant or self.accountant,
             grad_sample_mode=self.grad_sample_mode, clipping=self.clipping, clipping_r=self.clipping_r,
-            clipping_s=self.clipping_s,
+            clipping_s=self.clipping_s, noise=self.noise, bands=str(self.bands),
         )
+
+    def correlated_noise(self, *, n_train: int, accountant: Optional[str] = None):
+        """The registry's mechanism for this run (:func:`dpllm.privacy.correlated.build`): sampler, recurrence, event.
+
+        Raises:
+            dpllm.privacy.accounting.PrivacyPlanError: an unknown mechanism or bad bands; ``blt`` (not built into
+                this trainer) or ``bands: auto`` with a given σ.
+        """
+        from dpllm.privacy.accounting import PrivacyPlanError
+        from dpllm.privacy.correlated import build
+
+        if self.noise == "blt":  # the MLP plan and record do not carry BLT's Gaussian-mechanism accounting
+            raise PrivacyPlanError("noise: blt is not built into the MLP trainer (dpllm.mlp.train); use noise: "
+                                   "banded here, or train BLT with recipes/finetune_llm.py or DPTrainer")
+        return build(self.noise, self.bands, steps=self.epochs * batches_per_epoch(n_train, self.batch_size),
+                     num_records=n_train, batch=self.batch_size, target_epsilon=self.target_epsilon,
+                     delta=self.delta, accountant=accountant or self.accountant,
+                     noise_multiplier=self.noise_multiplier)
 
 
 @dataclass
@@ -101,6 +131,12 @@ class TrainedMLP:
 def make_mlp(n_features: int, width: int, n_classes: int) -> nn.Sequential:
     """Linear → ReLU → Linear, the two-layer MLP of the scaling-law and privacy-cliff papers."""
     return nn.Sequential(nn.Linear(n_features, width), nn.ReLU(), nn.Linear(width, n_classes))
+
+
+def record_texts(x: torch.Tensor, y: torch.Tensor) -> list[str]:
+    """Each record's own content (label and features, 9 significant digits) as text: what its cyclic group under
+    correlated noise is a keyed hash of (:mod:`dpllm.privacy.correlated.groups`); no other record enters it."""
+    return [f"{int(label)}:" + ",".join(f"{v:.9g}" for v in row) for row, label in zip(x.tolist(), y.tolist())]
 
 
 def num_parameters(model: nn.Module) -> int:
@@ -149,18 +185,20 @@ def plan_for(run: MLPRun, *, n_train: int, cache: Optional[dict] = None) -> Priv
     """
     n_batches = batches_per_epoch(n_train, run.batch_size)
     steps = run.epochs * n_batches
-    key = (run.noise_multiplier, run.target_epsilon, run.delta, run.accountant, n_train, n_batches, steps)
+    key = (run.noise_multiplier, run.target_epsilon, run.delta, run.accountant, n_train, n_batches, steps, run.noise,
+           str(run.bands))
     plans = {} if cache is None else cache.setdefault("plans", {})
     if key not in plans:
         accountant = run.accountant
+        noise = run.correlated_noise(n_train=n_train)
         if run.noise_multiplier is not None and accountant == "prv":
-            rdp = accounting.compute_epsilon(noise_multiplier=run.noise_multiplier, sample_rate=1.0 / n_batches,
-                                             steps=steps, delta=run.delta, accountant="rdp")
+            rdp = accounting.compute_epsilon_history(history=[noise.event(run.noise_multiplier)], delta=run.delta,
+                                                     accountant="rdp")
             if rdp > PRV_SKIP_ABOVE:
                 accountant = "rdp"
         plans[key] = plan_privacy(num_records=n_train, logical_batch_size=run.batch_size, steps=steps,
                                   target_epsilon=run.target_epsilon, delta=run.delta, accountant=accountant,
-                                  noise_multiplier=run.noise_multiplier)
+                                  noise_multiplier=run.noise_multiplier, noise=noise)
     return plans[key]
 
 
@@ -216,9 +254,15 @@ def train_mlp(run: MLPRun, data: Split, *, plan: Optional[PrivacyPlan] = None,
     if run.private:
         if plan is None or plan.num_records != n or plan.steps != steps:
             raise ValueError(f"private run needs plan_for(run, n_train={n}) (steps={steps}); got {plan}")
+        correlated = None
+        if run.noise != "independent":  # the registry's mechanism with the b the plan accounts (auto's choice)
+            from dpllm.privacy.correlated import build
+
+            correlated = build(run.noise, plan.bands, steps=steps, num_records=n, batch=run.batch_size)
         private = make_private(model=model, optimizer=optimizer, dataset=TensorDataset(x, y), collate_fn=None,
-                          cfg=run.privacy_config(plan.accountant), plan=plan, logical_batch_size=run.batch_size,
-                          noise_generator=noise, sampling_generator=sampling)
+                               cfg=run.privacy_config(plan.accountant), plan=plan, logical_batch_size=run.batch_size,
+                               noise_generator=noise, sampling_generator=sampling, noise=correlated,
+                               texts=record_texts(x, y) if correlated is not None else None, group_key=run.seed)
         wrapped, optimizer = private.model, private.optimizer
         criterion = private.criterion or criterion  # ghost mode hands back its own criterion
         sampler = private.data_loader.batch_sampler
@@ -247,15 +291,17 @@ def train_mlp(run: MLPRun, data: Split, *, plan: Optional[PrivacyPlan] = None,
     }
     if private is not None:
         history = private.history()
-        want = [(plan.noise_multiplier, plan.sample_rate, steps)]
-        if len(history) != 1 or history[0][2] != steps or any(
+        want = plan.stage_history()  # banded: (σ, q_b, ⌈T/b⌉), the reduction's DP-SGD event
+        if len(history) != 1 or history[0][2] != want[0][2] or any(
                 not math.isclose(a, b, rel_tol=1e-12) for a, b in zip(history[0][:2], want[0][:2])):
             raise RuntimeError(f"the accountant recorded {history}, the plan said {want}")
         record.update(noise_multiplier=plan.noise_multiplier, max_grad_norm=run.max_grad_norm,
                       sensitivity=float(optimizer.max_grad_norm), delta=plan.delta,
                       accountant_planned=plan.accountant,
-                      **epsilons(noise_multiplier=plan.noise_multiplier, sample_rate=plan.sample_rate,
-                                 steps=steps, delta=plan.delta, cache=eps_cache))
+                      **epsilons(noise_multiplier=want[0][0], sample_rate=want[0][1], steps=want[0][2],
+                                 delta=plan.delta, cache=eps_cache))
+        if plan.noise:  # the group rate and the accounted steps the ε above is for
+            record.update(sample_rate=plan.sample_rate, accounted_steps=want[0][2], noise=dict(plan.noise))
     record["metrics"] = {
         **{f"test_{k}": v for k, v in evaluate(model, data.x_test, data.y_test).items()},
         **{f"train_{k}": v for k, v in evaluate(model, x, y).items()},

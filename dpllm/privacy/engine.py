@@ -60,13 +60,20 @@ class PrivateTraining:
     grad_sample_mode: str = ""  # the mode that ran: cfg.grad_sample_mode with "auto" resolved
     grad_sample_mode_reason: str = ""  # why that mode (dpllm.privacy.modes.choose_mode)
     quantile: Any = None  # clipping: quantile: its dpllm.privacy.quantile.QuantileClipping (C, the trajectory)
-    recurrence: Any = None  # privacy.noise: banded: the optimizer's noise recurrence (its state is secret)
+    recurrence: Any = None  # privacy.noise: banded or blt: the optimizer's noise recurrence (its state is secret)
 
     def history(self) -> list[tuple[float, float, int]]:
         """The accounted history after any prior stages: what the accountant recorded (Opacus's optimizer hook,
         one entry per (σ, q) run of optimizer steps); under b-banded noise n steps are the DP-SGD event's
-        ⌈n/b⌉ (:mod:`dpllm.privacy.correlated`)."""
+        ⌈n/b⌉ (:mod:`dpllm.privacy.correlated`); under BLT n steps at the plan's (σ, q_b) are one Gaussian mechanism
+        (:meth:`dpllm.privacy.plan.PrivacyPlan.stage_history`)."""
         b, runs = self.plan.bands, []
+        if self.plan.gaussian:
+            recorded = {(float(s), float(q)) for s, q, _ in self.engine.accountant.history}
+            if recorded - {(float(self.plan.noise_multiplier), float(self.plan.sample_rate))}:
+                raise RuntimeError(f"the accountant recorded steps at (σ, q) = {sorted(recorded)}, the BLT plan draws "
+                                   f"at ({self.plan.noise_multiplier}, {self.plan.sample_rate}); a dpllm bug")
+            return [tuple(h) for h in self.plan.prior_history] + self.plan.stage_history(self.steps_taken())
         if b == 1:
             return [tuple(h) for h in self.plan.prior_history] + [tuple(h) for h in self.engine.accountant.history]
         for s, q, n in self.engine.accountant.history:  # one run per (σ, q): ⌈·/b⌉ of a split run could count more
@@ -148,8 +155,9 @@ def make_private(
             record of that length to the first batch (:mod:`dpllm.privacy.independence`, step 4). None: it does
             not (a caller that does not know it).
         noise: correlated noise (:class:`dpllm.privacy.correlated.CorrelatedNoise`, the one the plan was made with):
-            its cyclic sampler over ``texts`` (each row's record text; groups keyed by ``group_key``, public) and
-            its noise recurrence in the bk optimizer. None: DP-SGD.
+            its cyclic sampler over ``texts`` (each row's record text, or under ``user_records`` each user's id;
+            groups keyed by ``group_key``, public) and its noise recurrence in the optimizer (bk's, or Opacus's
+            hooks/ghost one subclassed: :mod:`dpllm.privacy.correlated.optimizer`). None: DP-SGD.
 
     Returns:
         A :class:`PrivateTraining` whose ``sampler`` (and ``data_loader`` over it) never ends: one
@@ -178,15 +186,18 @@ def make_private(
                                   world_size=world_size,
                                   generator=engine.secure_rng if cfg.secure_mode else sampling_generator)
     if noise is not None and noise.correlated:  # cyclic Poisson over the mechanism's groups (dpllm.privacy.correlated)
-        if user_records is not None or texts is None or len(texts) != len(dataset):
-            raise ValueError("privacy.noise: banded needs one text per training row to group the records, and no "
-                             "user-level sampling")
+        units = len(user_records) if user_records is not None else len(dataset)
+        if texts is None or len(texts) != units:
+            raise ValueError(f"privacy.noise: {noise.name} needs one key per sampled unit to group them ("
+                             f"{units} {'users' if user_records is not None else 'training rows'}, "
+                             f"{'no' if texts is None else len(texts)} keys); a dpllm bug")
         if noise.sample_rate != plan.sample_rate or noise.bands != plan.bands:
             raise ValueError(f"the noise mechanism ({noise.bands} bands, q_b={noise.sample_rate}) is not the one the "
                              f"plan accounts ({plan.bands} bands, q={plan.sample_rate}); a dpllm bug")
+        # ULS: the unit is a user, its group a keyed hash of its id (texts), and a sampled user brings its records
         sampler = noise.sampler(texts=texts, key=group_key, generator=sampler.generator, rank=rank,
-                                world_size=world_size)
-    if user_records is not None:  # ULS: the same draw over users (dpllm.privacy.user_level)
+                                world_size=world_size, unit_records=user_records)
+    elif user_records is not None:  # ULS: the same draw over users (dpllm.privacy.user_level)
         from dpllm.privacy.user_level import UserPoissonBatchSampler
 
         sampler = UserPoissonBatchSampler(user_records=user_records, sample_rate=plan.sample_rate, rank=rank,
@@ -205,8 +216,9 @@ def make_private(
     # every mode: the first batch is checked for records that reach each other (mixing rows, per-position layers)
     guard_record_independence(model, max_length=max_length)
     recurrence = noise.recurrence() if noise is not None else None
-    if recurrence is not None and mode != "bk":
-        raise ValueError(f"privacy.noise: banded needs grad_sample_mode bk; {mode} runs here ({choice.reason})")
+    if recurrence is not None and mode == "ghost_fsdp":  # config.correlated_problem says so before any loading
+        raise ValueError(f"privacy.noise: {noise.name} is not built for grad_sample_mode=ghost_fsdp (Opacus's FSDP "
+                         "optimizer); use bk under FSDP")
     if mode == "bk":  # book-keeping: one backward pass, Opacus's ghost-clipping optimizer adds the noise
         model, optimizer = bk.make_private_bk(
             engine=engine, model=model, optimizer=optimizer,
@@ -228,7 +240,8 @@ def make_private(
         model, optimizer, criterion = _wrap_opacus(
             engine=engine, model=model, optimizer=optimizer, criterion=criterion, fn=fn, cfg=cfg, mode=mode,
             noise_multiplier=plan.noise_multiplier, expected_batch_size=plan.expected_batch_size / world_size,
-            noise_generator=noise_generator, per_user=user_records is not None, quantile=quantile)
+            noise_generator=noise_generator, per_user=user_records is not None, quantile=quantile,
+            recurrence=recurrence)
     optimizer.attach_step_hook(engine.accountant.get_optimizer_hook_fn(sample_rate=plan.sample_rate))
     # What Opacus's Poisson mode would also do: a second backward before a step is an error, not a sum.
     getattr(model, "forbid_grad_accumulation", lambda: None)()
@@ -264,13 +277,16 @@ def _quantile_clipping(cfg: PrivacyConfig, plan: PrivacyPlan, *, mode: str):
 
 def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, criterion, fn, cfg: PrivacyConfig,
                  mode: str, noise_multiplier: float, expected_batch_size: float,
-                 noise_generator: Optional[torch.Generator], per_user: bool = False, quantile=None):
+                 noise_generator: Optional[torch.Generator], per_user: bool = False, quantile=None,
+                 recurrence=None):
     """Opacus's grad-sample module, DP optimizer and (ghost) criterion, built from its public classes.
 
     This is what ``PrivacyEngine.make_private`` does for an already-sampling loader, except that the classes
     come from :func:`dpllm.privacy.clipping.opacus_classes`, so a clipping function other than flat is
     Opacus's class subclassed, not a patched instance; ``make_private`` itself takes no custom classes.
     The loader needs no wrapping: our sampler already draws from the secure generator under secure mode.
+    ``recurrence`` (correlated noise): the optimizer class is subclassed once more so that its noise is the
+    recurrence's map of the same draws (:func:`dpllm.privacy.correlated.optimizer.correlated_class`).
 
     Returns:
         ``(model, optimizer, criterion)``; criterion is None outside ghost clipping.
@@ -295,6 +311,10 @@ def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, 
 
         optimizer_cls = optimizer_class(optimizer_cls, quantile=quantile is not None)
         optimizer_kwargs = {"clip_weights": quantile.weights if quantile is not None else lambda n: fn.weights(n, cfg)}
+    if recurrence is not None:  # correlated noise: the same draws, mapped by the mechanism's recurrence
+        from dpllm.privacy.correlated.optimizer import correlated_class
+
+        optimizer_cls = correlated_class(optimizer_cls)
     ghost = "ghost" in mode
     sensitivity = fn.sensitivity(cfg)
     # Ghost modules take max_grad_norm for Opacus's flat coefficient; hooks modules clip in the optimizer.
@@ -306,6 +326,8 @@ def _wrap_opacus(*, engine, model: nn.Module, optimizer: torch.optim.Optimizer, 
                               secure_mode=cfg.secure_mode, **optimizer_kwargs)
     if quantile is not None:
         optimizer.quantile = quantile
+    if recurrence is not None:
+        optimizer.recurrence = recurrence
     criterion = DPLossFastGradientClipping(model, optimizer, criterion, "mean") if ghost else None
     return model, optimizer, criterion
 

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from dpllm.privacy import accounting
 from dpllm.privacy.accounting import PrivacyPlanError
-from dpllm.privacy.correlated import AMPLIFIED, BLT_TRAINING, accounted_steps
+from dpllm.privacy.correlated import GAUSSIAN, accounted_steps, gaussian_draw_sigma, gaussian_history
 
 log = logging.getLogger(__name__)
 
@@ -147,20 +147,19 @@ class PrivacyPlan:
     schedule: Optional[dict] = None
     # Correlated noise (dpllm.privacy.correlated.CorrelatedNoise.to_json()): mechanism, bands b, coefficients, ...;
     # sample_rate is then the group's rate q_b and the accounted event is (σ, q_b, ⌈steps/b⌉). None: DP-SGD.
+    # BLT ("accounting": "gaussian_mechanism"): noise_multiplier is the draw's σ and the accounted event is one
+    # Gaussian mechanism (σ/sens(C, b, ⌈steps/b⌉), 1.0, 1) (dpllm.privacy.correlated.gaussian_history).
     noise: Optional[dict] = None
 
     @property
     def bands(self) -> int:
         """b: the cyclic groups of correlated noise (1: every record may join every step)."""
-        self._check_amplified()
         return int(self.noise["bands"]) if self.noise else 1
 
-    def _check_amplified(self) -> None:
-        """Refuse a mechanism whose run is not the amplified DP-SGD event this plan accounts (BLT)."""
-        if self.noise and self.noise.get("accounting", AMPLIFIED) != AMPLIFIED:
-            # BLT is one Gaussian mechanism: (σ, q_b, ⌈T/b⌉) would under-report its ε
-            raise PrivacyPlanError(f"privacy.noise={self.noise.get('mechanism')!r} is one Gaussian mechanism, never "
-                                   f"amplified DP-SGD: {BLT_TRAINING}")
+    @property
+    def gaussian(self) -> bool:
+        """BLT: the run is one Gaussian mechanism (never amplified DP-SGD: :mod:`dpllm.privacy.correlated`)."""
+        return bool(self.noise) and self.noise.get("accounting") == GAUSSIAN
 
     def _schedule(self):
         from dpllm.privacy.schedule import NoiseSchedule
@@ -170,7 +169,8 @@ class PrivacyPlan:
     def stage_history(self, steps: Optional[int] = None) -> list[tuple[float, float, int]]:
         """This stage's ``(σ, q, steps)`` entries after ``steps`` steps (default: all): one per schedule piece."""
         done = self.steps if steps is None else steps
-        self._check_amplified()
+        if self.gaussian:  # BLT: one Gaussian mechanism with the sensitivity of the steps run
+            return gaussian_history(self.noise, noise_multiplier=self.noise_multiplier, steps=done)
         if not self.schedule:  # banded: the DP-SGD event of the reduction (dpllm.privacy.correlated)
             return [(self.noise_multiplier, self.sample_rate, accounted_steps(done, self.bands))]
         return self._schedule().history(self.noise_multiplier, self.sample_rate, self.steps, done=done)
@@ -246,9 +246,7 @@ def plan_privacy(*, num_records: int, logical_batch_size: int, steps: int, targe
     scheduled = schedule is not None and not schedule.is_constant
     if scheduled:
         schedule.lengths(steps)  # refuses fewer steps than pieces, before any accounting
-    # banded noise, or bands: auto's comparison that chose DP-SGD (kept so the report says why)
-    if noise is not None and noise.accounting != AMPLIFIED:
-        raise PrivacyPlanError(BLT_TRAINING)
+    # banded noise or BLT, or bands: auto's comparison that chose DP-SGD (kept so the report says why)
     correlated = noise.to_json() if noise is not None and (noise.correlated or noise.choice) else None
     if correlated is not None:
         if scheduled:
@@ -275,8 +273,16 @@ def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps
                noise: Optional[dict] = None) -> PrivacyPlan:
     """:func:`plan_privacy` with one accountant from start to end (raises AccountantUnavailable if it cannot run)."""
     bands = int(noise["bands"]) if noise else 1
-    accounted = accounted_steps(steps, bands)  # banded: the DP-SGD event of the reduction; steps otherwise
-    if noise_multiplier is None:
+    # banded: the DP-SGD event of the reduction; BLT: the participations of a record, at most; steps otherwise
+    accounted = accounted_steps(steps, bands)
+    gaussian = bool(noise) and noise.get("accounting") == GAUSSIAN
+    if noise_multiplier is None and gaussian:  # BLT: σ/sens of one Gaussian step at q = 1; the draw is sens times that
+        log.info("calibrating σ for ε=%g: BLT over %d steps as one Gaussian mechanism with the %s accountant",
+                 target_epsilon, steps, accountant)
+        sigma = gaussian_draw_sigma(noise, accounting.calibrate_noise(
+            target_epsilon=target_epsilon, delta=delta, sample_rate=1.0, steps=1, accountant=accountant,
+            prior_history=list(prior)))
+    elif noise_multiplier is None:
         log.info("calibrating σ for ε=%g over %d steps at q=%.4g with the %s accountant%s", target_epsilon, accounted,
                  q, accountant, f" ({schedule.kind} noise schedule)" if schedule else "")
         if schedule:
@@ -305,9 +311,12 @@ def _plan_with(accountant: str, *, num_records: int, batch: int, q: float, steps
     eps = accounting.compute_epsilon_history(history=plan.history, delta=delta, accountant=accountant, strict=True)
     if target_epsilon is not None and eps > target_epsilon:
         raise PrivacyPlanError(
-            f"noise_multiplier={sigma:g}{' (σ₀ of the schedule)' if schedule else ''} over {accounted:,} "
-            f"{'accounted steps of ' + str(bands) + '-banded noise' if noise else 'steps'} at sample "
-            f"rate {q:.4g} gives ε={eps:.3f} > "
+            f"noise_multiplier={sigma:g}{' (σ₀ of the schedule)' if schedule else ''} over "
+            + (f"{steps:,} steps of BLT noise over {bands} cyclic groups (one Gaussian mechanism, μ = sens/σ = "
+               f"{1 / plan.stage_history()[0][0]:.4g})" if gaussian else
+               f"{accounted:,} {'accounted steps of ' + str(bands) + '-banded noise' if noise else 'steps'} at "
+               f"sample rate {q:.4g}")
+            + f" gives ε={eps:.3f} > "
             f"target_epsilon={target_epsilon}; raise noise_multiplier, lower steps, or unset it to calibrate")
     for note in data_notes:
         log.warning("privacy plan: %s", note)

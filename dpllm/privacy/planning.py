@@ -437,6 +437,11 @@ def cli_main(argv: list[str]) -> int:
             common = dict(batch=args.batch, delta=args.delta, target_epsilon=args.target_epsilon, epochs=args.epochs,
                           steps=args.steps, accountant=args.accountant, noise_multiplier=args.noise_multiplier,
                           max_grad_norm=args.max_grad_norm, grad_norm=args.grad_norm, epsilons=epsilons)
+            if args.noise != "independent" and ((args.unit == "user" and args.sampling != "uls") or
+                                                args.target_epsilon is None or args.noise_schedule != "constant"):
+                # ELS: records are grouped one by one, so a user can join more than ⌈T/b⌉ steps (config.py says why)
+                raise PrivacyPlanError(f"--noise {args.noise} compares at --target-epsilon, for --unit record or "
+                                       "--unit user --sampling uls plans with a constant σ")
             if args.unit == "user":
                 if args.noise_schedule != "constant":
                     raise PrivacyPlanError("--noise-schedule is for --unit record plans for now")
@@ -454,12 +459,11 @@ def cli_main(argv: list[str]) -> int:
                 plan = plan_table(num_records=args.num_records, **common, schedule=schedule,
                                   progress=lambda line: print(f"dpllm plan: {line}", file=sys.stderr, flush=True))
             if args.noise != "independent":
-                if args.unit == "user" or args.target_epsilon is None or args.noise_schedule != "constant":
-                    raise PrivacyPlanError(f"--noise {args.noise} compares at --target-epsilon, for --unit record "
-                                           "plans with a constant σ")
                 print("dpllm plan: comparing banded and BLT correlated noise...", file=sys.stderr, flush=True)
+                uls = args.unit == "user"  # ULS: the unit sampled (and put in a cyclic group) is the user
                 plan["correlated_noise"] = correlated_table(
-                    num_records=args.num_records, batch=args.batch, steps=plan["steps"],
+                    num_records=plan["num_users"] if uls else args.num_records,
+                    batch=plan["users_per_batch"] if uls else args.batch, steps=plan["steps"],
                     target_epsilon=args.target_epsilon, delta=args.delta, bands=args.bands,
                     accountant=plan["accountant"], noise=args.noise, buffers=args.buffers)
     except PrivacyPlanError as err:

@@ -90,7 +90,11 @@ class PrivacyReport:
     adaptive_clipping: Optional[dict] = None
     # privacy.noise: banded (dpllm.privacy.correlated): {"mechanism", "bands" (b), "coefficients", "group_sample_rate"
     # (q_b, also sample_rate), "steps" (T), "accounted_steps" (⌈T/b⌉), "prefix_sum_rmse", "reduction", "auto" (the
-    # comparison bands: auto made)}; the history holds the DP-SGD event (σ, q_b, ⌈T/b⌉) that ε is computed from
+    # comparison bands: auto made)}; the history holds the DP-SGD event (σ, q_b, ⌈T/b⌉) that ε is computed from.
+    # privacy.noise: blt: {"mechanism", "accounting" ("gaussian_mechanism"), "bands" = "groups" (b), "buffers" (d),
+    # "theta", "omega" (C's decays and scales), "steps" (T), "max_participations" (⌈T/b⌉), "sensitivity" (sens(C, b,
+    # ⌈T/b⌉)), "group_sample_rate" (q_b, not credited), "reduction", ...}; the history holds the one Gaussian mechanism
+    # (σ/sens(C, b, ⌈n/b⌉), 1.0, 1) of the n steps run, σ the draw's noise_multiplier
     correlated_noise: Optional[dict] = None
     # data.packing (dpllm.packing): {"tokens_per_row" (max_length), "rows", "records" (segments trained, a window of
     # a split record counted as one), "real_tokens", "row_tokens" (rows × each batch's row length)}
@@ -205,7 +209,10 @@ class PrivacyReport:
             secret = (f"; a sequence is {seq['tokens_per_sequence']:,} tokens, a record cut across 2 of them has "
                       + (f"ε = {eps2:.3f}" if eps2 is not None else "an unbounded ε") + secret)
         c = self.correlated_noise
-        steps = (f"steps = {self.steps} ({c['bands']}-banded correlated noise, cyclic sampling over {c['bands']} "
+        steps = (f"steps = {self.steps} (BLT correlated noise, {c['buffers']} buffer(s), cyclic sampling over "
+                 f"{c['bands']} groups: one Gaussian mechanism, μ = sens/σ = {blt_mu(self.history):.4g}, "
+                 "no amplification)" if blt_noise(c) else
+                 f"steps = {self.steps} ({c['bands']}-banded correlated noise, cyclic sampling over {c['bands']} "
                  f"groups: accounted as {c['accounted_steps']} DP-SGD steps at the group's q)"
                  if c and c["mechanism"] != "independent" else
                  f"steps = {self.steps}" + (" (bands=auto chose independent noise)" if c else ""))
@@ -227,7 +234,16 @@ class PrivacyReport:
         if self.data:
             lines.append("data: " + truncation.describe(self.data))
         c = self.correlated_noise
-        if c and c["mechanism"] == "independent":
+        if blt_noise(c):
+            mu = blt_mu(self.history)
+            lines.append(f"noise: BLT (buffered linear Toeplitz) matrix factorization, {c['buffers']} buffer(s), "
+                         f"b = {c['bands']} cyclic groups (each {'user' if self.privacy_unit == 'user' else 'record'} "
+                         f"in at most ⌈{self.steps}/{c['bands']}⌉ = "
+                         f"{-(-self.steps // c['bands'])} steps, {c['bands']} apart; q_b = "
+                         f"{c['group_sample_rate']:.4g}, not credited); sensitivity of the steps run "
+                         f"{self.noise_multiplier * mu:.4g} (planned {c['steps']} steps: {c['sensitivity']:.4g}), "
+                         f"μ = sens/σ = {mu:.4g}; ε by the reduction: {c['reduction']}")
+        elif c and c["mechanism"] == "independent":
             lines.append("noise: independent (DP-SGD): bands=auto found no b with a smaller expected error")
         elif c:
             lines.append(f"noise: {c['mechanism']} matrix factorization, b = {c['bands']} bands (coefficients "
@@ -264,6 +280,17 @@ class PrivacyReport:
         if self.correlated_noise:
             out["correlated_noise"] = self.correlated_noise
         return out
+
+
+def blt_noise(correlated: Optional[dict]) -> bool:
+    """A report's ``correlated_noise`` is BLT's (the run is one Gaussian mechanism, not amplified DP-SGD)."""
+    return bool(correlated) and correlated.get("accounting") == "gaussian_mechanism"
+
+
+def blt_mu(history: list) -> float:
+    """μ = sens/σ of a BLT run from its history, whose last entry is the run as one Gaussian mechanism (σ/sens, 1,
+    1)."""
+    return 1.0 / float(history[-1][0]) if history else 0.0
 
 
 def sequence_unit_words(info: dict, epsilon: float) -> str:

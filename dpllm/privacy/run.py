@@ -68,6 +68,7 @@ class RunPrivacy:
         self.user_cap: dict = {}  # what capping users kept and dropped (dpllm.privacy.user_level.cap_users)
         self.record_user: list[int] = []  # each training record's user (dataset position → user index)
         self.user_records: list[list[int]] = []  # each user's dataset positions
+        self.user_names: list[str] = []  # each user's id (index = user index): ULS's cyclic groups key on it
         self.users_per_batch: Optional[int] = None  # ULS: expected users per logical batch
         self.windowed = False  # long_records=split: a unit is one source record's windows (set_windows)
         self.lineage: Optional[Lineage] = None
@@ -147,6 +148,7 @@ class RunPrivacy:
         self.user_cap = cap
         names = sorted(cap["by_user"]) + [f"canary#{i}" for i, c in enumerate(canaries) if c["included"]]
         index = {u: j for j, u in enumerate(names)}
+        self.user_names = names
         self.record_user = [index[users[i]] for i in cap["kept"]]
         self.record_user += [index[f"canary#{i}"] for i, c in enumerate(canaries) if c["included"]
                              for _ in range(d.canary_records_per_user)]
@@ -212,7 +214,8 @@ class RunPrivacy:
         if self.dp:  # the noise mechanism first: banded noise changes q and the steps accounted (privacy.correlated)
             self.noise = correlated.build(p.noise, p.bands, steps=self.steps, num_records=n, batch=batch,
                                           target_epsilon=target, delta=delta, accountant=p.accountant,
-                                          noise_multiplier=sigma, prior_history=self.lineage.history)
+                                          noise_multiplier=sigma, prior_history=self.lineage.history,
+                                          buffers=p.buffers)
             self.plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=self.steps,
                                      target_epsilon=target, delta=delta, accountant=p.accountant,
                                      noise_multiplier=sigma, prior_history=self.lineage.history,
@@ -257,7 +260,8 @@ class RunPrivacy:
                texts: Optional[list[str]] = None):
         """Wrap ``model`` and ``optimizer`` for this plan (:func:`dpllm.privacy.engine.make_private`).
 
-        ``texts`` (each training row's record text) group the records for correlated noise's cyclic sampling.
+        ``texts`` (each training row's record text) group the records for correlated noise's cyclic sampling; under
+        ULS the users are grouped instead, each by its id.
 
         Returns:
             ``(model, optimizer, criterion, sampler)``: what the loop steps, the loss reduction under ghost
@@ -269,7 +273,7 @@ class RunPrivacy:
             logical_batch_size=t.logical_batch_size, noise_generator=generators["noise"],
             sampling_generator=generators["sampling"], rank=world.rank, world_size=world.size,
             physical_batch_size=t.physical_batch_size, max_length=self.cfg.data.max_length,
-            noise=self.noise, texts=texts, group_key=self.cfg.data.split_seed,
+            noise=self.noise, texts=self.user_names if self.uls else texts, group_key=self.cfg.data.split_seed,
             **({"user_records": self.user_records} if self.per_unit else {}))
         if self.private.recurrence is not None:  # its state (past noise) is secret: saved with the generators'
             generators["noise_recurrence"] = RecurrenceState(self.private.recurrence)

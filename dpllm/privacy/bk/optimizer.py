@@ -15,7 +15,7 @@ included) and changes only where the sums live:
 - ``add_noise``: the sum receives the noise in place and becomes ``p.grad`` (the result is bitwise
   Opacus's ``summed_grad + noise``; the noise tensor lives for one parameter at a time).
 
-Correlated noise (``privacy.noise: banded``, :mod:`dpllm.privacy.correlated`): ``recurrence`` turns each
+Correlated noise (``privacy.noise: banded`` or ``blt``, :mod:`dpllm.privacy.correlated`): ``recurrence`` turns each
 parameter's fresh draw ``z`` (from the same generator, in the same order) into this step's correlated noise
 ``x_t = (C⁻¹z)_t`` before it is added; None (the default) adds the draw itself, as DP-SGD.
 

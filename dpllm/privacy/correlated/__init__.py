@@ -18,12 +18,15 @@ The accounting argument (BandMF, b bands, T steps; Choquette-Choo et al. 2023, a
    project's PRV/PLD/RDP accountants unchanged (jax_privacy's ``amplified_bandmf_event`` is the same
    reduction). b = 1 is DP-SGD: q_1 = q, ⌈T/1⌉ = T.
 
-BLT (:mod:`.blt`) has no proven amplification: the same cyclic groups are used, each record of group t mod b joins
-step t with probability b·q (never credited), and the whole run is accounted as ONE Gaussian mechanism
-``(σ/sens(C, b, ⌈T/b⌉), q = 1, 1 step)`` (:func:`.blt.history_entry`). :attr:`CorrelatedNoise.accounting` says
-which of the two events a mechanism has; :class:`dpllm.privacy.plan.PrivacyPlan` accounts only the amplified one
-and refuses the other, so a BLT run can never be accounted as amplified DP-SGD. Training with BLT is planned
-(issue 45): the config refuses it; ``dpllm plan --noise blt`` compares it.
+BLT (:mod:`.blt`) has no proven amplification: the same cyclic groups are used (b of them, ``bands: auto`` picks b
+from ⌈N/B⌉, ⌈N/B⌉/2, ... by the least prefix-sum error), each record of group t mod b joins step t with probability
+q_b = b·q (1 when b = ⌈N/B⌉: the whole group; never credited), the noisy sum is divided by the fixed public batch
+q·N (the plan's expected batch, never the realised one), and the whole run is accounted as ONE Gaussian mechanism
+``(σ/sens(C, b, ⌈n/b⌉), q = 1, 1 step)`` after n steps (:func:`gaussian_history`; sens of the steps actually run, so
+a run stopped early spends less and a run past the planned T is not under-reported). :attr:`CorrelatedNoise.
+accounting` says which of the two events a mechanism has; :class:`dpllm.privacy.plan.PrivacyPlan` reads it, so a BLT
+run can never be accounted as amplified DP-SGD, and :meth:`CorrelatedNoise.sampler` gives BLT the cyclic sampler
+whatever b.
 
 Example:
     >>> n = build("banded", 2, steps=10, num_records=100, batch=10, noise_multiplier=1.0)
@@ -38,6 +41,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from dataclasses import dataclass, field
@@ -56,14 +60,12 @@ MECHANISMS = {"independent": Independent, "banded": BandMF, "blt": blt_math.BLTS
 # how each mechanism's run is accounted: amplified DP-SGD (the reduction below) or one Gaussian mechanism (BLT)
 AMPLIFIED, GAUSSIAN = "amplified_dpsgd", "gaussian_mechanism"
 ACCOUNTING = {"independent": AMPLIFIED, "banded": AMPLIFIED, "blt": GAUSSIAN}
-# config.correlated_problem says the same (config sits below privacy); tests/test_correlated_blt_wiring.py checks it
-BLT_TRAINING = "noise: blt is available in dpllm plan; training with it is planned (issue 45): use noise: banded"
 # BLT buffers: auto tries 1 … this many (each buffer keeps one model-sized tensor per parameter)
 AUTO_MAX_BUFFERS = 5
-BLT_REDUCTION = ("BLT over b cyclic groups (each record joins at most ceil(T/b) steps, b apart; the within-group "
-                 "draw is not credited) = one Gaussian mechanism with sensitivity sens(C, b, ceil(T/b)): accounted as "
-                 "(σ/sens, q = 1, 1 step), no amplification (McMahan et al. 2024, arXiv 2408.08868; dpllm.privacy."
-                 "correlated.blt)")
+BLT_REDUCTION = ("BLT over b cyclic groups (each record joins at most ceil(n/b) of the n steps run, b apart; the "
+                 "within-group draw is not credited; the noisy sum is divided by the fixed expected batch) = one "
+                 "Gaussian mechanism with sensitivity sens(C, b, ceil(n/b)): accounted as (σ/sens, q = 1, 1 step), no "
+                 "amplification (McMahan et al. 2024, arXiv 2408.08868; dpllm.privacy.correlated.blt)")
 # bands: auto tries 1, 2, 4, ... up to this many (each band keeps one more model-sized tensor per parameter)
 AUTO_MAX_BANDS = 32
 REDUCTION = ("b-banded MF with cyclic Poisson sampling over b groups = DP-SGD with the same σ, the group's sampling "
@@ -122,23 +124,40 @@ class CorrelatedNoise:
         """
         done = self.steps if steps is None else steps
         if self.accounting == GAUSSIAN:
-            return blt_math.history_entry(self.strategy, noise_multiplier=float(noise_multiplier), steps=done)
+            return gaussian_history(self._blt_fields(), noise_multiplier=float(noise_multiplier), steps=done)[0]
         return (float(noise_multiplier), self.sample_rate, accounted_steps(done, self.bands))
 
     def calibrate(self, *, target_epsilon: float, delta: float, accountant: str = "prv", prior_history=()) -> float:
         """The draw's σ (std of z in units of C) that meets ``target_epsilon`` with this mechanism's event."""
         if self.accounting == GAUSSIAN:  # σ/sens of one step at q = 1; the draw is sens times that
-            return self.sensitivity * _calibrate(target_epsilon=target_epsilon, delta=delta, sample_rate=1.0,
-                                                 steps=1, accountant=accountant, prior_history=prior_history)
+            return gaussian_draw_sigma(self._blt_fields(), _calibrate(
+                target_epsilon=target_epsilon, delta=delta, sample_rate=1.0, steps=1, accountant=accountant,
+                prior_history=prior_history))
         return _calibrate(target_epsilon=target_epsilon, delta=delta, sample_rate=self.sample_rate,
                           steps=accounted_steps(self.steps, self.bands), accountant=accountant,
                           prior_history=prior_history)
 
-    def sampler(self, *, texts: Sequence[str], key: int, generator, rank: int = 0, world_size: int = 1):
-        """The batch sampler: cyclic Poisson over ``bands`` groups of ``texts`` (plain Poisson for one band)."""
+    def _blt_fields(self) -> dict:
+        """What :func:`gaussian_history` reads of :meth:`to_json` (without computing the rest)."""
+        blt = self.strategy.blt
+        return {"theta": blt.theta.tolist(), "omega": blt.omega.tolist(), "min_separation": self.bands,
+                "steps": self.steps}
+
+    def sampler(self, *, texts: Sequence[str], key: int, generator, rank: int = 0, world_size: int = 1,
+                unit_records: Optional[Sequence[Sequence[int]]] = None):
+        """The batch sampler: cyclic Poisson over ``bands`` groups of ``texts`` (plain Poisson for one band).
+
+        ``unit_records`` (user-level sampling): the unit is a user, ``texts`` are the users' ids (one per unit, the
+        group a keyed hash of the id) and a sampled user yields its records
+        (:class:`.groups.CyclicPoissonBatchSampler`).
+        """
         from dpllm.sampling import PoissonBatchSampler
 
-        if self.bands == 1:
+        if unit_records is not None:  # one band included: the draws of plain user-level Poisson sampling
+            return CyclicPoissonBatchSampler(groups=assign_groups(texts, bands=self.bands, key=key), bands=self.bands,
+                                             sample_rate=self.sample_rate, generator=generator, rank=rank,
+                                             world_size=world_size, unit_records=unit_records)
+        if self.bands == 1 and self.accounting == AMPLIFIED:  # BLT: the cyclic sampler its accounting names, always
             return PoissonBatchSampler(num_samples=len(texts), sample_rate=self.sample_rate, generator=generator,
                                        rank=rank, world_size=world_size)
         return CyclicPoissonBatchSampler(groups=assign_groups(texts, bands=self.bands, key=key), bands=self.bands,
@@ -158,9 +177,10 @@ class CorrelatedNoise:
 
     def to_json(self) -> dict:
         """What the plan, the report and the ledger record (and a resume must find unchanged)."""
-        if self.accounting == GAUSSIAN:
-            out = {**self.strategy.to_json(), "groups": self.bands, "group_sample_rate": self.sample_rate,
-                   "group_sample_rate_credited": False, "accounting": GAUSSIAN, "reduction": BLT_REDUCTION}
+        if self.accounting == GAUSSIAN:  # "bands" = "groups" = b, as the plan and the report read banded noise's
+            out = {**self.strategy.to_json(), "bands": self.bands, "groups": self.bands,
+                   "group_sample_rate": self.sample_rate, "group_sample_rate_credited": False, "accounting": GAUSSIAN,
+                   "reduction": BLT_REDUCTION}
         else:
             out = {**self.strategy.to_json(), "group_sample_rate": self.sample_rate, "steps": self.steps,
                    "accounted_steps": accounted_steps(self.steps, self.bands),
@@ -168,6 +188,39 @@ class CorrelatedNoise:
         if self.choice:
             out["auto"] = [dict(row) for row in self.choice]
         return out
+
+
+@functools.lru_cache(maxsize=256)
+def _sensitivity(theta: tuple, omega: tuple, min_separation: int, steps: int) -> float:
+    strategy = blt_math.BLTStrategy(blt_math.BLT(theta, omega), steps=steps, min_separation=min_separation)
+    return strategy.sensitivity(steps)  # k = ⌈steps/b⌉, not capped at the planned run's
+
+
+def gaussian_history(noise: dict, *, noise_multiplier: float, steps: int) -> list[tuple[float, float, int]]:
+    """BLT's accounted entries after ``steps`` steps of a run whose plan records ``noise`` (:meth:`CorrelatedNoise.
+    to_json`) at draw std ``noise_multiplier``·C: none before the first step, then the one Gaussian mechanism
+    ``(σ/sens(C, b, ⌈steps/b⌉), 1.0, 1)`` of the steps actually run (:func:`.blt.history_entry`).
+
+    The first ``steps`` releases depend on C's leading steps×steps block alone (C is lower-triangular), whose
+    sensitivity under b-min-separation is sens(C, b, ⌈steps/b⌉): less for a run stopped early, and for a run past
+    the T the strategy was optimised for the larger k of the steps run (never the planned T's).
+    """
+    if steps <= 0:
+        return []
+    sens = _sensitivity(tuple(noise["theta"]), tuple(noise["omega"]), int(noise["min_separation"]), int(steps))
+    return [(float(noise_multiplier) / sens, 1.0, 1)]
+
+
+def gaussian_draw_sigma(noise: dict, unit_sigma: float) -> float:
+    """The draw's σ (std of z in units of C) whose BLT run over the planned steps is one Gaussian mechanism of noise
+    multiplier ``unit_sigma`` (= 1/μ, calibrated at q = 1 over one step): sens·``unit_sigma``, rounded up until the
+    accounted σ/sens is not below ``unit_sigma`` (so float rounding never spends more than the calibration)."""
+    steps = int(noise["steps"])
+    draw = unit_sigma * _sensitivity(tuple(noise["theta"]), tuple(noise["omega"]), int(noise["min_separation"]),
+                                     steps)
+    while gaussian_history(noise, noise_multiplier=draw, steps=steps)[0][0] < unit_sigma:
+        draw = math.nextafter(draw, math.inf)
+    return draw
 
 
 def parse_bands(bands: Union[str, int]) -> Optional[int]:

@@ -282,7 +282,8 @@ class BLTRecurrence:
             buf = torch.zeros((self.blt.buffers, *z.shape), dtype=dtype, device=z.device)
             self._buffers[key] = buf
         elif buf.shape[1:] != z.shape:
-            raise ValueError(f"parameter {key}: draw of shape {tuple(z.shape)}, buffers of {tuple(buf.shape[1:])}")
+            raise ValueError(f"parameter {key}: draw of shape {tuple(z.shape)}, buffers of {tuple(buf.shape[1:])} "
+                             "(a state saved for other shards): resume on the process count and sharding the run used")
         elif buf.device != z.device:  # restored from a checkpoint loaded on another device
             buf = self._buffers[key] = buf.to(z.device)
         # two passes over the buffers, one fused multiply-add each (faster than a tensordot and a broadcast

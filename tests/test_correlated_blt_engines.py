@@ -1,0 +1,249 @@
+"""privacy.noise: blt beyond bk at record level: Opacus's hooks and ghost optimizers (one process and DDP's rank rule),
+user-level sampling (ULS: the user is the unit grouped, clipped and accounted), DPTrainer and the scaling sweep.
+
+BLT's run is one Gaussian mechanism, (σ/sens(C, b, ⌈n/b⌉), q = 1, 1 step), whatever clips the units: these tests
+check that each entry point draws through the BLT recurrence and reports exactly the plan's event. The bk recipe
+run is in test_correlated_blt_runs.py, the banded equivalents in test_correlated_engines.py."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+import pytest
+import torch
+from opacus.optimizers import DistributedDPOptimizer, DPOptimizer, DPOptimizerFastGradientClipping
+from opacus.optimizers.optimizer import _generate_noise
+
+from dpllm import ledger
+from dpllm.config import ConfigError, parse_config
+from dpllm.privacy import accounting, correlated
+from dpllm.privacy.correlated import blt as blt_math
+from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler
+from dpllm.privacy.correlated.optimizer import correlated_class
+from dpllm.privacy.plan import plan_privacy
+
+sys.path.insert(0, __import__("os").path.dirname(__file__))
+from test_correlated_runs import SHORT  # noqa: E402  the tiny recipe: N = 236, B = 16 (15 batches per epoch)
+
+
+def _blt_optimizer(base, *, seed: int, steps: int = 6):
+    lin = torch.nn.Linear(3, 2)
+    opt = correlated_class(base)(torch.optim.SGD(lin.parameters(), lr=0.0), noise_multiplier=0.7, max_grad_norm=2.0,
+                                 expected_batch_size=1, generator=torch.Generator().manual_seed(seed))
+    noise = correlated.build("blt", 2, steps=steps, num_records=20, batch=10, buffers=2)  # 2 groups, 2 buffers
+    opt.recurrence = noise.recurrence()
+    return opt, noise
+
+
+def _noise_step(opt, sums=None) -> list[torch.Tensor]:
+    for i, p in enumerate(opt.params):
+        p.summed_grad = torch.zeros_like(p) if sums is None else sums[i].clone()
+    opt.add_noise()
+    return [p.grad.detach().clone() for p in opt.params]
+
+
+@pytest.mark.parametrize("base", [DPOptimizer, DPOptimizerFastGradientClipping], ids=["hooks", "ghost"])
+def test_opacus_optimizers_add_the_blt_inverse_of_their_own_draws(base):
+    """Zero clipped sums: T steps of noise, stacked, are X = C⁻¹Z with C the materialised BLT strategy and Z the
+    generator's draws in Opacus's order (std σ·clip), i.e. C·X reconstructs the draws; X is not Z after step 0."""
+    T = 6
+    opt, noise = _blt_optimizer(base, seed=5, steps=T)
+    xs = [_noise_step(opt) for _ in range(T)]
+    g = torch.Generator().manual_seed(5)
+    zs = [[_generate_noise(std=1.4, reference=p, generator=g) for p in opt.params] for _ in range(T)]
+    C = torch.as_tensor(noise.strategy.blt.matrix(T), dtype=torch.float64)
+    for k in range(len(opt.params)):
+        X = torch.stack([x[k].reshape(-1) for x in xs]).double()
+        Z = torch.stack([z[k].reshape(-1) for z in zs]).double()
+        assert torch.allclose(C @ X, Z, atol=1e-5)  # float32 noise and buffers, float64 reconstruction
+        assert not torch.allclose(X[1:], Z[1:], atol=1e-2)  # correlated: x_t ≠ z_t after the first step
+    assert opt.recurrence.state_dict()["step"] == T and opt.recurrence.extra_tensors_per_parameter == 2
+
+
+def test_under_ddp_rank_0_keeps_the_blt_buffers_and_other_ranks_add_nothing(tmp_path):
+    """Opacus's DDP rule with BLT: another rank passes its sum through and never allocates or advances buffers; rank 0
+    adds x_t = (C⁻¹z)_t (the all-reduce then carries rank 0's noise alone, as on one process)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        sums = [torch.ones(2, 3), torch.ones(2)]
+        opt, _ = _blt_optimizer(DistributedDPOptimizer, seed=3)
+        assert isinstance(opt, DistributedDPOptimizer)
+        opt.rank = 1
+        assert all(torch.equal(a, s) for a, s in zip(_noise_step(opt, sums), sums))
+        assert opt.recurrence.state_dict()["step"] == 0 and not opt.recurrence.state_dict()["buffers"]
+        opt.rank = 0
+        noised = _noise_step(opt, sums)
+        state = opt.recurrence.state_dict()
+        assert state["step"] == 1 and len(state["buffers"]) == 2 and not any(
+            torch.equal(a, s) for a, s in zip(noised, sums))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the recipe on hooks and ghost -------------------------------------------------------------------------------
+
+# 2 cyclic groups over 4 steps: every record in at most 2 steps, 2 apart (sensitivity > 1); one buffer
+BLT = ("--noise", "blt", "--bands", "2", "--buffers", "1", "--max_steps", "4", "--save_every", "2", "--eval_every", "0")
+
+
+def _run(out, *extra):
+    from dpllm.train import train
+
+    return train(parse_config(["--output_dir", str(out), *SHORT, *BLT, *extra]))
+
+
+@pytest.mark.parametrize("mode", ["hooks", "ghost"])
+def test_a_blt_run_on_opacus_engines_reports_the_plans_gaussian_mechanism(tmp_path, mode):
+    """hooks / ghost with blt: σ, q, the history (σ/sens(C, 2, ⌈4/2⌉), 1, 1) and ε are the plan's for N = 236, B = 16,
+    T = 4 (what the bk run reports: test_correlated_blt_runs.py), the ledger recomputes every line and the secret
+    buffers are saved for a resume."""
+    out = tmp_path / mode
+    _run(out, "--grad_sample_mode", mode)
+    r = json.loads((out / "privacy_report.json").read_text())
+    assert r["grad_sample_mode"] == mode and r["num_records"] == 236
+    cfg = parse_config(["--output_dir", str(tmp_path / "x"), *SHORT, *BLT])
+    noise = correlated.build("blt", 2, steps=4, num_records=236, batch=16, buffers=1)
+    plan = plan_privacy(num_records=236, logical_batch_size=16, steps=4, target_epsilon=cfg.privacy.target_epsilon,
+                        delta=cfg.privacy.target_delta, accountant=cfg.privacy.accountant, noise=noise)
+    assert (r["noise_multiplier"], r["sample_rate"]) == (plan.noise_multiplier, plan.sample_rate)
+    assert r["sample_rate"] == pytest.approx(2 / 15)
+    sens = blt_math.toeplitz_sensitivity(blt_math.optimize_blt(4, 1, 2).blt.coefs(4), min_separation=2)
+    assert sens > 1.2  # two participations of positive coefficients
+    assert r["history"] == [list(h) for h in plan.history] == [[pytest.approx(plan.noise_multiplier / sens), 1.0, 1]]
+    assert r["epsilon"] == pytest.approx(plan.epsilon(), rel=1e-9) and r["epsilon"] <= cfg.privacy.target_epsilon
+    c = r["correlated_noise"]
+    assert (c["mechanism"], c["bands"], c["buffers"], c["accounting"]) == ("blt", 2, 1, correlated.GAUSSIAN)
+    assert ledger.verify(out).ok
+    lines = {e["step"]: e for e in ledger.read(out) if e["kind"] == "checkpoint"}
+    early = blt_math.toeplitz_sensitivity(blt_math.optimize_blt(4, 1, 2).blt.coefs(2), min_separation=2)
+    assert lines[2]["history"] == [[pytest.approx(plan.noise_multiplier / early), 1.0, 1]]  # 2 steps: 1 participation
+    saved = torch.load(out / "checkpoints" / "step-000004" / "rng_state.pt", weights_only=True)[0]["noise_recurrence"]
+    assert saved["mechanism"] == "blt" and saved["step"] == 4 and saved["buffers"]  # the recurrence ran on every step
+    assert all(v.shape[0] == 1 and v.abs().sum() > 0 for v in saved["buffers"].values())
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in row for row in rows) and all(row["loss"] == row["loss"] for row in rows if "loss" in row)
+
+
+# ---- user-level sampling ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_blt_uls_run_is_one_gaussian_mechanism_over_users(tmp_path, mode, monkeypatch):
+    """ULS + blt: users (not records) are grouped by their id and sampled whole, each clipped once per step, so a user
+    joins at most ⌈T/b⌉ steps b apart and the user-level ε is the Gaussian mechanism's (σ/sens(C, b, ⌈T/b⌉), 1, 1)
+    itself: no ELS mixture or group privacy on top (k = 1), the same σ as `dpllm plan --unit user --sampling uls`."""
+    from test_user_level import _run as user_run
+
+    from dpllm.export import correlated_note
+    from dpllm.privacy.planning import cli_main
+    from dpllm.privacy.report import PrivacyReport
+
+    drawn = []
+    plain_iter = CyclicPoissonBatchSampler.__iter__
+
+    def spy(self):
+        for batch in plain_iter(self):
+            drawn.append((self, batch))
+            yield batch
+
+    monkeypatch.setattr(CyclicPoissonBatchSampler, "__iter__", spy)
+    run = user_run(tmp_path, "uls", mode, noise="blt", bands=2, buffers=1, max_steps=4)
+    assert len(drawn) >= 4 and sum(len(b) for _, b in drawn) > 0
+    for t, (sampler, batch) in enumerate(drawn):  # whole users of the group whose turn it is
+        assert sampler.unit_records is not None and all(int(sampler.groups[sampler.user_of[i]]) == t % 2 for i in batch)
+    r = PrivacyReport.read(run)
+    u, c = r.user_level, r.correlated_noise
+    assert r.privacy_unit == "user" and r.grad_sample_mode == mode and (c["mechanism"], c["bands"]) == ("blt", 2)
+    k = -(-u["num_users"] // u["users_per_batch"])
+    assert r.sample_rate == pytest.approx(2 / k) == c["group_sample_rate"]
+    sens = blt_math.toeplitz_sensitivity(blt_math.optimize_blt(4, 1, 2).blt.coefs(4), min_separation=2)
+    assert r.history == [[pytest.approx(r.noise_multiplier / sens, rel=1e-12), 1.0, 1]]
+    assert r.epsilon == pytest.approx(accounting.compute_epsilon_history(
+        history=[(r.noise_multiplier / sens, 1.0, 1)], delta=1e-3, accountant=r.accountant), rel=1e-9)
+    assert blt_math.epsilon_for_mu(sens / r.noise_multiplier, 1e-3) <= r.epsilon <= 8.0
+    assert u["group_size"] == 1 and "user_epsilon" not in u and "record_epsilon" not in u  # no reduction on top
+    assert ledger.verify(run).ok
+    assert "the users were split into 2 groups by a keyed hash of each user's id" in correlated_note(r)
+    assert any("each user in at most ⌈4/2⌉ = 2 steps" in line for line in r.details())
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli_main(["--unit", "user", "--sampling", "uls", "--num-users", str(u["num_users"]),
+                         "--records-per-user", "4", "--num-records", str(r.num_records), "--users-per-batch",
+                         str(u["users_per_batch"]), "--batch", "16", "--steps", "4", "--delta", "1e-3",
+                         "--target-epsilon", "8", "--accountant", r.accountant, "--noise", "blt", "--bands", "2",
+                         "--buffers", "1", "--epsilons", "", "--json"]) == 0
+    planned = json.loads(buf.getvalue())["correlated_noise"]["blt"]
+    assert planned["draw_noise_multiplier"] == pytest.approx(r.noise_multiplier, rel=1e-9)
+
+
+@pytest.mark.parametrize("sampling, words", [("els", "user_sampling=els with privacy.noise: blt"),
+                                             ("record", "user_sampling=record with privacy.noise: blt")])
+def test_blt_refuses_user_sampling_that_groups_records_one_by_one(tmp_path, sampling, words):
+    """ELS / record sampling put a user's records in different groups (more than ⌈T/b⌉ steps): refused, before
+    anything is written."""
+    with pytest.raises(ConfigError, match=words):
+        parse_config(["--output_dir", str(tmp_path / "x"), *SHORT, "--noise", "blt", "--privacy_unit", "user",
+                      "--user_column", "u", "--user_sampling", sampling, "--max_records_per_user", "4"])
+    assert not (tmp_path / "x").exists()
+
+
+# ---- DPTrainer ----------------------------------------------------------------------------------------------------
+
+def test_dptrainer_runs_blt_noise_with_the_recipes_plan(tmp_path):
+    """PrivacyArguments(noise="blt", bands="2", buffers="1"): σ, q and ε are what the recipe's plan (correlated.build,
+    then plan_privacy) gives for the same N, B and T, and the report names the mechanism."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from dpllm.hf import DPTrainer, PrivacyArguments
+    from tests.helpers import TEXTS, tiny_model
+
+    model, tok = tiny_model(finetuning="lora")
+    texts = [f"{t} (record {i})" for i in range(4) for t in TEXTS]  # 24 distinct records
+    ds = Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"], truncation=True, max_length=48), batched=True)
+    trainer = DPTrainer(
+        model=model, args=TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", disable_tqdm=True,
+                                            use_cpu=True, max_steps=4, per_device_train_batch_size=4, seed=1,
+                                            save_strategy="no"),
+        privacy_args=PrivacyArguments(target_epsilon=8.0, target_delta=1e-3, accountant="rdp", logical_batch_size=8,
+                                      noise="blt", bands="2", buffers="1", reproducible_noise=True),
+        train_dataset=ds, processing_class=tok)
+    metrics = trainer.train().metrics
+    noise = correlated.build("blt", "2", steps=4, num_records=24, batch=8, buffers="1")
+    plan = plan_privacy(num_records=24, logical_batch_size=8, steps=4, target_epsilon=8.0, delta=1e-3,
+                        accountant="rdp", noise=noise)
+    assert (metrics["noise_multiplier"], metrics["sample_rate"]) == (plan.noise_multiplier, plan.sample_rate)
+    assert plan.sample_rate == pytest.approx(2 / 3) and metrics["epsilon"] == pytest.approx(plan.epsilon(), rel=1e-9)
+    report = trainer.privacy_report
+    assert report.correlated_noise["mechanism"] == "blt" and report.correlated_noise["buffers"] == 1
+    assert report.history == [list(h) for h in plan.history] and plan.history[0][1:] == (1.0, 1)
+    assert "BLT correlated noise, 1 buffer(s), cyclic sampling over 2 groups" in report.summary()
+
+
+# ---- the sweep ----------------------------------------------------------------------------------------------------
+
+def test_sweep_passes_blt_to_every_private_run_and_refuses_a_sigma_bar_fit(tmp_path):
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parents[1] / "recipes"))
+    import scaling_sweep
+
+    def doc():
+        return {"base": {"privacy": {"target_delta": 1e-5}}, "sweep": {"max_steps": [4], "epsilons": [8.0, None]},
+                "fit": {"form": "dp_noise"}}
+
+    with pytest.raises(ConfigError, match="fit form dp_noise reads σ̄.*with privacy.noise: blt"):
+        scaling_sweep.with_noise(doc(), noise="blt", bands="2", buffers="1", form=None)
+    with pytest.raises(ConfigError, match="privacy.buffers=2 needs privacy.noise=blt"):
+        scaling_sweep.with_noise(doc(), noise="banded", bands="2", buffers="2", form=None, fit=False)
+    scaling_sweep.with_noise(doc(), noise="blt", bands="2", buffers="1", form="chinchilla")  # a form without σ̄
+    d = scaling_sweep.with_noise(doc(), noise="blt", bands="2", buffers="1", form=None, fit=False)
+    cfgs = dict(scaling_sweep.expand(d, quick=False))
+    private, public = cfgs["size0_steps4_eps8_seed0"], cfgs["size0_steps4_nodp_seed0"]
+    assert (private["privacy"]["noise"], private["privacy"]["bands"], private["privacy"]["buffers"],
+            private["privacy"]["enabled"]) == ("blt", "2", "1", True)
+    assert public["privacy"]["enabled"] is False
+    args = scaling_sweep.build_parser().parse_args(["--config", "c.yaml", "--noise", "blt", "--buffers", "3"])
+    assert (args.noise, args.buffers) == ("blt", "3")
