@@ -213,6 +213,8 @@ class Trainer:
                                             mixed_precision=self.mp, grad_sample_mode=mode)
         if from_rank0:
             distributed.fill_from_rank0(self.model, full, self.world, self.device)
+        if self.dp:  # correlated noise's state (b−1 or d model-sized tensors): refused now if it cannot fit
+            self.privacy.check_noise_memory(self.model, world=self.world, device=self.device)
         self.train_ds, self.eval_ds, self.collate = self.data.datasets(self.tokenizer, cfg.data)
         if cfg.data.long_records == "split":  # each row a window; its source record is the unit (dpllm.windows)
             self.privacy.set_windows(self.train_ds.record_of)

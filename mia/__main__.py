@@ -262,7 +262,8 @@ def cmd_canaries(args) -> int:
         device=args.device, confidence=args.confidence, tokens=args.tokens,
         audit_delta=args.audit_delta, seed=args.seed, progress=not args.no_progress)
     paths = report.write_canary_report(rep, args.out or run / "audit")
-    print(f"accountant ε = {rep['accountant_epsilon']}, empirical lower bound ε >= "
+    print(f"accountant ε = {rep['accountant_epsilon']}"
+          + (f" ({rep['accounted_as']})" if rep.get("accounted_as") else "") + ", empirical lower bound ε >= "
           f"{rep['epsilon_lower']:.3f} at δ = {rep['delta']:g} with {rep['confidence']:.0%} confidence "
           f"(Gaussian-DP reading: μ >= {rep['gdp']['mu_lower']:.3f}, ε = {rep['gdp']['epsilon_lower']:.3f})")
     print(f"wrote {', '.join(str(p) for p in paths.values())}")

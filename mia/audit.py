@@ -322,6 +322,28 @@ def read_privacy_report(run_dir: str | Path) -> dict:
         raise ValueError(f"{err}; the canary audit compares against the accountant's ε and needs it") from err
 
 
+def accounted_as(privacy: dict) -> str:
+    """How a run's noise was made and the events its ε was computed from, in words (beside the ε in a canary report).
+
+    Correlated noise (``privacy.noise: banded``, ``blt``) is accounted by a reduction, so its history holds that
+    reduction's event, not (σ, q, T): e.g. BandMF's DP-SGD event at the group's rate q_b over ⌈T/b⌉ steps.
+
+    Example:
+        >>> accounted_as({"history": [[1.2, 0.25, 3]], "correlated_noise": {"mechanism": "banded", "bands": 4,
+        ...                                                                  "steps": 12}})
+        'banded correlated noise (b = 4, T = 12 steps); ε from σ = 1.2, q = 0.25, 3 steps'
+    """
+    events = "; ".join(f"σ = {s:.4g}, q = {q:.4g}, {int(n)} steps" for s, q, n in privacy.get("history") or [])
+    c = privacy.get("correlated_noise") or {}
+    if c.get("mechanism") in (None, "independent"):
+        how = "independent noise (DP-SGD)"
+    else:
+        parts = [f"b = {c.get('bands', c.get('groups'))}"] + ([f"d = {c['buffers']}"] if c.get("buffers") else []) \
+            + ([f"T = {c['steps']} steps"] if c.get("steps") else [])
+        how = f"{c['mechanism']} correlated noise ({', '.join(parts)})"
+    return f"{how}; ε from {events}" if events else how
+
+
 def privacy_bounds(run_dir: str | Path, attacks: dict, *, fprs=DEFAULT_FPRS, unit: str | None = None) -> dict | None:
     """The most any attack can reach against the run's mechanism (:mod:`dpllm.privacy.tradeoff`, from its privacy
     history), and whether this audit's values exceed it beyond sampling error.
@@ -459,6 +481,7 @@ def canary_audit(run_dir: str | Path, model, tokenizer, *, attack: str = "loss",
     return {"run_dir": str(run_dir), "attack": attack, "scored": scored, "m": int(included.size),
             "n_included": int(included.sum()), "delta": delta, "confidence": confidence,
             "accountant_epsilon": float(eps) if eps is not None else None,
+            "accounted_as": accounted_as(privacy) if private else None,
             "epsilon_lower": lower,
             "bound": (f"one-run ε lower bound for (ε, δ)-DP: top-k guesses, each of {len(primary['grid'])} "
                       f"guess counts analysed by f-DP (Mahloujifar et al. 2024) and ε-DP (Steinke et al. "

@@ -255,7 +255,8 @@ def write_canary_report(report: dict, out_dir: str | Path) -> dict[str, Path]:
 def _bound_table(report: dict, eps) -> list[str]:
     one, gdp, conf = report["one_run"], report["gdp"], report["confidence"]
     return ["| estimate | ε | confidence |", "|---|---|---|",
-            f"| accountant (upper bound) | {_fmt(eps)} | – |",
+            f"| accountant (upper bound{': ' + report['accounted_as'] if report.get('accounted_as') else ''}) | "
+            f"{_fmt(eps)} | – |",
             f"| **one-run lower bound** ({one['analysis']} analysis won; used for the verdict) | "
             f"**{_fmt(one['epsilon_lower'])}** | {conf:.0%} |",
             f"| Gaussian-DP reading: μ ≥ {_fmt(gdp['mu_lower'])} (not an ε bound for non-Gaussian "

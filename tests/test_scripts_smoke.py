@@ -40,6 +40,7 @@ SMOKE = {
     "scripts/bench_plan_latency.py": "--cases n1e6_target --blt-steps 5 --out {tmp}/plan.json",
     "scripts/bench_packing.py": "--smoke --out {tmp}/packing.json",
     "scripts/bench_correlated_noise.py": "--params 20000 --bands 1 3 --repeats 1 --json {tmp}/correlated.json",
+    "scripts/bench_correlated_step.py": "--smoke --out {tmp}/correlated_step.json",
     "scripts/gpu_proof.py": None,  # its own test: tests/test_gpu_proof.py
 }
 SLOW = {
@@ -57,6 +58,7 @@ COVERED = {
     "scripts/qlora_memory.py": "tests/test_qlora_runs.py (the 4-bit term)",
     "recipes/finetune_llm.py": "tests/test_train.py and a dozen others",
     "recipes/demo.py": "tests/test_train.py (--quick)",
+    "recipes/correlated_noise_study.py": "tests/test_correlated_noise_study.py (--quick)",
     "recipes/hf_trainer_example.py": "tests/test_hf_trainer.py",
     "recipes/scaling_sweep.py": "tests/test_scaling_sweep.py, tests/test_scaling_sweep_twostage.py",
     "recipes/mlp_clipping.py": "tests/test_mlp_clipping_recipe.py",

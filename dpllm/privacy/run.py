@@ -241,6 +241,21 @@ class RunPrivacy:
                                        "unset it")
         return sigma, None, delta / k
 
+    def check_noise_memory(self, model, *, world, device) -> None:
+        """Correlated noise: log what its recurrence keeps per process, and refuse (ConfigError, every process alike)
+        a run where it cannot fit in free memory (:mod:`dpllm.privacy.correlated.memory`). Call it once the model is
+        built and wrapped (FSDP2's shards are then known), before anything is written."""
+        if not self.dp or self.noise is None or not self.noise.correlated:
+            return
+        from dpllm import distributed
+        from dpllm.privacy.correlated import memory
+
+        line = memory.check_fits(self.noise, [p for p in model.parameters() if p.requires_grad], world=world,
+                                 device=device, lora=self.cfg.model.finetuning != "full",
+                                 gather=lambda obj: distributed.gather_objects(obj, world))
+        if world.is_main:
+            log.info("privacy: %s", line)
+
     def attach(self, *, model, optimizer, dataset, collate_fn, generators: dict, world,
                texts: Optional[list[str]] = None):
         """Wrap ``model`` and ``optimizer`` for this plan (:func:`dpllm.privacy.engine.make_private`).

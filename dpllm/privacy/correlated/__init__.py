@@ -165,8 +165,15 @@ class CorrelatedNoise:
                                          world_size=world_size)
 
     def recurrence(self) -> Optional[NoiseRecurrence]:
-        """A fresh noise recurrence for the optimizer (None for independent noise: the draw is the noise)."""
-        return self.strategy.recurrence() if self.correlated else None
+        """A fresh noise recurrence for the optimizer (None for independent noise: the draw is the noise).
+
+        The optimizer's draws are fresh and used once: banded noise is computed in them, and so is BLT's
+        (``reuse_draws``: no model-sized copy per step, scripts/bench_correlated_step.py)."""
+        if not self.correlated:
+            return None
+        if isinstance(self.strategy, blt_math.BLTStrategy):
+            return self.strategy.recurrence(reuse_draws=True)
+        return self.strategy.recurrence()
 
     def to_json(self) -> dict:
         """What the plan, the report and the ledger record (and a resume must find unchanged)."""
