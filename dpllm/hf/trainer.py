@@ -332,6 +332,8 @@ class HFRun(RunTrainer):
         self.n_params = count_parameters(model)
         self.model = wrap_model(model, dp=True, world=self.world, accelerator=self.accelerator,
                                 mixed_precision=self.mp)
+        # correlated noise's state (b−1 or d tensors of the trainable parameters): refused now if it cannot fit
+        self.privacy.check_noise_memory(self.model, world=self.world, device=self.device)
         self.train_ds, self.eval_ds = self.train_rows, self.eval_rows
         d = self.cfg.data
         if d.long_records == "split":  # each row a window; its source record is the unit (dpllm.windows)
