@@ -92,9 +92,13 @@ def _jsonl(path, rows):
     return str(path)
 
 
-@pytest.mark.parametrize("kind", ["sft", "user"])
+@pytest.mark.parametrize("kind", ["sft", "user", "blt"])
 def test_sft_records_and_user_level_runs_train_qlora(tmp_path, kind):
-    if kind == "sft":
+    """... and correlated noise: banded under ULS with hooks, BLT at record level under bk."""
+    if kind == "blt":
+        rows = [{"text": f"Record {i} is about topic {i % 7} and number {3 * i}."} for i in range(60)]
+        extra = ["--noise", "blt", "--bands", "2", "--buffers", "1"]
+    elif kind == "sft":
         rows = [{"messages": [{"role": "user", "content": f"What is {i} times 3?"},
                               {"role": "assistant", "content": f"{3 * i}."}]} for i in range(40)]
         extra = ["--max_length", "96"]
@@ -102,15 +106,20 @@ def test_sft_records_and_user_level_runs_train_qlora(tmp_path, kind):
         rows = [{"text": f"User {i % 10} wrote record {i} about topic {i % 7}.", "user": f"u{i % 10}"}
                 for i in range(60)]
         extra = ["--privacy_unit", "user", "--user_sampling", "uls", "--grad_sample_mode", "hooks",
-                 "--max_records_per_user", "4", "--logical_batch_size", "8", "--physical_batch_size", "8"]
+                 "--max_records_per_user", "4", "--logical_batch_size", "8", "--physical_batch_size", "8",
+                 "--noise", "banded", "--bands", "2"]
     data = _jsonl(tmp_path / "d.jsonl", rows)
     summary = train(parse_config(["--dataset", data, "--output_dir", str(tmp_path / "run"), "--quantization", "nf4",
                                   "--min_chars", "1", *FAST, *extra]))
     report = PrivacyReport.read(summary["run_dir"])
     assert report.base_model["quantization"] == "nf4" and 0 < report.epsilon <= 8
-    assert report.grad_sample_mode == ("bk" if kind == "sft" else "hooks")
-    if kind == "user":
-        assert report.privacy_unit == "user"
+    assert report.grad_sample_mode == ("hooks" if kind == "user" else "bk")
+    if kind == "user":  # two cyclic groups of users: DP-SGD's event at q_b over ⌈2/2⌉ = 1 step
+        assert report.privacy_unit == "user" and report.correlated_noise["mechanism"] == "banded"
+        assert report.correlated_noise["accounted_steps"] == 1 and report.history[0][2] == 1
+    if kind == "blt":  # one Gaussian mechanism over the whole run, no sampling credited
+        assert report.correlated_noise["mechanism"] == "blt" and report.correlated_noise["buffers"] == 1
+        assert report.history[0][1:] == [1.0, 1] and not report.poisson_sampling
 
 
 def test_dptrainer_trains_a_quantized_model_with_adapters(tmp_path):
