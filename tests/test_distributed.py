@@ -248,11 +248,13 @@ def test_an_empty_share_is_a_counted_step_that_adds_nothing(mode, how):
 SGD = ("--optimizer", "sgd", "--learning_rate", "0.5")
 
 
-@pytest.mark.parametrize("noise", [(), ("--noise", "banded", "--bands", "2")], ids=["independent", "banded"])
+@pytest.mark.parametrize("noise", [(), ("--noise", "banded", "--bands", "2"),
+                                   ("--noise", "blt", "--bands", "2", "--buffers", "1")],
+                         ids=["independent", "banded", "blt"])
 def test_bookkeeping_under_ddp_matches_one_process(tmp_path, noise):
     """grad_sample_mode=bk on 2 gloo processes (Opacus's distributed ghost optimizer all-reduces bk's clipped
     sums, rank 0 adds the noise once): same history and ε as one process, weights equal up to summation order.
-    Banded noise: rank 0 keeps the recurrence and noises the sum once, as one process does."""
+    Banded and BLT noise: rank 0 keeps the recurrence and noises the sum once, as one process does."""
     same = ("--reproducible_noise", "true", "--grad_sample_mode", "bk", "--finetuning", "full", *SGD, *noise)
     two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=same)
     _one_process(tmp_path / "one", same)
@@ -260,8 +262,10 @@ def test_bookkeeping_under_ddp_matches_one_process(tmp_path, noise):
     r1, r2 = (json.loads((tmp_path / n / "privacy_report.json").read_text()) for n in ("one", "two"))
     assert r1["grad_sample_mode"] == r2["grad_sample_mode"] == "bk"
     assert r1["history"] == r2["history"] and r1["epsilon"] == r2["epsilon"]
-    if noise:  # 6 steps over 2 cyclic groups: 3 accounted steps at q_b = 2/15
+    if "banded" in noise:  # 6 steps over 2 cyclic groups: 3 accounted steps at q_b = 2/15
         assert r2["correlated_noise"]["bands"] == 2 and r2["history"][0][1:] == [2 / 15, 3]
+    if "blt" in noise:  # the whole run one Gaussian mechanism (σ/sens, q = 1, one step), no sampling credited
+        assert r2["correlated_noise"]["buffers"] == 1 and len(r2["history"]) == 1 and r2["history"][0][1:] == [1.0, 1]
     from safetensors.torch import load_file
 
     p1, p2 = (load_file(str(tmp_path / n / "checkpoint" / "model.safetensors")) for n in ("one", "two"))
