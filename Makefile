@@ -31,7 +31,8 @@ demo: $(VENV)/.installed
 # test process, and test_fsdp_bk's rank-0 loading shares the recipe test's launches. CPU-s per file, before -> after,
 # back to back under load 4-9: audit_pipeline 137 -> 79, fsdp_bk's two recipe tests 193 -> 122, mia_embedding
 # 79 -> 28, compliance 92 -> 49, mia_lira_lm 57 -> 32, scaling_sweep 74 -> 55, its two-stage test 48 -> 35, the
-# demo test 45 -> 31 (about 300 CPU-s in all); the whole suite was not re-timed (the machine was loaded).
+# demo test 45 -> 31 (about 300 CPU-s in all). With that and the day's correlated-noise tests: 14:51 for 1169 tests
+# (2026-11-27 16:16-16:31 UTC, a few single tests running beside it).
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
