@@ -148,7 +148,7 @@ def train_mlp_runs(runs: list[dict], data, *, setting: Setting, width: int = 64)
     ``mlp:noise`` stream turned into this step's correlated noise by its recurrence, the sum divided by the public
     expected batch ⌊N/⌈N/B⌉⌋ (every mechanism alike), plain SGD. Returns test/train loss and accuracy per run.
     """
-    from dpllm.mlp.batched import per_sample_grads, per_sample_norms, weighted_sums
+    from dpllm.mlp.batched import padded_batches, per_sample_grads, per_sample_norms, weighted_sums
     from dpllm.mlp.train import MLPRun, evaluate, make_mlp, record_texts
     from dpllm.privacy import clipping
     from dpllm.privacy.plan import batches_per_epoch
@@ -181,14 +181,7 @@ def train_mlp_runs(runs: list[dict], data, *, setting: Setting, width: int = 64)
     sens = flat.sensitivity(cfg)
     with torch.no_grad():
         for _ in range(steps):
-            batches = [next(s) for s in samplers]
-            size = max(1, max(len(b) for b in batches))
-            idx = torch.zeros(r_count, size, dtype=torch.long)
-            mask = torch.zeros(r_count, size)
-            for r, b in enumerate(batches):
-                if b:
-                    idx[r, :len(b)] = torch.tensor(b)
-                    mask[r, :len(b)] = 1.0
+            idx, mask = padded_batches([next(s) for s in samplers])
             factors = per_sample_grads(params, x_all[idx], y_all[idx])
             weights = flat.weights(per_sample_norms(*factors), cfg)
             counts = mask.sum(1)

@@ -75,6 +75,19 @@ def per_sample_grads(params: Sequence[torch.Tensor], x: torch.Tensor, y: torch.T
     return d2, h, d1, x
 
 
+def padded_batches(batches: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step's batch of each run as ``(idx, mask)``, both runs × the longest batch (at least 1): the record
+    indices, zero-padded, and 1.0 where a position holds a record (an empty batch is all padding)."""
+    size = max(1, max((len(b) for b in batches), default=0))
+    idx = torch.zeros(len(batches), size, dtype=torch.long)
+    mask = torch.zeros(len(batches), size)
+    for r, b in enumerate(batches):
+        if b:
+            idx[r, :len(b)] = torch.tensor(b)
+            mask[r, :len(b)] = 1.0
+    return idx, mask
+
+
 def per_sample_norms(d2, h, d1, x) -> torch.Tensor:
     """‖g_i‖ over all four parameters, ``[R, B]``: Σ over layers of ‖δ‖²(‖a‖² + 1) (weight and bias)."""
     sq = (d2 * d2).sum(-1) * ((h * h).sum(-1) + 1) + (d1 * d1).sum(-1) * ((x * x).sum(-1) + 1)
@@ -143,14 +156,7 @@ def train_mlps(runs: Sequence[MLPRun], data: Split, *, plans: Sequence[Optional[
 
     with torch.no_grad():
         for _ in range(steps):
-            batches = [next(s) for s in samplers]
-            size = max(1, max(len(b) for b in batches))
-            idx = torch.zeros(r_count, size, dtype=torch.long)
-            mask = torch.zeros(r_count, size)
-            for r, b in enumerate(batches):
-                if b:
-                    idx[r, :len(b)] = torch.tensor(b)
-                    mask[r, :len(b)] = 1.0
+            idx, mask = padded_batches([next(s) for s in samplers])
             factors = per_sample_grads(params, x_all[idx], y_all[idx])
             norms = per_sample_norms(*factors)
             if same_fn:
