@@ -127,3 +127,22 @@ def in_process(main, argv: list[str], capsys=None):
         captured = capsys.readouterr()
         return SimpleNamespace(returncode=code, stdout=captured.out, stderr=captured.err)
     return SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
+
+
+def tiny_dptrainer(out, *, max_steps: int = 4, **privacy):
+    """A ``DPTrainer`` on the tiny LoRA Llama and 24 distinct records (:data:`TEXTS` ×4, 48 tokens at most), on
+    the CPU: ``max_steps`` steps of physical batch 4, logical batch 8, ε 8 at δ 1e-3 (RDP) unless ``privacy`` (more
+    ``PrivacyArguments``) says otherwise; writes to ``out``."""
+    from datasets import Dataset
+    from transformers import TrainingArguments
+
+    from dpllm.hf import DPTrainer, PrivacyArguments
+
+    model, tok = tiny_model(finetuning="lora")
+    texts = [f"{t} (record {i})" for i in range(4) for t in TEXTS]
+    ds = Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"], truncation=True, max_length=48), batched=True)
+    args = TrainingArguments(output_dir=str(out), report_to="none", disable_tqdm=True, use_cpu=True,
+                             max_steps=max_steps, per_device_train_batch_size=4, seed=1, save_strategy="no")
+    privacy = {"target_epsilon": 8.0, "target_delta": 1e-3, "accountant": "rdp", "logical_batch_size": 8, **privacy}
+    return DPTrainer(model=model, args=args, privacy_args=PrivacyArguments(**privacy), train_dataset=ds,
+                     processing_class=tok)

@@ -196,22 +196,9 @@ def test_blt_refuses_user_sampling_that_groups_records_one_by_one(tmp_path, samp
 def test_dptrainer_runs_blt_noise_with_the_recipes_plan(tmp_path):
     """PrivacyArguments(noise="blt", bands="2", buffers="1"): σ, q and ε are what the recipe's plan (correlated.build,
     then plan_privacy) gives for the same N, B and T, and the report names the mechanism."""
-    from datasets import Dataset
-    from transformers import TrainingArguments
+    from tests.helpers import tiny_dptrainer
 
-    from dpllm.hf import DPTrainer, PrivacyArguments
-    from tests.helpers import TEXTS, tiny_model
-
-    model, tok = tiny_model(finetuning="lora")
-    texts = [f"{t} (record {i})" for i in range(4) for t in TEXTS]  # 24 distinct records
-    ds = Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"], truncation=True, max_length=48), batched=True)
-    trainer = DPTrainer(
-        model=model, args=TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", disable_tqdm=True,
-                                            use_cpu=True, max_steps=4, per_device_train_batch_size=4, seed=1,
-                                            save_strategy="no"),
-        privacy_args=PrivacyArguments(target_epsilon=8.0, target_delta=1e-3, accountant="rdp", logical_batch_size=8,
-                                      noise="blt", bands="2", buffers="1", reproducible_noise=True),
-        train_dataset=ds, processing_class=tok)
+    trainer = tiny_dptrainer(tmp_path / "run", noise="blt", bands="2", buffers="1", reproducible_noise=True)
     metrics = trainer.train().metrics
     noise = correlated.build("blt", "2", steps=4, num_records=24, batch=8, buffers="1")
     plan = plan_privacy(num_records=24, logical_batch_size=8, steps=4, target_epsilon=8.0, delta=1e-3,

@@ -224,23 +224,10 @@ def test_a_banded_uls_run_is_accounted_as_user_level_dp_sgd_at_q_b_over_ceil_t_o
 def test_dptrainer_runs_banded_noise_with_the_recipes_plan(tmp_path):
     """PrivacyArguments(noise="banded", bands=2): the run's σ, q and ε are those the recipe's plan (correlated.build,
     then plan_privacy) gives for the same N, B and T, and the report names the mechanism."""
-    from datasets import Dataset
-    from transformers import TrainingArguments
-
-    from dpllm.hf import DPTrainer, PrivacyArguments
     from dpllm.privacy.plan import plan_privacy
-    from tests.helpers import TEXTS, tiny_model
+    from tests.helpers import tiny_dptrainer
 
-    model, tok = tiny_model(finetuning="lora")
-    texts = [f"{t} (record {i})" for i in range(4) for t in TEXTS]  # 24 distinct records
-    ds = Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"], truncation=True, max_length=48), batched=True)
-    trainer = DPTrainer(
-        model=model, args=TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", disable_tqdm=True,
-                                            use_cpu=True, max_steps=4, per_device_train_batch_size=4, seed=1,
-                                            save_strategy="no"),
-        privacy_args=PrivacyArguments(target_epsilon=8.0, target_delta=1e-3, accountant="rdp", logical_batch_size=8,
-                                      noise="banded", bands="2", reproducible_noise=True),
-        train_dataset=ds, processing_class=tok)
+    trainer = tiny_dptrainer(tmp_path / "run", noise="banded", bands="2", reproducible_noise=True)
     metrics = trainer.train().metrics
     noise = correlated.build("banded", "2", steps=4, num_records=24, batch=8)
     plan = plan_privacy(num_records=24, logical_batch_size=8, steps=4, target_epsilon=8.0, delta=1e-3,
@@ -252,9 +239,7 @@ def test_dptrainer_runs_banded_noise_with_the_recipes_plan(tmp_path):
     assert report.history == [[plan.noise_multiplier, plan.sample_rate, 2]]
     assert "2-banded correlated noise" in report.summary()
     with pytest.raises(ConfigError, match="proved for one σ at every step"):  # the recipe's refusals, at construction
-        DPTrainer(model=model, args=TrainingArguments(output_dir=str(tmp_path / "x"), report_to="none", use_cpu=True),
-                  privacy_args=PrivacyArguments(noise="banded", noise_schedule="linear"), train_dataset=ds,
-                  processing_class=tok)
+        tiny_dptrainer(tmp_path / "x", noise="banded", noise_schedule="linear")
 
 
 # ---- what the reduction does not cover: one line each, saying why -------------------------------------------------

@@ -156,23 +156,12 @@ def test_blt_reusing_the_draws_storage_gives_the_same_noise_without_a_copy():
 
 def test_dptrainer_refuses_a_recurrence_that_cannot_fit_before_training(tmp_path, monkeypatch):
     """The Trainer drop-in checks the same memory as the recipe, once its model is wrapped: nothing trains."""
-    from datasets import Dataset
-    from transformers import TrainingArguments
+    from tests.helpers import tiny_dptrainer, tiny_model
 
-    from dpllm.hf import DPTrainer, PrivacyArguments
-    from tests.helpers import TEXTS, tiny_model
-
+    n = sum(p.numel() for p in tiny_model(finetuning="lora")[0].parameters() if p.requires_grad)  # the same shapes
     monkeypatch.setattr(memory, "available_bytes", lambda device: (1000, "MemAvailable (/proc/meminfo)"))
-    model, tok = tiny_model(finetuning="lora")
-    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    texts = [f"{t} (record {i})" for i in range(4) for t in TEXTS]
-    ds = Dataset.from_dict({"text": texts}).map(lambda b: tok(b["text"], truncation=True, max_length=48), batched=True)
-    args = TrainingArguments(output_dir=str(tmp_path / "run"), report_to="none", disable_tqdm=True, use_cpu=True,
-                             max_steps=4, per_device_train_batch_size=4, save_strategy="no")
     with pytest.raises(ConfigError) as err:
-        DPTrainer(model=model, args=args, train_dataset=ds, processing_class=tok,
-                  privacy_args=PrivacyArguments(target_epsilon=8.0, target_delta=1e-3, accountant="rdp",
-                                                logical_batch_size=8, noise="banded", bands="2")).train()
+        tiny_dptrainer(tmp_path / "run", noise="banded", bands="2").train()
     # one past draw (b = 2) of every trainable (LoRA) parameter in float32, against the 1,000 bytes free
     assert f"needs {memory.size(n * 4)}, 0.977 KiB free" in str(err.value) and "fewer bands" in str(err.value)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
