@@ -14,75 +14,19 @@ import sys
 
 import pytest
 import torch
-from opacus.optimizers import DistributedDPOptimizer, DPOptimizer, DPOptimizerFastGradientClipping
-from opacus.optimizers.optimizer import _generate_noise
 
 from dpllm import ledger
 from dpllm.config import ConfigError, parse_config
 from dpllm.privacy import accounting, correlated
 from dpllm.privacy.correlated import blt as blt_math
 from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler
-from dpllm.privacy.correlated.optimizer import correlated_class
 from dpllm.privacy.plan import plan_privacy
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
 from test_correlated_runs import SHORT  # noqa: E402  the tiny recipe: N = 236, B = 16 (15 batches per epoch)
 
-
-def _blt_optimizer(base, *, seed: int, steps: int = 6):
-    lin = torch.nn.Linear(3, 2)
-    opt = correlated_class(base)(torch.optim.SGD(lin.parameters(), lr=0.0), noise_multiplier=0.7, max_grad_norm=2.0,
-                                 expected_batch_size=1, generator=torch.Generator().manual_seed(seed))
-    noise = correlated.build("blt", 2, steps=steps, num_records=20, batch=10, buffers=2)  # 2 groups, 2 buffers
-    opt.recurrence = noise.recurrence()
-    return opt, noise
-
-
-def _noise_step(opt, sums=None) -> list[torch.Tensor]:
-    for i, p in enumerate(opt.params):
-        p.summed_grad = torch.zeros_like(p) if sums is None else sums[i].clone()
-    opt.add_noise()
-    return [p.grad.detach().clone() for p in opt.params]
-
-
-@pytest.mark.parametrize("base", [DPOptimizer, DPOptimizerFastGradientClipping], ids=["hooks", "ghost"])
-def test_opacus_optimizers_add_the_blt_inverse_of_their_own_draws(base):
-    """Zero clipped sums: T steps of noise, stacked, are X = C⁻¹Z with C the materialised BLT strategy and Z the
-    generator's draws in Opacus's order (std σ·clip), i.e. C·X reconstructs the draws; X is not Z after step 0."""
-    T = 6
-    opt, noise = _blt_optimizer(base, seed=5, steps=T)
-    xs = [_noise_step(opt) for _ in range(T)]
-    g = torch.Generator().manual_seed(5)
-    zs = [[_generate_noise(std=1.4, reference=p, generator=g) for p in opt.params] for _ in range(T)]
-    C = torch.as_tensor(noise.strategy.blt.matrix(T), dtype=torch.float64)
-    for k in range(len(opt.params)):
-        X = torch.stack([x[k].reshape(-1) for x in xs]).double()
-        Z = torch.stack([z[k].reshape(-1) for z in zs]).double()
-        assert torch.allclose(C @ X, Z, atol=1e-5)  # float32 noise and buffers, float64 reconstruction
-        assert not torch.allclose(X[1:], Z[1:], atol=1e-2)  # correlated: x_t ≠ z_t after the first step
-    assert opt.recurrence.state_dict()["step"] == T and opt.recurrence.extra_tensors_per_parameter == 2
-
-
-def test_under_ddp_rank_0_keeps_the_blt_buffers_and_other_ranks_add_nothing(tmp_path):
-    """Opacus's DDP rule with BLT: another rank passes its sum through and never allocates or advances buffers; rank 0
-    adds x_t = (C⁻¹z)_t (the all-reduce then carries rank 0's noise alone, as on one process)."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        sums = [torch.ones(2, 3), torch.ones(2)]
-        opt, _ = _blt_optimizer(DistributedDPOptimizer, seed=3)
-        assert isinstance(opt, DistributedDPOptimizer)
-        opt.rank = 1
-        assert all(torch.equal(a, s) for a, s in zip(_noise_step(opt, sums), sums))
-        assert opt.recurrence.state_dict()["step"] == 0 and not opt.recurrence.state_dict()["buffers"]
-        opt.rank = 0
-        noised = _noise_step(opt, sums)
-        state = opt.recurrence.state_dict()
-        assert state["step"] == 1 and len(state["buffers"]) == 2 and not any(
-            torch.equal(a, s) for a, s in zip(noised, sums))
-    finally:
-        dist.destroy_process_group()
+# The Opacus optimizers' BLT draws (C·X = Z on hooks and ghost, DDP's rank-0 rule) are tested with banded's in
+# test_correlated_engines.py (parametrized by mechanism).
 
 
 # ---- the recipe on hooks and ghost -------------------------------------------------------------------------------

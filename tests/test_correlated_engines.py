@@ -15,7 +15,7 @@ from opacus.optimizers.optimizer import _generate_noise
 
 from dpllm.config import ConfigError, DataConfig, PrivacyConfig, RunConfig, correlated_problem, parse_config
 from dpllm.privacy import accounting, correlated
-from dpllm.privacy.correlated.banded import BandMF, materialize
+from dpllm.privacy.correlated.banded import materialize
 from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler, assign_groups
 from dpllm.privacy.correlated.optimizer import correlated_class
 
@@ -23,14 +23,31 @@ sys.path.insert(0, __import__("os").path.dirname(__file__))
 from test_correlated_runs import SHORT  # noqa: E402  the resume tests' tiny recipe run, 8 steps
 
 
-def _optimizer(base, *, seed: int, bands: int = 0, steps: int = 6):
+def _optimizer(base, *, seed: int, bands: int = 0, steps: int = 6, mechanism: str = "banded"):
+    """A Linear(3, 2)'s Opacus optimizer ``base``: as Opacus makes it (``bands=0``), or through the correlated class
+    with the registry's recurrence (banded: ``bands`` bands; blt: 2 cyclic groups, 2 buffers)."""
     lin = torch.nn.Linear(3, 2)
     cls = correlated_class(base) if bands else base
     opt = cls(torch.optim.SGD(lin.parameters(), lr=0.0), noise_multiplier=0.7, max_grad_norm=2.0,
               expected_batch_size=1, generator=torch.Generator().manual_seed(seed))
     if bands:
-        opt.recurrence = BandMF.optimized(bands=bands, steps=steps).recurrence()
+        opt.recurrence = _noise(mechanism, bands, steps).recurrence()
     return opt
+
+
+def _noise(mechanism: str, bands: int, steps: int):
+    extra = {"buffers": 2} if mechanism == "blt" else {}
+    return correlated.build(mechanism, bands, steps=steps, num_records=10 * bands, batch=10, **extra)
+
+
+def _strategy_matrix(noise, steps: int) -> torch.Tensor:
+    """C, the T×T strategy matrix the recurrence inverts, materialised."""
+    c = noise.strategy.blt.matrix(steps) if noise.name == "blt" else materialize(noise.strategy.coefficients, steps)
+    return torch.as_tensor(c, dtype=torch.float64)
+
+
+# the state each recurrence keeps per parameter: banded its b−1 past draws, BLT its d buffers
+KEPT = {"banded": "history", "blt": "buffers"}
 
 
 def _noise_step(opt, sums=None) -> list[torch.Tensor]:
@@ -40,22 +57,25 @@ def _noise_step(opt, sums=None) -> list[torch.Tensor]:
     return [p.grad.detach().clone() for p in opt.params]
 
 
+@pytest.mark.parametrize("mechanism, bands", [("banded", 3), ("blt", 2)])
 @pytest.mark.parametrize("base", [DPOptimizer, DPOptimizerFastGradientClipping], ids=["hooks", "ghost"])
-def test_opacus_optimizers_add_c_inverse_of_their_own_draws(base):
+def test_opacus_optimizers_add_c_inverse_of_their_own_draws(base, mechanism, bands):
     """Zero clipped sums: the noise of T steps, stacked, is X = C⁻¹Z with Z the generator's draws in Opacus's order
-    (C the materialised 3-banded strategy), i.e. C·X reconstructs the draws; and it is not the draws themselves."""
-    T, b = 6, 3
-    opt = _optimizer(base, seed=5, bands=b, steps=T)
+    (C the materialised strategy: 3-banded, or BLT over 2 groups with 2 buffers), i.e. C·X reconstructs the draws;
+    and it is not the draws themselves."""
+    T = 6
+    opt = _optimizer(base, seed=5, bands=bands, steps=T, mechanism=mechanism)
     xs = [_noise_step(opt) for _ in range(T)]
     g = torch.Generator().manual_seed(5)
     zs = [[_generate_noise(std=1.4, reference=p, generator=g) for p in opt.params] for _ in range(T)]
-    C = torch.as_tensor(materialize(opt.recurrence.coefficients, T), dtype=torch.float64)
+    C = _strategy_matrix(_noise(mechanism, bands, T), T)
     for k in range(len(opt.params)):
         X = torch.stack([x[k].reshape(-1) for x in xs]).double()
         Z = torch.stack([z[k].reshape(-1) for z in zs]).double()
-        assert torch.allclose(C @ X, Z, atol=1e-5)  # float32 noise, float64 reconstruction
+        assert torch.allclose(C @ X, Z, atol=1e-5)  # float32 noise (and buffers), float64 reconstruction
         assert not torch.allclose(X[1:], Z[1:], atol=1e-2)  # correlated: x_t ≠ z_t after the first step
-    assert opt.recurrence.step == T and len(opt.recurrence.history[0]) == b - 1
+    state = opt.recurrence.state_dict()
+    assert state["step"] == T and len(state[KEPT[mechanism]][0]) == 2  # 3 bands: 2 past draws; BLT: 2 buffers
 
 
 @pytest.mark.parametrize("base", [DPOptimizer, DPOptimizerFastGradientClipping], ids=["hooks", "ghost"])
@@ -69,22 +89,27 @@ def test_one_band_is_opacus_noise_bit_for_bit(base):
             assert torch.equal(a, b)
 
 
-def test_under_ddp_rank_0_noises_and_keeps_the_recurrence_and_other_ranks_add_nothing(tmp_path):
-    """Opacus's DDP rule, kept: the noise once, on rank 0 (whose recurrence advances); another rank passes its sum
-    through untouched and never advances a recurrence (the all-reduce then carries rank 0's x_t alone)."""
+@pytest.mark.parametrize("mechanism", ["banded", "blt"])
+def test_under_ddp_rank_0_noises_and_keeps_the_recurrence_and_other_ranks_add_nothing(tmp_path, mechanism):
+    """Opacus's DDP rule, kept: the noise once, on rank 0 (whose recurrence advances and keeps its state); another
+    rank passes its sum through untouched and never advances or fills a recurrence (the all-reduce then carries
+    rank 0's x_t alone)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
         sums = [torch.ones(2, 3), torch.ones(2)]
-        opt = _optimizer(DistributedDPOptimizer, seed=3, bands=2)
+        opt = _optimizer(DistributedDPOptimizer, seed=3, bands=2, mechanism=mechanism)
         assert isinstance(opt, DistributedDPOptimizer)
         opt.rank = 1
         assert all(torch.equal(a, s) for a, s in zip(_noise_step(opt, sums), sums))
-        assert opt.recurrence.step == 0 and not opt.recurrence.history
+        state = opt.recurrence.state_dict()
+        assert state["step"] == 0 and not state[KEPT[mechanism]]
         opt.rank = 0
         noised = _noise_step(opt, sums)
-        assert opt.recurrence.step == 1 and not any(torch.equal(a, s) for a, s in zip(noised, sums))
+        state = opt.recurrence.state_dict()
+        assert state["step"] == 1 and len(state[KEPT[mechanism]]) == 2  # both parameters' state
+        assert not any(torch.equal(a, s) for a, s in zip(noised, sums))
     finally:
         dist.destroy_process_group()
 
