@@ -148,6 +148,10 @@ class BandedRecurrence:
         self.step = 0
         self._applied: set[int] = set()
 
+    def state_dtype(self, draw_dtype: torch.dtype) -> torch.dtype:
+        """The past draws are kept as drawn: ``draw_dtype``."""
+        return draw_dtype
+
     def apply(self, key: int, z: torch.Tensor) -> torch.Tensor:
         if key in self._applied:
             raise RuntimeError(f"noise recurrence: parameter {key} noised twice in step {self.step + 1}")

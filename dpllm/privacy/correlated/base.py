@@ -32,6 +32,8 @@ class NoiseRecurrence(Protocol):
 
     extra_tensors_per_parameter: int
 
+    def state_dtype(self, draw_dtype: torch.dtype) -> torch.dtype: ...  # of what it keeps for draws of draw_dtype
+
     def apply(self, key: int, z: torch.Tensor) -> torch.Tensor: ...
 
     def end_step(self) -> None: ...
@@ -60,6 +62,9 @@ class IdentityRecurrence:
     """C = I: the noise is the draw itself, and nothing is kept."""
 
     extra_tensors_per_parameter = 0
+
+    def state_dtype(self, draw_dtype: torch.dtype) -> torch.dtype:
+        return draw_dtype  # (it keeps nothing)
 
     def apply(self, key: int, z: torch.Tensor) -> torch.Tensor:
         return z

@@ -256,6 +256,13 @@ class BLTRecurrence:
         self._step = 0
         self._omega, self._theta = blt.omega.tolist(), blt.theta.tolist()
 
+    def state_dtype(self, draw_dtype: torch.dtype) -> torch.dtype:
+        """The buffers' dtype for draws of ``draw_dtype``: the one built with, else float64 for float64 draws and
+        float32 for any other (bf16/fp16 buffers would round the correlation away)."""
+        import torch
+
+        return self.dtype or (torch.float64 if draw_dtype == torch.float64 else torch.float32)
+
     def apply(self, key: int, z: torch.Tensor) -> torch.Tensor:
         """This step's correlated noise for parameter ``key`` from its fresh draw ``z`` (``z`` is not modified, unless
         the recurrence was built with ``reuse_draws`` and ``z`` has the buffers' dtype: x is then ``z`` itself)."""
@@ -271,8 +278,7 @@ class BLTRecurrence:
             if self._step > 0:
                 raise RuntimeError(f"parameter {key} first appears at step {self._step}; every noised parameter "
                                    "must be noised from the first step on")
-            dtype = self.dtype or (z.dtype if z.dtype == torch.float64 else torch.float32)
-            buf = torch.zeros((self.blt.buffers, *z.shape), dtype=dtype, device=z.device)
+            buf = torch.zeros((self.blt.buffers, *z.shape), dtype=self.state_dtype(z.dtype), device=z.device)
             self._buffers[key] = buf
         elif buf.shape[1:] != z.shape:
             raise ValueError(f"parameter {key}: draw of shape {tuple(z.shape)}, buffers of {tuple(buf.shape[1:])} "

@@ -48,13 +48,6 @@ def size(n: int) -> str:
     return f"{n / 2 ** 10:.3g} KiB"
 
 
-def state_dtype(recurrence, draw_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of what ``recurrence`` keeps for a parameter whose noise is drawn in ``draw_dtype``."""
-    if hasattr(recurrence, "blt"):  # BLT: its own dtype, else float32 at least (BLTRecurrence's rule)
-        return recurrence.dtype or (torch.float64 if draw_dtype == torch.float64 else torch.float32)
-    return draw_dtype  # banded: the draws themselves
-
-
 def local_numel(p: torch.Tensor) -> int:
     """Elements of ``p`` held by this process: a DTensor's (FSDP2) local shard, else all of them."""
     return int(p.to_local().numel()) if hasattr(p, "to_local") else int(p.numel())
@@ -67,7 +60,7 @@ def state_bytes(recurrence, params: Iterable[torch.Tensor]) -> int:
         return 0
     total = 0
     for p in params:
-        total += k * local_numel(p) * torch.empty((), dtype=state_dtype(recurrence, p.dtype)).element_size()
+        total += k * local_numel(p) * torch.empty((), dtype=recurrence.state_dtype(p.dtype)).element_size()
     return total
 
 
@@ -120,7 +113,7 @@ def shortfalls(needs: list[Need]) -> list[tuple[str, int, int, str]]:
 
 def describe(noise, recurrence, params, needs: list[Need], *, kind: str) -> str:
     """One line for the log: the mechanism, what it keeps, per process, and what is free."""
-    dtypes = sorted({str(state_dtype(recurrence, p.dtype)).removeprefix("torch.") for p in params})
+    dtypes = sorted({str(recurrence.state_dtype(p.dtype)).removeprefix("torch.") for p in params})
     k = recurrence.extra_tensors_per_parameter
     what = (f"b−1 = {k} past draws" if noise.name == "banded" else f"d = {k} buffers")
     who = {"ddp": "rank 0 keeps it (it adds the noise under DDP)", "fsdp": "each process for its own shards"}.get(
@@ -130,9 +123,9 @@ def describe(noise, recurrence, params, needs: list[Need], *, kind: str) -> str:
             f"({needs[0].source})")
 
 
-def refusal(noise, shortfall: list[tuple[str, int, int, str]], *, kind: str, lora: bool) -> str:
+def refusal(noise, recurrence, shortfall: list[tuple[str, int, int, str]], *, kind: str, lora: bool) -> str:
     """The error: needed vs available where it does not fit, and what to change."""
-    k = noise.strategy.recurrence().extra_tensors_per_parameter
+    k = recurrence.extra_tensors_per_parameter
     where = "; ".join(f"{place}: needs {size(need)}, {size(avail)} free ({source})"
                       for place, need, avail, source in shortfall)
     fewer = (f"fewer bands (privacy.bands < {noise.bands}: b−1 tensors per parameter)" if noise.name == "banded"
@@ -167,5 +160,5 @@ def check_fits(noise, params: list[torch.Tensor], *, world, device, lora: bool,
     needs = gather(need_of(rec, params, rank=world.rank, keeps=keeps, device=device))
     short = shortfalls(needs)
     if short:
-        raise ConfigError(refusal(noise, short, kind=world.kind, lora=lora))
+        raise ConfigError(refusal(noise, rec, short, kind=world.kind, lora=lora))
     return describe(noise, rec, params, needs, kind=world.kind)
