@@ -27,10 +27,11 @@ randomisation, lies under U; its ROC curve lies under U, and so its AUC = ∫ TP
 :meth:`Curve.max_auc` integrates U by right-hand sums on a grid, which over-estimate the integral of a
 non-decreasing function (by at most one grid step, 1/4000).
 
-**Why conservative.** δ(ε) comes from dp-accounting's privacy-loss distribution (PLD) built from the same
-events the run composed (``SelfComposedDpEvent`` of ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))`` per
-stage; for users of at most k records under record sampling, ``MixtureOfGaussiansDpEvent`` with
-J ~ Bin(k, q) records of the user per step, as :mod:`dpllm.privacy.user_level` accounts them). Its
+**Why conservative.** δ(ε) comes from dp-accounting's privacy-loss distribution (PLD) of the mechanism the run
+composed: per stage, the Poisson-subsampled Gaussian (``from_gaussian_mechanism(σ, sampling_prob=q)``, what its
+PLD accountant builds for ``PoissonSampledDpEvent(q, GaussianDpEvent(σ))``) self-composed over the steps; for
+users of at most k records under record sampling, the mixture of Gaussians with J ~ Bin(k, q) records of the user
+per step (:func:`dpllm.privacy.mixture.mixture_pld`, as :mod:`dpllm.privacy.user_level` accounts them). Its
 **pessimistic** discretisation rounds every privacy loss up and puts truncated tail mass at +∞, so its δ(ε)
 is ≥ the true δ(ε) for every ε. A larger δ raises both lines, so every bound here can only be too high, never
 too low: an attack above it is impossible for a correct implementation of the mechanism (a bug), while an
@@ -67,7 +68,7 @@ import numpy as np
 
 FPRS = (0.01, 0.001)  # the operating points audits report (besides AUC), as fractions
 DISCRETIZATION = 1e-3  # the PLD's loss grid for record-level curves: < 0.1 s for 20,000 steps; coarser = looser
-MIXTURE_DISCRETIZATION = 1e-2  # users of k > 1 records: dpllm.privacy.user_level's grid (one step's PLD < 3 s)
+MIXTURE_DISCRETIZATION = 1e-2  # users of k > 1 records: dpllm.privacy.mixture's grid, as user_level's
 EPSILON_POINTS = 1500  # the ε grid: a finer one only lowers (tightens) the bounds
 AUC_POINTS = 4000  # intervals of the α grid for the AUC integral: over-estimate ≤ 1/AUC_POINTS
 _N = NormalDist()
@@ -126,25 +127,28 @@ def round_up(x: float, digits: int = 4) -> float:
     return min(1.0, math.ceil(x * 10 ** digits - 1e-9) / 10 ** digits)
 
 
-def _events(history, group_size: int):
-    from dp_accounting import dp_event
-    from scipy.stats import binom
+def _composed(history, group_size: int, grid: float):
+    """The composed PLD of ``history`` for a unit of ``group_size`` records: ``None`` for a stage without noise
+    (no bound), ``False`` when nothing was released about the unit."""
+    from dp_accounting.pld import privacy_loss_distribution
 
-    events = []
-    for sigma, q, steps in history:
-        if int(steps) <= 0 or float(q) <= 0:
-            continue
-        if float(sigma) <= 0:
-            return None  # no noise: no bound
+    from dpllm.privacy.mixture import mixture_pld
+
+    stages = [(float(sigma), float(q), int(steps)) for sigma, q, steps in history if int(steps) > 0 and float(q) > 0]
+    if any(sigma <= 0 for sigma, _, _ in stages):
+        return None
+    if not stages:
+        return False
+    composed = None
+    for sigma, q, steps in stages:  # the events the run composed, as dp-accounting's PLD accountant builds them
         if group_size == 1:
-            step = dp_event.PoissonSampledDpEvent(float(q), dp_event.GaussianDpEvent(float(sigma)))
-        else:
-            k = int(group_size)
-            step = dp_event.MixtureOfGaussiansDpEvent(
-                float(sigma), [float(j) for j in range(k + 1)],
-                [float(binom.pmf(j, k, float(q))) for j in range(k + 1)])
-        events.append(dp_event.SelfComposedDpEvent(step, int(steps)))
-    return events
+            step = privacy_loss_distribution.from_gaussian_mechanism(
+                sigma, sampling_prob=q, value_discretization_interval=grid)
+        else:  # J ~ Bin(k, q) of the user's records in the step: the mixture of Gaussians, as user_level's
+            step = mixture_pld(sigma=sigma, sample_rate=q, group_size=group_size, discretization=grid)
+        pld = step.self_compose(steps)
+        composed = pld if composed is None else composed.compose(pld)
+    return composed
 
 
 def privacy_curve(*, history, group_size: int = 1, unit: str = "record",
@@ -165,25 +169,19 @@ def privacy_curve(*, history, group_size: int = 1, unit: str = "record",
     Raises:
         TradeoffError: ``group_size`` below 1.
     """
-    from dp_accounting import dp_event
-    from dp_accounting.pld import pld_privacy_accountant
-
     k = int(group_size)
     if k < 1:
         raise TradeoffError(f"group_size={group_size} must be ≥ 1")
-    events = _events(history, k)
-    if events is None:
+    pld = _composed(history, k, discretization or (DISCRETIZATION if k == 1 else MIXTURE_DISCRETIZATION))
+    if pld is None:
         return Curve(np.zeros(1), np.ones(1), unit, k)
-    if not events:  # nothing private was released about the unit: δ(0) = 0
+    if pld is False:  # nothing private was released about the unit: δ(0) = 0
         return Curve(np.zeros(1), np.zeros(1), unit, k)
-    grid = discretization or (DISCRETIZATION if k == 1 else MIXTURE_DISCRETIZATION)
-    acc = pld_privacy_accountant.PLDAccountant(value_discretization_interval=grid)
-    acc.compose(dp_event.ComposedDpEvent(events))
     # Lines with e^ε above 1/α stop mattering at α; the AUC grid starts at 1/AUC_POINTS and the tails are tiny.
-    top = acc.get_epsilon(1e-12)
+    top = pld.get_epsilon_for_delta(1e-12)
     top = min(top if math.isfinite(top) else 40.0, 40.0)
     eps = np.linspace(0.0, max(top, 1e-3), EPSILON_POINTS)
-    deltas = np.array([acc.get_delta(float(e)) for e in eps], dtype=np.float64)
+    deltas = np.array([pld.get_delta_for_epsilon(float(e)) for e in eps], dtype=np.float64)
     # plus what float64 rounding of the composition may have taken off δ (dpllm.privacy.accounting.PLD_ROUNDING)
     deltas += ROUNDING * sum(int(t) for _, q, t in history if int(t) > 0 and float(q) > 0) * sys.float_info.epsilon
     return Curve(eps, np.clip(deltas, 0.0, 1.0), unit, k)
