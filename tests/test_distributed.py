@@ -1,5 +1,8 @@
 """Multi-process training: 1 and 2 processes (real `accelerate launch`, gloo on CPU) give the same run.
 
+The 2-process runs compared with one process share one launch (the ddp_runs fixture, tests/ddp_runs.py: the
+workers' imports are paid once); test_one_and_two_processes_train_the_same_run launches the recipe itself.
+
 Also: the shipped accelerate configs parse, the FSDP/ghost combinations are checked before anything is
 written, and the Poisson sampler hands every process a disjoint share of one global batch.
 """
@@ -176,11 +179,8 @@ def test_one_and_two_processes_train_the_same_run(tmp_path):
     assert verify(tmp_path / "two").ok
 
 
-def test_two_processes_without_privacy_use_ddp(tmp_path):
-    proc = _launch(tmp_path / "ddp", "--multi_gpu", "--num_processes", "2",
-                   extra=["--privacy.enabled", "false", "--eval_every", "0"])
-    _finish(proc)
-    summary = json.loads((tmp_path / "ddp" / "run_summary.json").read_text())
+def test_two_processes_without_privacy_use_ddp(ddp_runs):
+    summary = json.loads((ddp_runs["ddp"] / "run_summary.json").read_text())
     assert summary["world_size"] == 2 and summary["steps"] == 6 and summary["params_sha256"]
     assert summary["tokens_seen"] > 0 and summary["epsilon"] is None
 
@@ -246,58 +246,88 @@ def test_an_empty_share_is_a_counted_step_that_adds_nothing(mode, how):
 # a noise scaled by a constant): noise added on both processes, or a process's clipped share lost, moves the
 # weights by ~lr·σC/B ≈ 0.03 per coordinate, far above the comparison's 1e-5.
 SGD = ("--optimizer", "sgd", "--learning_rate", "0.5")
+NOISES = {"independent": (), "banded": ("--noise", "banded", "--bands", "2"),
+          "blt": ("--noise", "blt", "--bands", "2", "--buffers", "1")}
+BK = ("--reproducible_noise", "true", "--grad_sample_mode", "bk", "--finetuning", "full", *SGD)
+QUANTILE = ("--reproducible_noise", "true", "--clipping", "quantile", "--grad_sample_mode", "bk",
+            "--max_grad_norm", "0.05", "--count_noise_multiplier", "2")
+KILLED = ("--save_every", "2", "--finetuning", "full", "--eval_every", "0")
+# The 2-process runs that the tests below compare with one process (TINY plus these options), in the order that
+# the ddp_runs fixture runs them; the last is killed mid-run.
+DDP_RUNS = {"ddp": ("--privacy.enabled", "false", "--eval_every", "0"),
+            **{f"bk-{name}": (*BK, *noise) for name, noise in NOISES.items()},
+            "quantile": QUANTILE,
+            "killed": KILLED}
 
 
-@pytest.mark.parametrize("noise", [(), ("--noise", "banded", "--bands", "2"),
-                                   ("--noise", "blt", "--bands", "2", "--buffers", "1")],
-                         ids=["independent", "banded", "blt"])
-def test_bookkeeping_under_ddp_matches_one_process(tmp_path, noise):
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    """Each run of :data:`DDP_RUNS` on 2 gloo processes, in order, in ONE `accelerate launch --multi_gpu
+    --num_processes 2` of tests/ddp_runs.py (each run through ``train``, what recipes/finetune_llm.py calls; the
+    processes' imports paid once, not once per run; the recipe's own launch is test_one_and_two_processes_...).
+    The last run, ``killed``, is killed with SIGKILL (the launcher and both workers) once its step-2 checkpoint
+    is written. Returns each run's directory by name."""
+    import contextlib
+    import signal
+    import time
+
+    root = tmp_path_factory.mktemp("ddp_runs")
+    dirs = {name: root / name for name in DDP_RUNS}
+    spec = root / "runs.json"
+    spec.write_text(json.dumps([[*TINY, "--output_dir", str(dirs[n]), *extra] for n, extra in DDP_RUNS.items()]))
+    # stderr to a file: a pipe that nobody reads while the runs go on would fill up and stop the workers
+    with open(root / "stderr.log", "w") as log:
+        proc = subprocess.Popen([ACCELERATE, "launch", "--main_process_port", str(_free_port()), "--multi_gpu",
+                                 "--num_processes", "2", os.path.join(ROOT, "tests", "ddp_runs.py"), str(spec)],
+                                stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, start_new_session=True)
+        latest, deadline = dirs["killed"] / "checkpoints" / "latest", time.time() + 900
+        try:
+            while not (latest.is_file() and latest.read_text().strip() >= "step-000002"):
+                assert proc.poll() is None, (root / "stderr.log").read_text()[-4000:]
+                assert time.time() < deadline, (root / "stderr.log").read_text()[-4000:]
+                time.sleep(0.01)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # accelerate launch and both workers
+            proc.wait()
+    for name in list(DDP_RUNS)[:-1]:  # run in order: every run before the killed one finished
+        assert (dirs[name] / "run_summary.json").is_file(), name
+    return dirs
+
+
+@pytest.mark.parametrize("noise", list(NOISES))
+def test_bookkeeping_under_ddp_matches_one_process(tmp_path, ddp_runs, noise):
     """grad_sample_mode=bk on 2 gloo processes (Opacus's distributed ghost optimizer all-reduces bk's clipped
     sums, rank 0 adds the noise once): same history and ε as one process, weights equal up to summation order.
     Banded and BLT noise: rank 0 keeps the recurrence and noises the sum once, as one process does."""
-    same = ("--reproducible_noise", "true", "--grad_sample_mode", "bk", "--finetuning", "full", *SGD, *noise)
-    two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=same)
-    _one_process(tmp_path / "one", same)
-    _finish(two)
-    r1, r2 = (json.loads((tmp_path / n / "privacy_report.json").read_text()) for n in ("one", "two"))
+    _one_process(tmp_path / "one", (*BK, *NOISES[noise]))
+    two = ddp_runs[f"bk-{noise}"]
+    r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (tmp_path / "one", two))
     assert r1["grad_sample_mode"] == r2["grad_sample_mode"] == "bk"
     assert r1["history"] == r2["history"] and r1["epsilon"] == r2["epsilon"]
-    if "banded" in noise:  # 6 steps over 2 cyclic groups: 3 accounted steps at q_b = 2/15
+    if noise == "banded":  # 6 steps over 2 cyclic groups: 3 accounted steps at q_b = 2/15
         assert r2["correlated_noise"]["bands"] == 2 and r2["history"][0][1:] == [2 / 15, 3]
-    if "blt" in noise:  # the whole run one Gaussian mechanism (σ/sens, q = 1, one step), no sampling credited
+    if noise == "blt":  # the whole run one Gaussian mechanism (σ/sens, q = 1, one step), no sampling credited
         assert r2["correlated_noise"]["buffers"] == 1 and len(r2["history"]) == 1 and r2["history"][0][1:] == [1.0, 1]
     from safetensors.torch import load_file
 
-    p1, p2 = (load_file(str(tmp_path / n / "checkpoint" / "model.safetensors")) for n in ("one", "two"))
+    p1, p2 = (load_file(str(d / "checkpoint" / "model.safetensors")) for d in (tmp_path / "one", two))
     for name in p1:
         assert torch.allclose(p1[name], p2[name], atol=1e-5), name
 
 
-def test_a_two_process_run_resumed_on_one_process_draws_fresh_noise_and_keeps_counting(tmp_path, monkeypatch):
-    """Killed on 2 processes after its step-2 checkpoint, resumed on 1 (issue #21, item 5): the accountant
-    continues from the checkpoint (every step counted once, the ledger verifies), and the resumed process's
-    noise generator starts from none of the saved noise states (secret noise: nothing is replayed)."""
-    import signal
-    import time
-
+def test_a_two_process_run_resumed_on_one_process_draws_fresh_noise_and_keeps_counting(ddp_runs, monkeypatch):
+    """Killed on 2 processes after its step-2 checkpoint (the ddp_runs fixture's last run), resumed on 1 (issue
+    #21, item 5): the accountant continues from the checkpoint (every step counted once, the ledger verifies), and
+    the resumed process's noise generator starts from none of the saved noise states (secret noise: nothing is
+    replayed)."""
     from dpllm import ledger, resume
     from dpllm.config import parse_config
     from dpllm.privacy.accounting import compute_epsilon_history
     from dpllm.train import train
 
-    out, args = tmp_path / "run", ["--save_every", "2", "--finetuning", "full", "--eval_every", "0"]
-    proc = subprocess.Popen([ACCELERATE, "launch", "--main_process_port", str(_free_port()), "--multi_gpu",
-                             "--num_processes", "2", os.path.join(ROOT, "recipes", "finetune_llm.py"), *TINY,
-                             "--output_dir", str(out), *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            cwd=ROOT, start_new_session=True)
-    latest, deadline = out / "checkpoints" / "latest", time.time() + 300
-    while not (latest.is_file() and latest.read_text().strip() >= "step-000002"):
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)  # accelerate launch and both workers
-    proc.wait()
-    proc.stderr.close()
+    out, args = ddp_runs["killed"], list(KILLED)
+    latest = out / "checkpoints" / "latest"
     assert not (out / "privacy_report.json").exists()
     ckpt = out / "checkpoints" / latest.read_text().strip()
     saved = torch.load(ckpt / "rng_state.pt", weights_only=True)
@@ -321,3 +351,19 @@ def test_a_two_process_run_resumed_on_one_process_draws_fresh_noise_and_keeps_co
     kinds = [e["kind"] for e in ledger.read(out)]
     assert kinds.count("resume") == 1 and kinds[-1] == "final"
     assert ledger.verify(out).ok, ledger.verify(out).message
+
+
+def test_two_processes_adapt_c_as_one_process_does(tmp_path, ddp_runs):
+    """clipping: quantile on 2 gloo processes, bk: the count of each process is summed and noised once, on rank 0,
+    after the gradient, from rank 0's stream: with seeded noise the 2-process run's C equals the 1-process run's
+    (the same Poisson batches and noise; norms differ by float rounding only). The FSDP2 launch:
+    tests/test_quantile_clipping.py; hooks and ghost under DDP: tests/fsdp_bk_worker.py."""
+    _one_process(tmp_path / "one", QUANTILE)
+    r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (tmp_path / "one", ddp_runs["quantile"]))
+    a1, a2 = r1["adaptive_clipping"], r2["adaptive_clipping"]
+    assert a1["steps"] == a2["steps"] == 6 and a1["final_max_grad_norm"] != 0.05
+    assert a2["final_max_grad_norm"] == pytest.approx(a1["final_max_grad_norm"], rel=1e-9)
+    assert r1["history"] == r2["history"]
+    p1, p2 = _trainable(tmp_path / "one"), _trainable(ddp_runs["quantile"])
+    for name in p1:
+        assert torch.allclose(p1[name], p2[name], atol=1e-5), name
