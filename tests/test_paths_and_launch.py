@@ -70,8 +70,8 @@ def test_a_launch_without_multi_gpu_warns_that_one_process_trains(tmp_path):
                            os.path.join(ROOT, "recipes", "finetune_llm.py"),
                            "--max_steps", "1", "--logical_batch_size", "8", "--physical_batch_size", "8",
                            "--max_length", "32", "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every",
-                           "0", "--max_records", "60", "--progress", "false", "--accountant", "rdp",
-                           "--output_dir", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+                           "0", "--max_records", "60", "--progress", "false", "--output_dir", str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)  # PRV: RDP calibrates σ < 1 slowly
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "accelerate launch was asked for 2 processes but started 1" in proc.stderr
     assert "--multi_gpu" in proc.stderr
