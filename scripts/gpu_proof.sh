@@ -3,6 +3,7 @@
 # (made here first: bash scripts/gpu_wheels.sh):
 #
 #   bash scripts/gpu_proof.sh [OUT]        # OUT defaults to docs/results/gpu/<UTC date>
+#   bash scripts/gpu_proof.sh --smoke [OUT]   # every phase on CPU, tiny shapes (OUT: runs/gpu_proof_smoke)
 #
 # Installs the wheels the machine lacks into a temporary directory (no network, no change to its Python), puts
 # it and the checkout on PYTHONPATH (shared FACTS.md), then runs scripts/gpu_proof.py, which stops cleanly before
@@ -10,8 +11,13 @@
 # copied to $OUT when the device tool provides one, so they come back with the command.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT_DIR="${1:-docs/results/gpu/$(date -u +%Y-%m-%d)}"
-DEADLINE_S="${DEADLINE_S:-510}"
+SMOKE=""
+if [[ "${1:-}" == "--smoke" ]]; then  # the CPU check of every phase, under gpu_proof.py's --smoke deadline
+    SMOKE="--smoke"
+    shift
+fi
+OUT_DIR="${1:-$([[ -n $SMOKE ]] && echo runs/gpu_proof_smoke || echo "docs/results/gpu/$(date -u +%Y-%m-%d)")}"
+DEADLINE_S="${DEADLINE_S:-$([[ -n $SMOKE ]] && echo 900 || echo 510)}"
 PY="${PYTHON:-python3}"
 SITE=$(mktemp -d)
 if compgen -G ".whl/*.whl" > /dev/null; then
@@ -24,7 +30,7 @@ export TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1
 nvidia-smi -L 2>/dev/null || true
 # the hard stop behind the script's own deadline: 30 s after it
 timeout --signal=TERM --kill-after=10 $((DEADLINE_S + 30)) \
-    "$PY" scripts/gpu_proof.py --out "$OUT_DIR" --deadline-s "$DEADLINE_S"
+    "$PY" scripts/gpu_proof.py $SMOKE --out "$OUT_DIR" --deadline-s "$DEADLINE_S"
 rc=$?
 if [[ -n "${OUT:-}" && -d "${OUT:-}" ]]; then
     mkdir -p "$OUT/gpu" && cp "$OUT_DIR"/*.json "$OUT/gpu/" 2>/dev/null

@@ -87,10 +87,10 @@ def test_other_processes_log_errors_only_with_their_rank(monkeypatch):
         root.setLevel(saved[1])
 
 
-def test_bitsandbytes_stays_for_a_run_that_quantizes_or_starts_from_a_qlora_run(tmp_path):
-    import subprocess
+def test_bitsandbytes_stays_for_a_run_that_quantizes_or_starts_from_a_qlora_run(tmp_path, monkeypatch):
     import sys
-    from pathlib import Path
+
+    from dpllm.quantization import hide_unused_bitsandbytes
 
     qlora = tmp_path / "qlora_run" / "checkpoint"
     qlora.mkdir(parents=True)
@@ -103,11 +103,11 @@ def test_bitsandbytes_stays_for_a_run_that_quantizes_or_starts_from_a_qlora_run(
     (plain / "config.json").write_text('{"model_type": "llama"}')
     cases = [("nf4", "tiny-llama"), ("none", str(qlora.parent)), ("none", str(qlora)), ("none", str(prequantized)),
              ("none", "org/not-in-the-cache"), ("none", str(plain))]  # the last one alone is hidden
-    code = ("import sys; from dpllm.quantization import hide_unused_bitsandbytes as h; "
-            f"print(*(h(q, m) for q, m in {cases!r}), sys.modules['bitsandbytes'])")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=Path(__file__).resolve().parents[1])
-    assert r.stdout.split() == ["False"] * 5 + ["True", "None"], r.stderr[-2000:]
+    # as in a fresh process: bitsandbytes not imported yet (whatever this one imported, restored afterwards)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)
+    del sys.modules["bitsandbytes"]
+    assert [hide_unused_bitsandbytes(q, m) for q, m in cases] == [False] * 5 + [True]
+    assert "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None
 
 
 def test_an_audit_of_a_non_quantized_run_never_imports_bitsandbytes(tiny_run, tmp_path):
