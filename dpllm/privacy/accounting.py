@@ -387,7 +387,9 @@ def calibrate_noise(
     under ``accountant``, is ≤ target: the same accountant :func:`compute_epsilon_history` reports with.
 
     PRV searches on a coarse mesh and confirms on the full one (:func:`dpllm.privacy.prv.calibrate`); RDP
-    and GDP bisect on the grid with Opacus's accountant. The bracket grows until it meets any target.
+    searches with :mod:`dpllm.privacy.rdp_series` (Opacus's ε to float rounding, ~20× faster) and decides each
+    grid point it returns or rules out with Opacus's own ε (:func:`rdp_stand_in`); GDP bisects on the grid with
+    Opacus's accountant. The bracket grows until it meets any target.
     With ``epsilon_tolerance`` (RDP/GDP only; bulk callers such as the scaling planner) the search stops at
     any σ whose ε is within that much under the target instead (:func:`smallest_noise`), unrounded.
 
@@ -429,6 +431,10 @@ def calibrate_noise(
 
     if epsilon_tolerance is not None:
         return smallest_noise(eps, target_epsilon, epsilon_tolerance=epsilon_tolerance, unreachable=unreachable)
+    if accountant == "rdp":
+        return smallest_smooth_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable,
+                                     start=_rdp_sigma(target_epsilon, delta, sample_rate, steps, prior),
+                                     stand_in=rdp_stand_in(lambda s: prior + [(s, sample_rate, steps)], delta))
     if accountant == "pld" and _certified(prior + [(1.0, sample_rate, steps)], delta):
         # each certified ε costs ~0.7 s and is smooth in σ: search on a 10× coarser grid (~8× cheaper) from RDP's σ,
         # then confirm on the full one (about three full evaluations instead of twenty)
@@ -440,6 +446,19 @@ def calibrate_noise(
         return smallest_smooth_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable, start=start,
                                      stand_in=coarse)
     return smallest_grid_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable)
+
+
+def rdp_stand_in(history_of: Callable[[float], History], delta: float) -> Callable[[float], float]:
+    """ε(σ) of ``history_of(σ)`` by :func:`dpllm.privacy.rdp_series.rdp_epsilon`: Opacus's RDP ε to float rounding
+    (3e-8 relative at worst over 60 random plans, ε up to 10⁴) in milliseconds instead of 0.1-1 s per new σ.
+
+    For :func:`smallest_smooth_noise` to search with: it lands on the answer's grid point, then Opacus's ε there and
+    at the point below (two evaluations instead of ~18 bisecting) decide it, so the σ is the one
+    :func:`smallest_grid_noise` finds with Opacus's ε alone (ε decreasing in σ) and no reported ε comes from here.
+    """
+    from dpllm.privacy import rdp_series
+
+    return lambda sigma: rdp_series.rdp_epsilon(history=history_of(sigma), delta=delta)
 
 
 def _certified(history: History, delta: float) -> bool:
