@@ -146,3 +146,55 @@ def tiny_dptrainer(out, *, max_steps: int = 4, **privacy):
     privacy = {"target_epsilon": 8.0, "target_delta": 1e-3, "accountant": "rdp", "logical_batch_size": 8, **privacy}
     return DPTrainer(model=model, args=args, privacy_args=PrivacyArguments(**privacy), train_dataset=ds,
                      processing_class=tok)
+
+
+# Modules a training run imports, loaded once by the fork server of :func:`forked_recipe` (~13 CPU-s: torch,
+# transformers, opacus, peft, accelerate and what a run imports lazily).
+_FORK_PRELOAD = ["tests.helpers", "dpllm.train", "dpllm.privacy.bk", "opacus", "peft", "accelerate",
+                 "transformers.models.llama.modeling_llama", "transformers.models.byt5.tokenization_byt5",
+                 "transformers.optimization", "transformers.hf_argparser"]
+
+
+def _recipe_process(argv: list[str], stderr_path: str) -> None:
+    """The body of a :func:`forked_recipe` process: what ``python recipes/finetune_llm.py ARGV`` runs after its
+    imports, stdout to nowhere and stderr to ``stderr_path``."""
+    import multiprocessing
+    import os
+    import signal
+    import sys
+
+    multiprocessing.set_start_method(None, force=True)  # a fresh interpreter's default, not the fork server's
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # as a fresh interpreter has them
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    out, err = os.open(os.devnull, os.O_WRONLY), os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.argv = [os.path.join(root, "recipes", "finetune_llm.py"), *argv]
+    recipe = load_recipe("finetune_llm")
+    recipe.follow_launcher()
+    sys.exit(recipe.finish(recipe.cli(command=True)))
+
+
+def forked_recipe(argv: list[str], stderr_path):
+    """``python recipes/finetune_llm.py ARGV`` as a process of its own, forked from a server process that imported
+    the training stack once (multiprocessing's forkserver, shared by every call in this test process): a real
+    process to SIGKILL mid-run, without ~13 CPU-s of imports at each start. Returns the started
+    ``multiprocessing.Process`` (``kill()``, ``is_alive()``, ``exitcode``: -9 after a SIGKILL); its stderr goes to
+    ``stderr_path``. :func:`stop_fork_server` ends the server."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_FORK_PRELOAD)
+    proc = ctx.Process(target=_recipe_process, args=(list(argv), str(stderr_path)), daemon=True)
+    proc.start()
+    return proc
+
+
+def stop_fork_server() -> None:
+    """End :func:`forked_recipe`'s server (and wait for it, so that its CPU time counts as this process's child's)."""
+    from multiprocessing import forkserver
+
+    stop = getattr(forkserver._forkserver, "_stop", None)  # CPython's own stopper (its tests use it)
+    if stop is not None:
+        stop()
