@@ -354,8 +354,8 @@ def ghost_fsdp_guard() -> str:
     return "not refused"
 
 
-def run_cases(found_path: str, ghost_dir: str) -> None:
-    """Every case, in this process group; rank 0 writes what they found to ``found_path`` as JSON."""
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
     rank = dist.get_rank()
     found = {
         "llama_full": equivalence("tiny-llama", "full", rank=rank),
@@ -374,15 +374,10 @@ def run_cases(found_path: str, ghost_dir: str) -> None:
     }
     from tests.fsdp_worker import check  # the ghost_fsdp path, in the same launch
 
-    found["ghost_fsdp"] = {ft: check(ft, Path(ghost_dir) / ft) for ft in ("full", "lora")}
+    found["ghost_fsdp"] = {ft: check(ft, Path(sys.argv[2]) / ft) for ft in ("full", "lora")}
     # refusals last: a backward pass that failed half-way leaves nothing the cases above need
     found["ghost_fsdp_guard"] = ghost_fsdp_guard()
     found["refusal"] = {f"mixed={m},reshard={r}": refusal(m, r) for m in (False, True) for r in (True, False)}
     if rank == 0:
-        Path(found_path).write_text(json.dumps(found))
-
-
-if __name__ == "__main__":
-    dist.init_process_group("gloo")
-    run_cases(sys.argv[1], sys.argv[2])
+        Path(sys.argv[1]).write_text(json.dumps(found))
     finish_process(0)

@@ -1,9 +1,7 @@
 """bk under FSDP2 on 2 gloo processes: one sharded step equals one single-process step; noise once per coordinate.
 
-Every case of tests/fsdp_bk_worker.py runs in one launch, and the tests read what it found; the ghost_fsdp path
-(tests/fsdp_worker.py) runs in the same launch. That launch is also the recipe test's uninterrupted run: its
-processes run the recipe first, then the cases (tests/fsdp_recipe_then_cases.py), so the module fixture
-``launches`` starts all the module's launches together and each 2-process start-up is paid once.
+One launch of tests/fsdp_bk_worker.py (module fixture) runs every case; the tests read what it found. The
+ghost_fsdp path (tests/fsdp_worker.py) runs in the same launch.
 
 Tolerance of the equalities (σ = 0): the models are float64, but ``sequence_loss`` takes each record's loss in
 float32 and their mean over the physical batch in float32, and bk recovers a record's gradient by multiplying
@@ -17,6 +15,7 @@ by O(1) of its size.
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,10 +33,14 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def found(launches):
-    """What every case of tests/fsdp_bk_worker.py found (run after the recipe in the uninterrupted run's launch)."""
-    _done(launches.results["whole"])
-    return json.loads(launches.found.read_text())
+def found(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_bk")
+    out = tmp / "found.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
+           os.path.join(ROOT, "tests", "fsdp_bk_worker.py"), str(out), str(tmp / "ghost_fsdp")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("case", ["llama_full", "gpt2_tied_full", "llama_lora", "virtual_batches", "uls",
@@ -145,28 +148,19 @@ SEEDED = ["--reproducible_noise", "true", "--optimizer", "sgd", "--learning_rate
           "--eval_every", "0"]
 
 
-def _recipe(out, *extra, resume=False, launch=FSDP_LAUNCH, script=None):
-    """``accelerate launch [launch] recipes/finetune_llm.py TINY --output_dir out [extra]`` (or ``script``: a
-    command line to launch in the recipe's place, followed by the same arguments), started, not waited for."""
+def _recipe(out, *extra, resume=False, launch=FSDP_LAUNCH):
     from tests.test_distributed import ACCELERATE, TINY
 
-    script = [os.path.join(ROOT, "recipes", "finetune_llm.py")] if script is None else [str(x) for x in script]
-    cmd = [ACCELERATE, "launch", "--main_process_port", str(_free_port()), *launch, *script, *TINY,
-           "--output_dir", str(out), *extra, *(["--resume_from", "latest"] if resume else [])]
+    cmd = [ACCELERATE, "launch", "--main_process_port", str(_free_port()), *launch,
+           os.path.join(ROOT, "recipes", "finetune_llm.py"), *TINY, "--output_dir", str(out), *extra,
+           *(["--resume_from", "latest"] if resume else [])]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True)
 
 
-def _wait(proc) -> tuple:
-    """A launch's returncode, stdout and stderr, once it ends."""
-    stdout, stderr = proc.communicate(timeout=900)
-    return proc.returncode, stdout, stderr
-
-
-def _done(result):
-    """The stdout of a launch that ended well (``result``: its returncode, stdout, stderr)."""
-    returncode, stdout, stderr = result
-    assert returncode == 0, stderr[-4000:]
+def _done(proc):
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-4000:]
     return stdout
 
 
@@ -181,6 +175,7 @@ def _killed_after(proc, out, step: str):
         time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGKILL)  # accelerate launch and both workers
     _, stderr = proc.communicate()
+    assert not (out / "privacy_report.json").exists()  # it really died mid-way
     return stderr
 
 
@@ -199,47 +194,7 @@ def _base_and_each_reads(tmp_path):
     return tmp_path / "base", ["--config_file", str(everyone), "--num_processes", "2"]
 
 
-@pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    """The module's 2-process launches, together: the uninterrupted run ``whole`` (each process reading the
-    weights), whose processes then run every case of tests/fsdp_bk_worker.py; the run ``killed`` with SIGKILL
-    after its step-2 checkpoint (the shipped launcher config: rank 0 reads), copied to ``one`` and resumed on 2
-    processes; and the documented command with secret noise and full fine-tuning, ``secret``."""
-    import shutil
-    import signal
-    from types import SimpleNamespace
-
-    tmp = tmp_path_factory.mktemp("fsdp_bk")
-    base, each_reads = _base_and_each_reads(tmp)
-    seeded = [*SEEDED, "--model_name_or_path", str(base)]
-    got = SimpleNamespace(base=base, whole=tmp / "whole", killed=tmp / "killed", secret=tmp / "secret",
-                          one=tmp / "one", found=tmp / "found.json")
-    cases = (os.path.join(ROOT, "tests", "fsdp_recipe_then_cases.py"), got.found, tmp / "ghost_fsdp")
-    runs = {"whole": _recipe(got.whole, *seeded, launch=each_reads, script=cases),
-            "secret": _recipe(got.secret, "--finetuning", "full", "--save_every", "3")}  # secret noise: releasable
-    killed = _recipe(got.killed, *seeded)
-    started = [*runs.values(), killed]
-    got.killed_error = None  # recorded, as every launch's result: each test asserts on the launches it reads
-    try:
-        try:
-            got.killed_log = _killed_after(killed, got.killed, "step-000002")
-        except AssertionError as err:
-            got.killed_error = f"the run to kill: {err}"
-        else:
-            got.died_midway = not (got.killed / "privacy_report.json").exists()
-            shutil.copytree(got.killed, got.one)
-            runs["resumed"] = _recipe(got.killed, *seeded, resume=True)
-            started.append(runs["resumed"])
-        got.results = {name: _wait(proc) for name, proc in runs.items()}
-    finally:  # a launch left running by a failure above would hold its port and two processes
-        for proc in started:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.communicate()
-    return got
-
-
-def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(launches, tmp_path, monkeypatch):
+def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(tmp_path, monkeypatch):
     """`accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes 2` on CPU runs the recipe
     sharded with bk; its resumable checkpoints are per-process shards; killed with SIGKILL and resumed on 2
     processes it ends where the uninterrupted run ends; resumed on 1 process it restores the saved state exactly
@@ -250,6 +205,8 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(launches, tmp_
     buffers) from rank 0, while the uninterrupted run's processes each read the weights; the two end step for step
     alike, which they cannot if rank 1's weights differ from what it would have read (one launch pair serves both
     checks: a wrong shard or a lost noise stream each moves the adapters far past the comparison's 1e-6)."""
+    import shutil
+
     from safetensors.torch import load_file
 
     from dpllm import ledger, sharded_checkpoint
@@ -258,14 +215,19 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(launches, tmp_
     from dpllm.train import train
     from tests.test_distributed import TINY
 
-    whole, killed, secret, one = launches.whole, launches.killed, launches.secret, launches.one
-    assert launches.killed_error is None, launches.killed_error
-    assert launches.died_midway  # it really died mid-way: no report before its resume
-    assert "privacy: (ε = " in _done(launches.results["secret"])
-    _done(launches.results["whole"])  # the recipe, then the module's cases (an error in either fails here)
-    _done(launches.results["resumed"])
-    killed_log, whole_log = launches.killed_log, launches.results["whole"][2]
-    seeded = [*SEEDED, "--model_name_or_path", str(launches.base)]
+    base, each_reads = _base_and_each_reads(tmp_path)
+    seeded = [*SEEDED, "--model_name_or_path", str(base)]
+    whole, killed, secret = tmp_path / "whole", tmp_path / "killed", tmp_path / "secret"
+    runs = [_recipe(whole, *seeded, launch=each_reads), _recipe(killed, *seeded),
+            _recipe(secret, "--finetuning", "full", "--save_every", "3")]  # secret noise: releasable
+    killed_log = _killed_after(runs[1], killed, "step-000002")
+    shutil.copytree(killed, tmp_path / "one")
+    resumed = _recipe(killed, *seeded, resume=True)
+    out = _done(runs[2])
+    assert "privacy: (ε = " in out
+    whole_log = runs[0].communicate(timeout=600)[1]
+    assert runs[0].returncode == 0, whole_log[-4000:]
+    _done(resumed)
 
     # the documented command: sharded, bk, every process's own noise state written owner-only beside its shard
     report = json.loads((secret / "privacy_report.json").read_text())
@@ -308,14 +270,14 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(launches, tmp_
         restored["ckpt"] = ckpt
 
     monkeypatch.setattr(sharded_checkpoint, "load_state", spy)
-    latest = one / "checkpoints" / (one / "checkpoints" / "latest").read_text().strip()
+    latest = tmp_path / "one" / "checkpoints" / (tmp_path / "one" / "checkpoints" / "latest").read_text().strip()
     saved = _read_dcp(latest / "state", tmp_path / "one.pt")["model"]  # before the run prunes it
-    summary = train(parse_config([*TINY, *seeded, "--output_dir", str(one), "--resume_from", "latest"]))
+    summary = train(parse_config([*TINY, *seeded, "--output_dir", str(tmp_path / "one"), "--resume_from", "latest"]))
     assert summary["world_size"] == 1 and summary["resumed_from_step"] >= 2 and summary["steps"] == 6
     assert restored.pop("ckpt") == latest
     assert restored.keys() == saved.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
-    assert ledger.verify(one).ok
-    assert json.loads((one / "privacy_report.json").read_text())["history"] == r2["history"]
+    assert ledger.verify(tmp_path / "one").ok
+    assert json.loads((tmp_path / "one" / "privacy_report.json").read_text())["history"] == r2["history"]
 
 
 def _read_dcp(directory, scratch):
