@@ -33,6 +33,11 @@ demo: $(VENV)/.installed
 # 79 -> 28, compliance 92 -> 49, mia_lira_lm 57 -> 32, scaling_sweep 74 -> 55, its two-stage test 48 -> 35, the
 # demo test 45 -> 31 (about 300 CPU-s in all). With that and the day's correlated-noise tests: 14:51 for 1169 tests
 # (2026-11-27 16:16-16:31 UTC, a few single tests running beside it).
+# Then (2026-11-27 evening) the accountants' hot loops were vectorised (the user-level mixture PLD's inversion,
+# dpllm.privacy.mixture, 15-30x; RDP calibration's search, dpllm.privacy.rdp_series, ~5x; the trade-off curve
+# cached per history), test_distributed's 2-process runs share one launch (tests/ddp_runs.py), the SIGKILL cases
+# fork from one process that imported the stack (tests.helpers.forked_recipe), and runs that do not test the
+# accountant use PRV: clean-clone CI of 2e70c24, 1197 tests in 10:20 (test time ~1650 -> ~1230 s).
 test: $(VENV)/.installed
 	$(BIN)/ruff check .
 	$(BIN)/lint-imports
