@@ -7,8 +7,6 @@ run is in test_correlated_blt_runs.py, the banded equivalents in test_correlated
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import sys
 
@@ -19,10 +17,10 @@ from dpllm import ledger
 from dpllm.config import ConfigError, parse_config
 from dpllm.privacy import accounting, correlated
 from dpllm.privacy.correlated import blt as blt_math
-from dpllm.privacy.correlated.groups import CyclicPoissonBatchSampler
 from dpllm.privacy.plan import plan_privacy
 
 sys.path.insert(0, __import__("os").path.dirname(__file__))
+from test_correlated_engines import uls_plan, uls_run_by_turns  # noqa: E402
 from test_correlated_runs import SHORT  # noqa: E402  the tiny recipe: N = 236, B = 16 (15 batches per epoch)
 
 # The Opacus optimizers' BLT draws (C·X = Z on hooks and ghost, DDP's rank-0 rule) are tested with banded's in
@@ -80,25 +78,10 @@ def test_a_blt_uls_run_is_one_gaussian_mechanism_over_users(tmp_path, mode, monk
     """ULS + blt: users (not records) are grouped by their id and sampled whole, each clipped once per step, so a user
     joins at most ⌈T/b⌉ steps b apart and the user-level ε is the Gaussian mechanism's (σ/sens(C, b, ⌈T/b⌉), 1, 1)
     itself: no ELS mixture or group privacy on top (k = 1), the same σ as `dpllm plan --unit user --sampling uls`."""
-    from test_user_level import _run as user_run
-
     from dpllm.export import correlated_note
-    from dpllm.privacy.planning import cli_main
     from dpllm.privacy.report import PrivacyReport
 
-    drawn = []
-    plain_iter = CyclicPoissonBatchSampler.__iter__
-
-    def spy(self):
-        for batch in plain_iter(self):
-            drawn.append((self, batch))
-            yield batch
-
-    monkeypatch.setattr(CyclicPoissonBatchSampler, "__iter__", spy)
-    run = user_run(tmp_path, "uls", mode, noise="blt", bands=2, buffers=1, max_steps=4)
-    assert len(drawn) >= 4 and sum(len(b) for _, b in drawn) > 0
-    for t, (sampler, batch) in enumerate(drawn):  # whole users of the group whose turn it is
-        assert sampler.unit_records is not None and all(int(sampler.groups[sampler.user_of[i]]) == t % 2 for i in batch)
+    run = uls_run_by_turns(tmp_path, mode, monkeypatch, steps=4, noise="blt", buffers=1)
     r = PrivacyReport.read(run)
     u, c = r.user_level, r.correlated_noise
     assert r.privacy_unit == "user" and r.grad_sample_mode == mode and (c["mechanism"], c["bands"]) == ("blt", 2)
@@ -113,14 +96,7 @@ def test_a_blt_uls_run_is_one_gaussian_mechanism_over_users(tmp_path, mode, monk
     assert ledger.verify(run).ok
     assert "the users were split into 2 groups by a keyed hash of each user's id" in correlated_note(r)
     assert any("each user in at most ⌈4/2⌉ = 2 steps" in line for line in r.details())
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert cli_main(["--unit", "user", "--sampling", "uls", "--num-users", str(u["num_users"]),
-                         "--records-per-user", "4", "--num-records", str(r.num_records), "--users-per-batch",
-                         str(u["users_per_batch"]), "--batch", "16", "--steps", "4", "--delta", "1e-3",
-                         "--target-epsilon", "8", "--accountant", r.accountant, "--noise", "blt", "--bands", "2",
-                         "--buffers", "1", "--epsilons", "", "--json"]) == 0
-    planned = json.loads(buf.getvalue())["correlated_noise"]["blt"]
+    planned = uls_plan(r, 4, "--noise", "blt", "--bands", "2", "--buffers", "1")["blt"]
     assert planned["draw_noise_multiplier"] == pytest.approx(r.noise_multiplier, rel=1e-9)
 
 

@@ -189,16 +189,12 @@ def test_cyclic_user_sampler_draws_whole_users_of_the_groups_turn():
     assert [next(a) for _ in range(5)] == [next(b) for _ in range(5)]
 
 
-@pytest.mark.parametrize("mode", ["bk", "hooks"])
-def test_a_banded_uls_run_is_accounted_as_user_level_dp_sgd_at_q_b_over_ceil_t_over_b(tmp_path, mode, monkeypatch):
-    """ULS + banded: the unit grouped and sampled is the user; the report's user-level ε is DP-SGD's at
-    q_b = b/⌈U/B_u⌉ over ⌈T/b⌉ steps, σ as `dpllm plan --unit user --sampling uls --noise banded` plans it."""
+def uls_run_by_turns(tmp_path, mode, monkeypatch, *, steps, **noise):
+    """test_user_level's ULS run with correlated noise over 2 groups, checking that every step sampled whole users
+    of the group whose turn it was (the engine must not sample records, nor another group's users)."""
     from test_user_level import _run as user_run
 
-    from dpllm.privacy.planning import cli_main
-    from dpllm.privacy.report import PrivacyReport
-
-    drawn = []  # (sampler, batch) of every step: the engine must sample users of the group whose turn it is
+    drawn = []  # (sampler, batch) of every step
     plain_iter = CyclicPoissonBatchSampler.__iter__
 
     def spy(self):
@@ -207,10 +203,38 @@ def test_a_banded_uls_run_is_accounted_as_user_level_dp_sgd_at_q_b_over_ceil_t_o
             yield batch
 
     monkeypatch.setattr(CyclicPoissonBatchSampler, "__iter__", spy)
-    run = user_run(tmp_path, "uls", mode, noise="banded", bands=2, max_steps=5)
-    assert len(drawn) >= 5 and sum(len(b) for _, b in drawn) > 0
+    run = user_run(tmp_path, "uls", mode, bands=2, max_steps=steps, **noise)
+    assert len(drawn) >= steps and sum(len(b) for _, b in drawn) > 0
     for t, (sampler, batch) in enumerate(drawn):
         assert sampler.unit_records is not None and all(int(sampler.groups[sampler.user_of[i]]) == t % 2 for i in batch)
+    return run
+
+
+def uls_plan(report, steps: int, *noise: str) -> dict:
+    """``dpllm plan --unit user --sampling uls --json``'s correlated-noise section for the plan ``report``'s run had."""
+    import contextlib
+    import io
+
+    from dpllm.privacy.planning import cli_main
+
+    u, buf = report.user_level, io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli_main(["--unit", "user", "--sampling", "uls", "--num-users", str(u["num_users"]),
+                         "--records-per-user", "4", "--num-records", str(report.num_records), "--users-per-batch",
+                         str(u["users_per_batch"]), "--batch", "16", "--steps", str(steps), "--delta", "1e-3",
+                         "--target-epsilon", "8", "--accountant", report.accountant, *noise, "--epsilons", "",
+                         "--json"]) == 0
+    return json.loads(buf.getvalue())["correlated_noise"]
+
+
+@pytest.mark.parametrize("mode", ["bk", "hooks"])
+def test_a_banded_uls_run_is_accounted_as_user_level_dp_sgd_at_q_b_over_ceil_t_over_b(tmp_path, mode, monkeypatch):
+    """ULS + banded: the unit grouped and sampled is the user; the report's user-level ε is DP-SGD's at
+    q_b = b/⌈U/B_u⌉ over ⌈T/b⌉ steps, σ as `dpllm plan --unit user --sampling uls --noise banded` plans it."""
+    from dpllm.privacy.planning import cli_main
+    from dpllm.privacy.report import PrivacyReport
+
+    run = uls_run_by_turns(tmp_path, mode, monkeypatch, steps=5, noise="banded")
     r = PrivacyReport.read(run)
     u, c = r.user_level, r.correlated_noise
     assert r.privacy_unit == "user" and r.grad_sample_mode == mode and (c["bands"], c["accounted_steps"]) == (2, 3)
@@ -227,17 +251,7 @@ def test_a_banded_uls_run_is_accounted_as_user_level_dp_sgd_at_q_b_over_ceil_t_o
     assert "the users were split into 2 groups by a keyed hash of each user's id" in correlated_note(r)
     trained = json.loads((run / "splits.json").read_text())["train"]
     assert len(trained) == r.num_records
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        assert cli_main(["--unit", "user", "--sampling", "uls", "--num-users", str(u["num_users"]),
-                         "--records-per-user", "4", "--num-records", str(r.num_records), "--users-per-batch",
-                         str(u["users_per_batch"]), "--batch", "16", "--steps", "5", "--delta", "1e-3",
-                         "--target-epsilon", "8", "--accountant", r.accountant, "--noise", "banded", "--bands", "2",
-                         "--epsilons", "", "--json"]) == 0
-    rows = {row["bands"]: row for row in json.loads(buf.getvalue())["correlated_noise"]["rows"]}
+    rows = {row["bands"]: row for row in uls_plan(r, 5, "--noise", "banded", "--bands", "2")["rows"]}
     assert rows[2]["noise_multiplier"] == pytest.approx(r.noise_multiplier, rel=1e-9)
     assert cli_main(["--unit", "user", "--sampling", "els", "--num-users", "100", "--records-per-user", "4",
                      "--batch", "16", "--steps", "5", "--delta", "1e-3", "--target-epsilon", "8", "--noise",

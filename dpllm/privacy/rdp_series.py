@@ -29,6 +29,8 @@ from typing import Sequence
 import numpy as np
 from scipy import special
 
+from dpllm.privacy.prv import _rdp_to_eps
+
 History = Sequence[tuple[float, float, int]]
 # Opacus's RDPAccountant.DEFAULT_ALPHAS, spelled the same way so the floats are the same
 ORDERS = np.array([1 + x / 10.0 for x in range(1, 100)] + list(range(12, 64)), dtype=float)
@@ -116,6 +118,7 @@ def rdp_epsilon(*, history: History, delta: float) -> float:
     if not pieces:
         return 0.0
     rdp = sum(rdp_of_one_step(s, q) * t for s, q, t in pieces)
+    if np.isnan(rdp).all():  # no order's series converged: no stand-in
+        return math.inf
     with np.errstate(invalid="ignore", divide="ignore"):
-        eps = rdp - (math.log(delta) + np.log(ORDERS)) / (ORDERS - 1) + np.log((ORDERS - 1) / ORDERS)
-    return float(np.nanmin(eps)) if not np.isnan(eps).all() else math.inf
+        return _rdp_to_eps(rdp, delta, ORDERS)
