@@ -1,16 +1,17 @@
-"""privacy.noise: banded, audited: the canary machinery's ε lower bound stays under the reported ε, and catches a
-sampler that does not belong to banded's accounting.
+"""privacy.noise: banded and blt, audited: the canary machinery's ε lower bound stays under the reported ε, and
+catches a sampler that does not belong to the mechanism's accounting.
 
 White-box (fast, the power check). The released sequence of the real bk optimizer (``LeanAccumulation.add_noise``
-with the run's BandMF recurrence and generator), over batches drawn by the run's own sampler
-(``CorrelatedNoise.sampler``: cyclic Poisson over b groups keyed by each record's text). Each of m Dirac canaries
+with the run's BandMF or BLT recurrence and generator), over batches drawn by the run's own sampler
+(``CorrelatedNoise.sampler``: cyclic over b groups keyed by each record's text). Each of m Dirac canaries
 owns one coordinate (its clipped gradient is C·e_j) and is in the dataset by a fair coin; the forward and backward
 passes are left out, as in test_quantile_audit.py, so that 1,000 canaries run in a second. The auditor knows
 everything but the noise: it whitens the releases with the strategy (C·r = C·G + z), and scores each canary by the
-matched filter of its own participation pattern (the one-run bound of mia.canaries takes any score). With q_b = 1
-the reduction says this is DP-SGD at σ over ⌈T/b⌉ full-batch steps: μ = √⌈T/b⌉/σ. The same releases drawn with plain
-Poisson sampling at q_b (every record may join every step: the sampler that does not go with the reduction) are
-far less private than the report states, and the same audit says so.
+matched filter of its own participation pattern (the one-run bound of mia.canaries takes any score). With q_b = 1:
+banded is, by the reduction, DP-SGD at σ over ⌈T/b⌉ full-batch steps (μ = √⌈T/b⌉/σ); BLT is one Gaussian
+mechanism with μ = sens(C, b, ⌈T/b⌉)/σ, the largest ‖C·p‖ over participation patterns p that are b apart. The same
+releases drawn with plain Poisson sampling at q_b (every record may join every step: the sampler that does not go
+with either accounting) are far less private than the report states, and the same audit says so.
 
 End to end: a banded run of the recipe with canaries, then ``python -m mia canaries``: the bound is under the
 reported ε, and the canary report names the mechanism and the event ε was computed from.
@@ -27,8 +28,8 @@ import torch
 M, BANDS, STEPS, TARGET, DELTA = 1000, 8, 16, 2.0, 1e-5
 
 
-def _whitened_scores(*, cyclic: bool, seed: int):
-    """One audited run: (scores, included, reported ε, σ, the reduction's μ, the canaries' ‖w‖)."""
+def _whitened_scores(*, cyclic: bool, seed: int, mechanism: str = "banded"):
+    """One audited run: (scores, included, reported ε, σ, the accounting's μ, the canaries' ‖w‖)."""
     from dpllm.privacy import correlated
     from dpllm.privacy.accounting import compute_epsilon_history
     from dpllm.privacy.bk.optimizer import LeanAccumulation
@@ -43,11 +44,22 @@ def _whitened_scores(*, cyclic: bool, seed: int):
     texts = [names[j] for j in members]
     n = len(texts)
     batch = math.ceil(n / BANDS)  # ⌈N/B⌉ = b groups: q_b = 1, every record of the step's group joins
-    noise = correlated.build("banded", BANDS, steps=STEPS, num_records=n, batch=batch, noise_multiplier=1.0)
+    extra = {"buffers": 2} if mechanism == "blt" else {"noise_multiplier": 1.0}
+    noise = correlated.build(mechanism, BANDS, steps=STEPS, num_records=n, batch=batch, **extra)
     plan = plan_privacy(num_records=n, logical_batch_size=batch, steps=STEPS, target_epsilon=TARGET, delta=DELTA,
                         accountant="prv", noise=noise)
-    assert noise.sample_rate == plan.sample_rate == 1.0 and plan.history == [(plan.noise_multiplier, 1.0, 2)]
-    sigma = plan.noise_multiplier
+    sigma = plan.noise_multiplier  # the draw's std in units of C
+    assert noise.sample_rate == plan.sample_rate == 1.0 and noise.bands == BANDS
+    if mechanism == "blt":  # one Gaussian mechanism: μ = sens/σ, nothing credited to sampling
+        mu = noise.sensitivity / sigma
+        assert noise.sensitivity > 1.0 and plan.history == [(pytest.approx(1 / mu, rel=1e-12), 1.0, 1)]
+        band = noise.strategy.blt.matrix(STEPS)  # C (lower-triangular Toeplitz, c₀ = 1)
+    else:  # DP-SGD at σ, q_b = 1, ⌈T/b⌉ steps
+        mu = math.sqrt(correlated.accounted_steps(STEPS, BANDS)) / sigma
+        assert plan.history == [(sigma, 1.0, 2)]
+        band = np.zeros((STEPS, STEPS))  # the strategy matrix C (lower-triangular, b bands)
+        for i, ci in enumerate(np.asarray(noise.strategy.coefficients)):
+            band += ci * np.eye(STEPS, k=-i)
     reported = compute_epsilon_history(history=plan.history, delta=DELTA, accountant="prv")
     gen = torch.Generator().manual_seed(seed + 1)
     sampler = noise.sampler(texts=texts, key=0, generator=gen) if cyclic else \
@@ -66,10 +78,6 @@ def _whitened_scores(*, cyclic: bool, seed: int):
         opt.add_noise()  # the bk optimizer's own draw and recurrence: r_t = G_t + (C⁻¹z)_t
         released[t] = p.grad.detach().numpy()
         p.summed_grad = p.grad = None
-    c = np.asarray(noise.strategy.coefficients)
-    band = np.zeros((STEPS, STEPS))  # the strategy matrix C (lower-triangular, b bands)
-    for i, ci in enumerate(c):
-        band += ci * np.eye(STEPS, k=-i)
     whitened = band @ released  # C·r = C·G + z: z i.i.d. N(0, σ²)
     # the participation pattern the auditor expects of each canary were it in: its group's steps (cyclic), or all
     groups = np.asarray(assign_groups(names, bands=BANDS, key=0))
@@ -78,22 +86,25 @@ def _whitened_scores(*, cyclic: bool, seed: int):
     w = band @ pattern  # each canary's signal in C·G
     norm = np.linalg.norm(w, axis=0)
     scores = (w * whitened).sum(0) / (sigma * norm)  # N(‖w‖/σ, 1) in, N(0, 1) out
-    return scores, included, reported, sigma, math.sqrt(correlated.accounted_steps(STEPS, BANDS)) / sigma, norm
+    return scores, included, reported, sigma, mu, norm
 
 
-def test_a_white_box_audit_of_banded_noise_stays_under_the_reported_epsilon_and_catches_a_wrong_sampler():
+@pytest.mark.parametrize("mechanism", ["banded", "blt"])
+def test_a_white_box_audit_stays_under_the_reported_epsilon_and_catches_a_wrong_sampler(mechanism):
     from mia.canaries import one_run_audit
 
-    scores, included, reported, sigma, mu, norm = _whitened_scores(cyclic=True, seed=3)
+    scores, included, reported, sigma, mu, norm = _whitened_scores(cyclic=True, seed=3, mechanism=mechanism)
     assert reported <= TARGET + 1e-6
-    # the measured shift of a member's score is the reduction's μ (its ‖w‖ ≤ √⌈T/b⌉: a truncated last band)
+    # the measured shift of a member's score is ‖w‖/σ, never above the accounting's μ (banded: ‖w‖ ≤ √⌈T/b⌉, a
+    # truncated last band below it; BLT: ‖w‖ ≤ sens, the worst pattern's, which a canary of the last group reaches)
     shift = scores[included].mean() - scores[~included].mean()
-    assert np.all(norm <= math.sqrt(2) + 1e-9) and shift <= mu + 4 * math.sqrt(2 / 500)
+    assert np.all(norm <= mu * sigma * (1 + 1e-9)) and norm.max() > 0.9 * mu * sigma
+    assert shift <= mu + 4 * math.sqrt(2 / 500)
     assert shift == pytest.approx((norm[included] / sigma).mean(), abs=4 * math.sqrt(2 / 500))
     assert scores[~included].std() == pytest.approx(1.0, abs=0.1)  # the whitened noise is i.i.d. at σ
     found = one_run_audit(scores, included, delta=DELTA)["epsilon_lower"]
     assert 0.1 < found <= reported  # it measures real leakage, and no more than the report states
-    wrong, inc2, reported2, *_ = _whitened_scores(cyclic=False, seed=3)
+    wrong, inc2, reported2, *_ = _whitened_scores(cyclic=False, seed=3, mechanism=mechanism)
     assert reported2 == reported  # the same plan, the same σ: only the sampler differs
     assert one_run_audit(wrong, inc2, delta=DELTA)["epsilon_lower"] > reported
 
