@@ -41,6 +41,7 @@ SMOKE = {
     "scripts/bench_packing.py": "--smoke --out {tmp}/packing.json",
     "scripts/bench_correlated_noise.py": "--params 20000 --bands 1 3 --repeats 1 --json {tmp}/correlated.json",
     "scripts/bench_correlated_step.py": "--smoke --out {tmp}/correlated_step.json",
+    "scripts/bench_accounting.py": "--smoke --out {tmp}/accounting.json",
     "scripts/gpu_proof.py": None,  # its own test: tests/test_gpu_proof.py
 }
 SLOW = {
