@@ -4,7 +4,8 @@ Each case builds the same model twice from one seed: a reference that one proces
 step's records with bk, and a copy sharded with FSDP2 (:func:`dpllm.distributed.shard_model`) on which each
 process runs its own share. Both take one SGD step (σ = 0 unless the case says otherwise). Every process
 computes the reference itself (same seed, same records), so no reference value crosses the process group.
-The ghost_fsdp checks of tests/fsdp_worker.py run in the same launch (one launch costs ~15 s here).
+The ghost_fsdp checks of tests/fsdp_worker.py and tests/fsdp_guards_worker.py run in the same launch (one launch
+costs ~15-20 s of CPU here).
 Rank 0 writes what it found as JSON to argv[1].
 """
 
@@ -377,6 +378,10 @@ if __name__ == "__main__":
     found["ghost_fsdp"] = {ft: check(ft, Path(sys.argv[2]) / ft) for ft in ("full", "lora")}
     # refusals last: a backward pass that failed half-way leaves nothing the cases above need
     found["ghost_fsdp_guard"] = ghost_fsdp_guard()
+    from tests.fsdp_guards_worker import check as hook_copy  # test_gradient_paths's hook copy under ghost_fsdp
+
+    found["ghost_fsdp_hook_copy"] = [None, None]
+    dist.all_gather_object(found["ghost_fsdp_hook_copy"], hook_copy())
     found["refusal"] = {f"mixed={m},reshard={r}": refusal(m, r) for m in (False, True) for r in (True, False)}
     if rank == 0:
         Path(sys.argv[1]).write_text(json.dumps(found))

@@ -1,8 +1,9 @@
-"""One process of tests/test_gradient_paths.py::test_ghost_fsdp_refuses_a_hook_copy (run under torch.distributed.run).
+"""tests/test_fsdp_bk.py::test_ghost_fsdp_refuses_a_hook_copy: what each process finds (run in
+tests/fsdp_bk_worker.py's launch, or alone under torch.distributed.run, rank 0 writing the findings to argv[1]).
 
 FSDP2 + ghost_fsdp (asked for explicitly: under FSDP ``auto`` is bk or a refusal), on CPU (gloo): a forward hook on a
 layer copies its (unsharded) weight for another layer to use. Each rank records whether its first backward pass was
-refused and whether its weights stayed as they were; rank 0 writes the findings as JSON to argv[1].
+refused and whether its weights stayed as they were.
 """
 
 import json
@@ -16,14 +17,12 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from fsdp_worker import full_state_dict
-from test_gradient_paths import IDS, HookCopy, V, Y
-
-from dpllm.config import PrivacyConfig
-from dpllm.distributed import World, finish_process, wrap_model
-from dpllm.privacy.engine import PrivacyPlan, make_private
+from dpllm.config import PrivacyConfig  # noqa: E402
+from dpllm.distributed import World, finish_process, wrap_model  # noqa: E402
+from dpllm.privacy.engine import PrivacyPlan, make_private  # noqa: E402
+from tests.fsdp_worker import full_state_dict  # noqa: E402
+from tests.test_gradient_paths import IDS, HookCopy, V, Y  # noqa: E402
 
 
 def check() -> dict:

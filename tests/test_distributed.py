@@ -130,7 +130,7 @@ def _finish(proc):
 
 def _one_process(out, extra=()):
     """The single-process run in this pytest process (``train``, what the recipe calls): the comparisons need one,
-    and the launcher's 1-process path has its own test (test_train.py::test_accelerate_launch_recipe_smoke)."""
+    and the launcher's 1-process path has its own test (test_paths_and_launch.py, the launch without --multi_gpu)."""
     from dpllm.config import parse_config
     from dpllm.train import train
 
@@ -143,16 +143,18 @@ def _trainable(run):
     return load_file(str(run / "checkpoint" / "adapter_model.safetensors"))
 
 
-def test_one_and_two_processes_train_the_same_run(tmp_path):
-    """`accelerate launch --multi_gpu --num_processes 2` on CPU: same batches, σ, q, steps and ε as 1 process."""
+def test_one_and_two_processes_train_the_same_run(tmp_path, ddp_runs):
+    """`accelerate launch --multi_gpu --num_processes 2` on CPU (the recipe's ``main`` on each process, in the
+    ddp_runs fixture's launch): same batches, σ, q, steps and ε as 1 process."""
     # Seeded noise (tests only) so that the two runs can be compared at all: secret noise differs per run.
-    same = ("--reproducible_noise", "true")
-    two = _launch(tmp_path / "two", "--multi_gpu", "--num_processes", "2", extra=same)
-    _one_process(tmp_path / "one", same)
-    out2 = _finish(two)
-    assert "privacy: (ε = " in out2
-    # Each line once: only the first process logs below ERROR (dpllm.logs.setup_logging).
-    assert out2.count("privacy: (ε = ") == 1 and two.stderr_text.count("INFO dpllm.privacy.run: privacy: σ=") == 1
+    _one_process(tmp_path / "one", DDP_RUNS["recipe"])
+    (tmp_path / "two").symlink_to(ddp_runs["recipe"], target_is_directory=True)
+    out2, err2 = ((ddp_runs["recipe"].parent / f"{name}.log").read_text() for name in ("stdout", "stderr"))
+    # Each line once: only the first process prints and logs below ERROR (dpllm.logs.setup_logging). The launch's
+    # runs before the killed one finish and print their privacy line; every private run (the killed one too) logs σ
+    private = [n for n, extra in DDP_RUNS.items() if "--privacy.enabled" not in extra]
+    assert out2.count("privacy: (ε = ") == len(private) - 1
+    assert err2.count("INFO dpllm.privacy.run: privacy: σ=") == len(private)
     r1, r2 = (json.loads((tmp_path / n / "privacy_report.json").read_text()) for n in ("one", "two"))
     for key in ("steps", "epsilon", "noise_multiplier", "sample_rate", "logical_batch_size", "expected_batch_size",
                 "history", "num_records"):
@@ -257,14 +259,15 @@ KILLED = ("--save_every", "2", "--finetuning", "full", "--eval_every", "0")
 DDP_RUNS = {"ddp": ("--privacy.enabled", "false", "--eval_every", "0"),
             **{f"bk-{name}": (*BK, *noise) for name, noise in NOISES.items()},
             "quantile": QUANTILE,
+            "recipe": ("--reproducible_noise", "true"),  # the recipe as configured, compared with one process
             "killed": KILLED}
 
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
     """Each run of :data:`DDP_RUNS` on 2 gloo processes, in order, in ONE `accelerate launch --multi_gpu
-    --num_processes 2` of tests/ddp_runs.py (each run through ``train``, what recipes/finetune_llm.py calls; the
-    processes' imports paid once, not once per run; the recipe's own launch is test_one_and_two_processes_...).
+    --num_processes 2` of tests/ddp_runs.py (each run through recipes/finetune_llm.py's ``main``; the processes'
+    imports paid once, not once per run; the script's own 2-process launches are in tests/test_fsdp_bk.py).
     The last run, ``killed``, is killed with SIGKILL (the launcher and both workers) once its step-2 checkpoint
     is written. Returns each run's directory by name."""
     import contextlib
@@ -275,11 +278,11 @@ def ddp_runs(tmp_path_factory):
     dirs = {name: root / name for name in DDP_RUNS}
     spec = root / "runs.json"
     spec.write_text(json.dumps([[*TINY, "--output_dir", str(dirs[n]), *extra] for n, extra in DDP_RUNS.items()]))
-    # stderr to a file: a pipe that nobody reads while the runs go on would fill up and stop the workers
-    with open(root / "stderr.log", "w") as log:
+    # output to files: a pipe that nobody reads while the runs go on would fill up and stop the workers
+    with open(root / "stdout.log", "w") as out, open(root / "stderr.log", "w") as log:
         proc = subprocess.Popen([ACCELERATE, "launch", "--main_process_port", str(_free_port()), "--multi_gpu",
                                  "--num_processes", "2", os.path.join(ROOT, "tests", "ddp_runs.py"), str(spec)],
-                                stdout=subprocess.DEVNULL, stderr=log, cwd=ROOT, start_new_session=True)
+                                stdout=out, stderr=log, cwd=ROOT, start_new_session=True)
         latest, deadline = dirs["killed"] / "checkpoints" / "latest", time.time() + 900
         try:
             while not (latest.is_file() and latest.read_text().strip() >= "step-000002"):

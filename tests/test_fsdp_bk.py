@@ -1,7 +1,8 @@
 """bk under FSDP2 on 2 gloo processes: one sharded step equals one single-process step; noise once per coordinate.
 
 One launch of tests/fsdp_bk_worker.py (module fixture) runs every case; the tests read what it found. The
-ghost_fsdp path (tests/fsdp_worker.py) runs in the same launch.
+ghost_fsdp path (tests/fsdp_worker.py) and its guard against a hook copy (tests/fsdp_guards_worker.py) run in the
+same launch.
 
 Tolerance of the equalities (σ = 0): the models are float64, but ``sequence_loss`` takes each record's loss in
 float32 and their mean over the physical batch in float32, and bk recovers a record's gradient by multiplying
@@ -129,6 +130,16 @@ def test_the_parameter_use_guard_applies_under_ghost_fsdp(found):
     assert "used outside its own layer: emb.weight" in found["ghost_fsdp_guard"]
 
 
+def test_ghost_fsdp_refuses_a_hook_copy(found):
+    """Under FSDP, ghost_fsdp's layers see unsharded copies of their weights: the guard reads each layer's parameters
+    at every call (tests/fsdp_guards_worker.py, test_gradient_paths.py's HookCopy). On 888bb2b the hook copy trained
+    there at 95.0 × C (2 gloo processes)."""
+    for seen in found["ghost_fsdp_hook_copy"]:  # each process
+        assert seen["mode"] == "ghost_fsdp"
+        assert "lin.weight got a gradient through a path outside" in seen["refused"]
+    assert found["ghost_fsdp_hook_copy"][0]["update_over_C"] == 0.0  # nothing was applied
+
+
 def test_fsdp_private_path_on_cpu(found):
     """FSDP2 + ghost_fsdp: uneven/empty shares, eval, sharded resumable save/load, final weights."""
     for finetuning, r in found["ghost_fsdp"].items():
@@ -143,9 +154,11 @@ def test_fsdp_private_path_on_cpu(found):
 
 FSDP_LAUNCH = ["--config_file", os.path.join(ROOT, "recipes", "accelerate", "fsdp.yaml"), "--num_processes", "2"]
 # Plain SGD makes the update the noised clipped sum itself, so a noise stream not restored on resume, or a shard
-# noised twice, moves the weights by ~lr·σC/B per coordinate, far above the comparison's 1e-6.
+# noised twice, moves the weights by ~lr·σC/B per coordinate, far above the comparison's 1e-6. Quantile clipping
+# (its count noised once per step on rank 0, C moved alike on both processes) rides in the same runs: a clip norm
+# not restored on resume moves every later clipped sum, and so the weights, too.
 SEEDED = ["--reproducible_noise", "true", "--optimizer", "sgd", "--learning_rate", "0.5", "--save_every", "2",
-          "--eval_every", "0"]
+          "--eval_every", "0", "--clipping", "quantile", "--count_noise_multiplier", "2"]
 
 
 def _recipe(out, *extra, resume=False, launch=FSDP_LAUNCH):
@@ -198,7 +211,11 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(tmp_path, monk
     """`accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes 2` on CPU runs the recipe
     sharded with bk; its resumable checkpoints are per-process shards; killed with SIGKILL and resumed on 2
     processes it ends where the uninterrupted run ends; resumed on 1 process it restores the saved state exactly
-    and draws fresh noise; `dpllm export` turns the sharded run into the usual bundle.
+    and draws fresh noise; `dpllm export` turns the sharded run into the usual bundle. The resumed pair runs
+    quantile-adaptive clipping (bk, each process noising its own shard, the count once): C adapts through the trainer
+    under FSDP2, is restored on resume, and the run is accounted as one process's (the counts and the noise per
+    shard: test_quantile_clipping_counts_across_shards_once_and_moves_c_alike below; DDP, whose C equals one
+    process's: tests/test_distributed.py::test_two_processes_adapt_c_as_one_process_does).
 
     The same launches check fsdp_cpu_ram_efficient_loading (recipes/accelerate/fsdp.yaml sets it): from a model
     directory, the killed run's rank 1 builds the model on the meta device and receives its shard (and the rotary
@@ -253,6 +270,12 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(tmp_path, monk
     # killed at step ≥ 2 and resumed on 2 processes: the uninterrupted run (each process reading), step for step
     r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, whole))
     assert r1["history"] == r2["history"] and r1["epsilon"] == r2["epsilon"] and r1["steps"] == 6
+    # quantile clipping under FSDP2: C adapted over the 6 steps and the resumed run moved it exactly as the
+    # uninterrupted one (C is resumable state, restored from trainer_state.json); the ledger's last line holds it
+    a1, a2 = r1["adaptive_clipping"], r2["adaptive_clipping"]
+    assert r2["grad_sample_mode"] == "bk" and a2["steps"] == 6 and a2["initial_max_grad_norm"] == 1.0
+    assert a2["final_max_grad_norm"] != 1.0 and a1 == a2
+    assert [e for e in ledger.read(whole) if "adaptive_clipping" in e][-1]["adaptive_clipping"] == a2
     assert [e["kind"] for e in ledger.read(killed)].count("resume") == 1 and ledger.verify(killed).ok
     a, b = (load_file(str(d / "checkpoint" / "adapter_model.safetensors")) for d in (killed, whole))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=0, atol=1e-6) for k in a)
@@ -277,7 +300,8 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(tmp_path, monk
     assert restored.pop("ckpt") == latest
     assert restored.keys() == saved.keys() and all(torch.equal(restored[k], saved[k]) for k in saved)
     assert ledger.verify(tmp_path / "one").ok
-    assert json.loads((tmp_path / "one" / "privacy_report.json").read_text())["history"] == r2["history"]
+    one = json.loads((tmp_path / "one" / "privacy_report.json").read_text())
+    assert one["history"] == r2["history"] and one["adaptive_clipping"]["steps"] == 6  # one process's accounting
 
 
 def _read_dcp(directory, scratch):

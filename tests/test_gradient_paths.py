@@ -235,30 +235,6 @@ def test_a_zero_contribution_is_not_a_path_and_removing_the_guard_frees_the_mode
     assert model.lin.weight.grad is not None
 
 
-def test_ghost_fsdp_refuses_a_hook_copy(tmp_path):
-    """Under FSDP, ghost_fsdp's layers see unsharded copies of their weights: the guard reads
-    each layer's parameters at every call. On 888bb2b the hook copy trained there at 95.0 × C (2 gloo processes)."""
-    import json
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "found.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
-           os.path.join(root, "tests", "fsdp_guards_worker.py"), str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root, check=False)
-    assert res.returncode == 0, res.stderr[-4000:]
-    for found in json.loads(out.read_text()):
-        assert found["mode"] == "ghost_fsdp"
-        assert "lin.weight got a gradient through a path outside" in found["refused"]
-    assert json.loads(out.read_text())[0]["update_over_C"] == 0.0  # nothing was applied
-
-
 def test_doctests():
     from dpllm.privacy import paths
 

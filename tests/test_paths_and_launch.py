@@ -63,11 +63,16 @@ def test_requested_processes_from_an_accelerate_config(tmp_path):
 
 
 def test_a_launch_without_multi_gpu_warns_that_one_process_trains(tmp_path):
-    """accelerate starts one process when asked for two without --multi_gpu: the run says so."""
+    """accelerate starts one process when asked for two without --multi_gpu: the run says so, and trains as the
+    single-process launch does (this is also the suite's smoke run of ``accelerate launch`` with the tiny CPU config:
+    the launcher's one-process path, the README's config file under SIGTERM in tests/test_stopping.py)."""
+    import json
+
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
     out = tmp_path / "run"
     proc = subprocess.run([accelerate, "launch", "--num_processes", "2",
                            os.path.join(ROOT, "recipes", "finetune_llm.py"),
+                           "--config", os.path.join(ROOT, "recipes", "configs", "tiny", "llama_lora_cpu.yaml"),
                            "--max_steps", "1", "--logical_batch_size", "8", "--physical_batch_size", "8",
                            "--max_length", "32", "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every",
                            "0", "--max_records", "60", "--progress", "false", "--output_dir", str(out)],
@@ -75,3 +80,9 @@ def test_a_launch_without_multi_gpu_warns_that_one_process_trains(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "accelerate launch was asked for 2 processes but started 1" in proc.stderr
     assert "--multi_gpu" in proc.stderr
+    assert "privacy: (ε = " in proc.stdout
+    assert (out / "checkpoint" / "adapter_model.safetensors").is_file()
+    assert (out / "checkpoint" / "base_model" / "config.json").is_file()
+    report = json.loads((out / "privacy_report.json").read_text())
+    assert 0 < report["epsilon"] <= 8.0 and report["steps"] == 1
+    assert json.loads((out / "run_summary.json").read_text())["world_size"] == 1

@@ -16,40 +16,57 @@ def test_an_unterminated_string_reads_once_at(tmp_path):
         read_jsonl(path)
 
 
-# Runs the recipe as its command does (``python recipes/finetune_llm.py``), then says which modules it imported.
-_RUN = """
-import runpy, sys
-sys.argv = ["recipes/finetune_llm.py", *sys.argv[1:]]
+# Runs the recipe as its command does (``python recipes/finetune_llm.py``), then says which modules it imported; then,
+# in the same interpreter, ``python -m mia audit`` of that run (its arguments as JSON in argv[1]), and says it again.
+# One interpreter for both: a second one would add ~7 CPU-s of start-up. A module the run imported stays imported, so
+# the second answer covers both commands; a warning is printed once per place, so the part of stderr before the
+# marker holds the run's and the part after it what only the audit printed (each part is checked for warnings).
+MARKER = "=== mia audit ==="
+_RUN = f"""
+import json, runpy, sys
+audit = json.loads(sys.argv[1])
+sys.argv = ["recipes/finetune_llm.py", *sys.argv[2:]]
 try:
     runpy.run_path("recipes/finetune_llm.py", run_name="__main__")
 except SystemExit as exit_:
-    print("exit", exit_.code, "bitsandbytes imported:", sys.modules.get("bitsandbytes") is not None)
+    print("exit", exit_.code, "bitsandbytes imported:", sys.modules.get("bitsandbytes") is not None, flush=True)
+print({MARKER!r}, file=sys.stderr, flush=True)
+sys.argv = ["mia", *audit]
+try:
+    runpy.run_module("mia", run_name="__main__")
+except SystemExit as exit_:
+    print("audit exit", exit_.code, "bitsandbytes imported:", sys.modules.get("bitsandbytes") is not None)
 """
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A 3-step tiny LoRA run with a progress bar, a held-out eval line while the bar runs and a checkpoint at
-    every step (each save would draw transformers' shard bar)."""
+    every step (each save would draw transformers' shard bar), then a loss audit of it (``audit_stderr``)."""
+    import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    out = tmp_path_factory.mktemp("rough") / "run"
+    base = tmp_path_factory.mktemp("rough")
+    out = base / "run"
+    audit = ["audit", "--checkpoint", str(out), "--attacks", "loss", "--n-bootstrap", "20", "--no-progress", "--out",
+             str(base / "audit")]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    r = subprocess.run([sys.executable, "-c", _RUN, "--max_records", "40", "--max_length", "32", "--tiny_hidden_size",
-                        "32", "--logical_batch_size", "16", "--physical_batch_size", "16", "--eval_every", "1",
-                        "--save_every", "1", "--max_steps", "3", "--target_epsilon", "8", "--progress", "true",
-                        "--output_dir", str(out)], capture_output=True, text=True, timeout=600,
+    r = subprocess.run([sys.executable, "-c", _RUN, json.dumps(audit), "--max_records", "40", "--max_length", "32",
+                        "--tiny_hidden_size", "32", "--logical_batch_size", "16", "--physical_batch_size", "16",
+                        "--eval_every", "1", "--save_every", "1", "--max_steps", "3", "--target_epsilon", "8",
+                        "--progress", "true", "--output_dir", str(out)], capture_output=True, text=True, timeout=600,
                        cwd=Path(__file__).resolve().parents[1], env=env)
-    assert "exit 0" in r.stdout, r.stderr[-3000:]
+    assert "\nexit 0 " in "\n" + r.stdout and MARKER in r.stderr, r.stderr[-3000:]  # the run's line, not the audit's
     r.run_dir = out
+    r.stderr, r.audit_stderr = r.stderr.split(MARKER + "\n", 1)
     return r
 
 
 def test_a_non_quantized_run_never_imports_bitsandbytes(tiny_run):
-    assert "bitsandbytes imported: False" in tiny_run.stdout
+    assert "\nexit 0 bitsandbytes imported: False" in "\n" + tiny_run.stdout
     assert "bitsandbytes" not in tiny_run.stderr and "kernels" not in tiny_run.stderr
     assert "Warning" not in tiny_run.stderr, tiny_run.stderr[-3000:]
 
@@ -110,17 +127,7 @@ def test_bitsandbytes_stays_for_a_run_that_quantizes_or_starts_from_a_qlora_run(
     assert "bitsandbytes" in sys.modules and sys.modules["bitsandbytes"] is None
 
 
-def test_an_audit_of_a_non_quantized_run_never_imports_bitsandbytes(tiny_run, tmp_path):
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = ("import runpy, sys\nsys.argv = ['mia', *sys.argv[1:]]\n"
-            "try:\n    runpy.run_module('mia', run_name='__main__')\n"
-            "except SystemExit as exit_:\n    print('exit', exit_.code, 'bitsandbytes imported:', "
-            "sys.modules.get('bitsandbytes') is not None)\n")
-    r = subprocess.run([sys.executable, "-c", code, "audit", "--checkpoint", str(tiny_run.run_dir), "--attacks", "loss",
-                        "--n-bootstrap", "20", "--no-progress", "--out", str(tmp_path / "audit")], capture_output=True,
-                       text=True, timeout=300, cwd=Path(__file__).resolve().parents[1])
-    assert "exit 0 bitsandbytes imported: False" in r.stdout, r.stderr[-3000:]
-    assert "Warning" not in r.stderr, r.stderr[-3000:]  # transformers' is_gradient_checkpointing FutureWarning
+def test_an_audit_of_a_non_quantized_run_never_imports_bitsandbytes(tiny_run):
+    assert "audit exit 0 bitsandbytes imported: False" in tiny_run.stdout, tiny_run.audit_stderr[-3000:]
+    assert "Warning" not in tiny_run.audit_stderr, tiny_run.audit_stderr[-3000:]  # transformers' FutureWarning
+    # (is_gradient_checkpointing) was one

@@ -2,8 +2,6 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -181,28 +179,6 @@ def test_staged_training_composes_epsilon(tmp_path):
         history=report["history"], delta=1e-5, accountant="rdp"))
 
 
-def test_accelerate_launch_recipe_smoke(tmp_path):
-    out = tmp_path / "x"
-    cmd = [os.path.join(os.path.dirname(sys.executable), "accelerate"), "launch", "--num_processes", "1", "--cpu",
-           os.path.join(ROOT, "recipes", "finetune_llm.py"), "--config",
-           os.path.join(ROOT, "recipes", "configs", "tiny", "llama_lora_cpu.yaml"), "--output_dir", str(out), *FAST]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "privacy: (ε = " in res.stdout
-    assert (out / "checkpoint" / "adapter_model.safetensors").is_file()
-    assert (out / "checkpoint" / "base_model" / "config.json").is_file()
-    report = json.loads((out / "privacy_report.json").read_text())
-    assert 0 < report["epsilon"] <= 8.0
-
-
-def test_recipe_bad_input_exit_code(tmp_path):
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), *FAST,
-                          "--output_dir", str(tmp_path / "y"), "--target_delta", "0.5"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 2 and "target_delta=0.5" in res.stderr
-    assert not (tmp_path / "y").exists()
-
-
 @pytest.mark.parametrize("rank, lines", [("0", 1), ("1", 0)])
 def test_bad_input_is_one_line_from_the_first_process_only(tmp_path, monkeypatch, capsys, rank, lines):
     """Under ``accelerate launch`` every process reads the same bad input: rank 0 says it, the others exit 2."""
@@ -212,6 +188,8 @@ def test_bad_input_is_one_line_from_the_first_process_only(tmp_path, monkeypatch
     code = load_recipe("finetune_llm").cli([*FAST, "--output_dir", str(tmp_path / "y"), "--target_delta", "0.5"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("error: ") == lines and ("target_delta=0.5" in err) == (lines == 1)
+    assert not (tmp_path / "y").exists()  # refused before anything is written (the script exits with this code:
+    # its help and typo answers, exit 0 and 2, in tests/test_bad_input.py)
 
 
 def test_empty_poisson_batches_still_step_and_count(tmp_path, monkeypatch):
