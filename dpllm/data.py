@@ -647,6 +647,14 @@ def truncated_ids(texts: Sequence[str], tokenizer, max_length: int) -> tuple[lis
     return ids, [n > max_length for n in full]
 
 
+def _ids(tokenizer, texts: Sequence[str], **kwargs) -> list[list[int]]:
+    """``tokenizer(texts, **kwargs)["input_ids"]`` (the byte tokenizer's by arithmetic: :func:`.models.byte_ids`)."""
+    from dpllm.models import byte_ids
+
+    found = byte_ids(tokenizer, texts, **kwargs)
+    return found if found is not None else tokenizer(list(texts), **kwargs)["input_ids"]
+
+
 def _cut(texts: Sequence[str], tokenizer, max_length: int) -> tuple[list[list[int]], list[int], int]:
     """:func:`truncated_ids`' ids, each record's untruncated token count, and how many counts are estimates (a
     record past the shortcut's window is counted in pieces of W characters, never tokenized whole)."""
@@ -657,27 +665,26 @@ def _cut(texts: Sequence[str], tokenizer, max_length: int) -> tuple[list[list[in
     full = [0] * len(texts)
     estimated = 0
     if short:  # one pass; only the records over the limit are tokenized again, truncated (special tokens kept)
-        for i, f in zip(short, tokenizer([texts[i] for i in short], truncation=False)["input_ids"]):
+        for i, f in zip(short, _ids(tokenizer, [texts[i] for i in short], truncation=False)):
             ids[i], full[i] = f, len(f)
         long = [i for i in short if full[i] > max_length]
         if long:
-            for i, c in zip(long, tokenizer([texts[i] for i in long], truncation=True, max_length=max_length)[
-                    "input_ids"]):
+            for i, c in zip(long, _ids(tokenizer, [texts[i] for i in long], truncation=True, max_length=max_length)):
                 ids[i] = c
     for i, text in enumerate(texts):
         if ids[i] is not None:
             continue
-        heads = [tokenizer(text[:w], truncation=False)["input_ids"] for w in (window, 2 * window)]
-        cuts = [tokenizer(text[:w], truncation=True, max_length=max_length)["input_ids"] for w in (window, 2 * window)]
+        heads = _ids(tokenizer, [text[:w] for w in (window, 2 * window)], truncation=False)
+        cuts = _ids(tokenizer, [text[:w] for w in (window, 2 * window)], truncation=True, max_length=max_length)
         if min(len(h) for h in heads) > max_length + margin and cuts[0] == cuts[1]:
             ids[i] = cuts[0]
             pieces = [text[j: j + window] for j in range(0, len(text), window)]
-            specials = len(heads[0]) - len(tokenizer(text[:window], add_special_tokens=False)["input_ids"])
-            full[i] = specials + sum(len(x) for x in tokenizer(pieces, add_special_tokens=False)["input_ids"])
+            specials = len(heads[0]) - len(_ids(tokenizer, [text[:window]], add_special_tokens=False)[0])
+            full[i] = specials + sum(len(x) for x in _ids(tokenizer, pieces, add_special_tokens=False))
             estimated += 1
         else:  # few tokens for many characters (a normalizer drops them): no shortcut is safe
-            ids[i] = tokenizer(text, truncation=True, max_length=max_length)["input_ids"]
-            full[i] = len(tokenizer(text, truncation=False)["input_ids"])
+            ids[i] = _ids(tokenizer, [text], truncation=True, max_length=max_length)[0]
+            full[i] = len(_ids(tokenizer, [text], truncation=False)[0])
     return ids, full, estimated
 
 

@@ -137,3 +137,64 @@ def test_new_token_canaries_need_full_finetuning():
         validate(cfg)
     cfg.model.finetuning = "full"
     validate(cfg)
+
+
+def _byte_cases():
+    import random
+
+    rng = random.Random(0)
+    alphabet = "ab c\n\té€😀中\x00>/s"
+    texts = ["", " ", "plain ascii", "héllo wörld 😀 中文", "a < b and c > d", "<pad> x </s>", "x<extra_id_3>y",
+             "ends with </s>", "<unk>", "tab\tand\nnewline  ", "\x00\x01 control"]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 90))) for _ in range(200)]
+    texts += [t[:5] + "<" + t[5:] for t in texts[-20:]] + [t + " </s> " + t for t in texts[-10:]]
+    return texts
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"truncation": True, "max_length": 2}, {"truncation": True, "max_length": 7},
+                                    {"truncation": True, "max_length": 64}, {"add_special_tokens": False},
+                                    {"add_special_tokens": False, "truncation": True, "max_length": 5}],
+                         ids=["whole", "cut2", "cut7", "cut64", "nospecial", "nospecial_cut5"])
+def test_byte_ids_are_the_byte_tokenizers_own(kwargs):
+    """The byte tokenizer's ids by arithmetic equal what the tokenizer returns, for unicode, control characters,
+    the empty text, and texts that hold (or nearly hold) its added tokens (those go through the tokenizer)."""
+    from dpllm.models import byte_ids, byte_tokenizer
+
+    tok = byte_tokenizer()
+    texts = _byte_cases()
+    fast = byte_ids(tok, texts, **kwargs)
+    assert fast is not None and fast == tok(texts, **kwargs)["input_ids"]
+    assert sum("<" not in t for t in texts) > 150  # most took the arithmetic
+
+
+def test_byte_ids_leave_other_tokenizers_and_settings_to_the_tokenizer():
+    from transformers import ByT5Tokenizer
+
+    from dpllm.models import byte_ids, byte_tokenizer
+
+    class Custom(ByT5Tokenizer):
+        pass
+
+    assert byte_ids(Custom(), ["x"]) is None  # a subclass may tokenize otherwise
+    left = byte_tokenizer()
+    left.truncation_side = "left"
+    assert byte_ids(left, ["xyz"], truncation=True, max_length=2) is None
+    grown = byte_tokenizer()
+    grown.add_tokens(["canary"])  # an added token without "<" can hide in any text
+    assert byte_ids(grown, ["a canary"]) is None
+    assert byte_ids(byte_tokenizer(), ["x"], truncation=True, max_length=1) is None
+
+
+def test_cut_with_the_arithmetic_equals_cut_through_the_tokenizer(monkeypatch):
+    """TokenizedRecords' ids and token counts (truncation report) are the same with the byte tokenizer's arithmetic
+    as through the tokenizer, on the pydoc corpus, one record long enough for the windowed count, and a few with
+    added-token text."""
+    import dpllm.models
+    from dpllm.data import _cut, load_records
+    from dpllm.models import byte_tokenizer
+
+    tok = byte_tokenizer()
+    texts = load_records(DataConfig(dataset="pydoc"))[:300] + ["x" * 9000 + " é" * 500, "a <pad> b", "<extra_id_1>"]
+    fast = _cut(texts, tok, 48)
+    monkeypatch.setattr(dpllm.models, "byte_ids", lambda *a, **k: None)
+    assert fast == _cut(texts, tok, 48) and fast[2] == 1  # the long record counted in windows, as before
