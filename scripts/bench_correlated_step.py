@@ -15,6 +15,11 @@ uses), the order flipped each round. The ratio reported is the median over round
 step of that round), in wall-clock and in process CPU time (one thread: CPU time is the work itself, whatever else
 runs on the machine). Before timing, the recurrence is filled to its steady state (b−1 kept draws, or d buffers).
 
+A whole step moves by ±10% from round to round, more than a recurrence costs; the only part of a step that differs
+between the modes is the optimizer's noise call (the draw, and the recurrence), so each child then times that call
+alone (``--noise-reps`` alternating rounds; ``noise_extra_cpu_s``, the median extra, and ``cpu_ratio_from_noise``, 1 +
+that extra over the independent step's median CPU time).
+
 Memory per process, measured two ways: ``VmHWM`` (peak resident set) from ``/proc/self/status`` of each child at
 its end, beside that of a child that takes only independent steps (the difference is what the mode adds, malloc's
 rounding included), and the exact bytes of the recurrence's state (the tensors its ``state_dict`` holds: b−1 or d
@@ -133,6 +138,7 @@ def one_mode(args) -> dict:
                 wall[i].append(time.perf_counter() - t0)
                 cpu[i].append(time.process_time() - c0)
         print(f"{args.mode}: round {r + 1}/{args.warmup + args.rounds}", file=sys.stderr, flush=True)
+    noise = noise_only(opt, pairs, args.noise_reps) if rec is not None and args.noise_reps else None
     peak = peak_rss_mib()  # before state_bytes: BLT's state_dict clones its buffers
     row = {"mode": args.mode, "trainable_parameters": trainable, "rounds": args.rounds,
            "extra_tensors_per_parameter": 0 if rec is None else rec.extra_tensors_per_parameter,
@@ -145,7 +151,37 @@ def one_mode(args) -> dict:
                    wall_ratio=statistics.median(m / i for m, i in zip(wall[1], wall[0])),
                    cpu_ratio=statistics.median(m / i for m, i in zip(cpu[1], cpu[0])),
                    wall_s=wall[1], cpu_s=cpu[1], independent_wall_s=wall[0], independent_cpu_s=cpu[0])
+    if noise is not None:  # the only part of a step that differs, timed alone against the whole step's median
+        extra = statistics.median(m - i for m, i in zip(noise[1], noise[0]))
+        row.update(noise_cpu_s=noise[1], independent_noise_cpu_s=noise[0], noise_extra_cpu_s=extra,
+                   cpu_ratio_from_noise=1 + extra / statistics.median(cpu[0]))
     return row
+
+
+def noise_only(opt, pairs, reps: int) -> dict:
+    """CPU seconds of the optimizer's noise alone (``add_noise``: the draw, and the recurrence for the mode) over
+    ``reps`` alternating rounds, for independent noise and the mode. A whole step's time moves by ±10% from round
+    to round on a shared machine, more than the recurrence costs; its difference from independent noise is in this
+    call only, so timing the call alone resolves it."""
+    import torch
+
+    for p in opt.params:
+        p.summed_grad = torch.zeros_like(p)
+    times = {i: [] for i in range(len(pairs))}
+    for r in range(reps + 1):
+        for i in (range(len(pairs)) if r % 2 == 0 else reversed(range(len(pairs)))):
+            opt.recurrence = pairs[i]
+            for p in opt.params:  # a cleared sum, as zero_grad and a backward pass leave it
+                p.summed_grad.zero_()
+                if hasattr(p.summed_grad, "_processed"):
+                    del p.summed_grad._processed
+            c0 = time.process_time()
+            opt.add_noise()
+            if r:  # the first round warms the allocator
+                times[i].append(time.process_time() - c0)
+    for p in opt.params:
+        p.summed_grad, p.grad = None, None
+    return times
 
 
 def parser() -> argparse.ArgumentParser:
@@ -161,6 +197,8 @@ def parser() -> argparse.ArgumentParser:
                     help="BLT modes whose recurrence computes x in the draw's storage (reuse_draws): d")
     ap.add_argument("--no-independent", action="store_true",
                     help="skip the independent-only process (its peak RSS is the reference of '+ MiB')")
+    ap.add_argument("--noise-reps", type=int, default=7,
+                    help="rounds of the noise call alone per correlated mode (0: skip; see noise_only)")
     ap.add_argument("--smoke", action="store_true", help="tiny Llama, one round, b = 2 and d = 1, in this process")
     ap.add_argument("--out", default="runs/bench/correlated_step.json")
     ap.add_argument("--mode", default=None, help=argparse.SUPPRESS)  # internal: one child

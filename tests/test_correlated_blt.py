@@ -56,11 +56,18 @@ def test_matrix_is_the_toeplitz_expansion_and_inverse_is_closed_form(multi):
     assert np.all(np.diff(blt.coefs(T)) < 0)
 
 
-def test_recurrence_equals_dense_triangular_solve(multi):
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunks_of_4"])
+@pytest.mark.parametrize("reuse", [False, True], ids=["copy", "reuse"])
+def test_recurrence_equals_dense_triangular_solve(multi, chunk, reuse, monkeypatch):
+    """x = C⁻¹z step by step; in chunks (the last one short: 6 = 4 + 2, 5 = 4 + 1) as in one piece, and with x computed
+    in the draw's own storage as in a copy of it."""
+    if chunk is not None:
+        monkeypatch.setattr(B, "CHUNK", chunk)
     g = torch.Generator().manual_seed(0)
     z = {0: torch.randn(T, 3, 2, generator=g, dtype=torch.float64), 1: torch.randn(T, 5, generator=g,
                                                                                       dtype=torch.float64)}
-    rec = multi.recurrence()
+    rec = multi.recurrence(reuse_draws=reuse)
+    draws = {k: v.clone() for k, v in z.items()}  # what was drawn (a reusing recurrence overwrites its draws)
     assert rec.extra_tensors_per_parameter == 2
     out = {k: [] for k in z}
     for t in range(T):
@@ -70,9 +77,9 @@ def test_recurrence_equals_dense_triangular_solve(multi):
     c = multi.blt.matrix(T)
     for k in z:
         got = torch.stack(out[k]).reshape(T, -1).numpy()
-        want = solve_triangular(c, z[k].reshape(T, -1).numpy(), lower=True)
+        want = solve_triangular(c, draws[k].reshape(T, -1).numpy(), lower=True)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
-        assert np.abs(want - z[k].reshape(T, -1).numpy()).max() > 0.1  # the noise really is correlated
+        assert np.abs(want - draws[k].reshape(T, -1).numpy()).max() > 0.1  # the noise really is correlated
 
 
 def test_float32_draws_with_float64_buffers(multi):

@@ -228,6 +228,12 @@ def sqrt_prefix_sum_rmse(*, steps: int, min_separation: int, max_participations:
     return float(sens * np.sqrt(np.mean(np.cumsum(c * c))))
 
 
+# Elements per chunk of the recurrence: the 2d passes over a chunk of x and of each buffer run while it is in cache,
+# so x is read from memory once per step instead of 2d times (124M float32 parameters, d = 3, one thread: 0.37 s per
+# step whole, 0.27 s in chunks of 2¹⁸; 2¹⁷-2²⁰ within 8% of that, 2¹³ slower than whole from the per-call overhead)
+CHUNK = 1 << 18
+
+
 class BLTRecurrence:
     """``x_t = (C⁻¹z)_t`` computed online, one parameter at a time, with d buffers per parameter.
 
@@ -285,14 +291,24 @@ class BLTRecurrence:
                              "(a state saved for other shards): resume on the process count and sharding the run used")
         elif buf.device != z.device:  # restored from a checkpoint loaded on another device
             buf = self._buffers[key] = buf.to(z.device)
-        # two passes over the buffers, one fused multiply-add each (faster than a tensordot and a broadcast
-        # update, and no temporaries beyond x)
         x = z if self.reuse_draws and z.dtype == buf.dtype else z.to(buf.dtype, copy=True)
+        if x.is_contiguous():  # (always, for the optimizers' fresh draws) chunk by chunk, each chunk once
+            flat, bufs = x.view(-1), buf.view(buf.shape[0], -1)
+            for start in range(0, flat.numel(), CHUNK):
+                self._update(flat[start: start + CHUNK], bufs[:, start: start + CHUNK])
+        else:
+            self._update(x, buf)
+        return x.to(z.dtype)
+
+    def _update(self, x: torch.Tensor, buf: torch.Tensor) -> None:
+        """x ← x − Σᵢ ωᵢ·bufᵢ, then bufᵢ ← θᵢ·bufᵢ + x: one fused multiply-add per buffer and pass (faster than a
+        tensordot and a broadcast update, and no temporaries beyond x)."""
+        import torch
+
         for i, w in enumerate(self._omega):
             x.add_(buf[i], alpha=-w)
         for i, th in enumerate(self._theta):
             torch.add(x, buf[i], alpha=th, out=buf[i])
-        return x.to(z.dtype)
 
     def end_step(self) -> None:
         """Close the step; refuses a step that skipped a parameter (its sequence would fall out of step)."""
