@@ -1,6 +1,8 @@
-"""Several multi-process training runs in one launch (the ``ddp_runs`` fixture of tests/test_distributed.py).
+"""Several multi-process training runs in one launch (the ``ddp_runs`` fixture of tests/test_distributed.py; under
+FSDP2, tests/test_fsdp_bk.py's secret and killed runs).
 
     accelerate launch --multi_gpu --num_processes 2 tests/ddp_runs.py RUNS.json
+    accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes 2 tests/ddp_runs.py RUNS.json
 
 RUNS.json is a list of argument lists, one per run, each with its own ``--output_dir``. Every process runs them in
 order, each through recipes/finetune_llm.py's ``main`` (what ``python recipes/finetune_llm.py ARGS`` runs: the
