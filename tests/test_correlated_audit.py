@@ -109,17 +109,16 @@ def test_a_white_box_audit_stays_under_the_reported_epsilon_and_catches_a_wrong_
     assert one_run_audit(wrong, inc2, delta=DELTA)["epsilon_lower"] > reported
 
 
-def test_a_banded_run_with_canaries_through_the_real_commands(tmp_path):
+def test_a_banded_run_with_canaries_through_the_real_commands(tmp_path, capsys):
     """The recipe trains 4-banded with 300 canaries; ``mia canaries`` bounds ε under the report's and names the
     reduction beside it; ``mia audit``'s bounds come from the reduction's event (q_b, ⌈T/b⌉), not (q_b, T)."""
     import json
-    import subprocess
-    import sys
 
     from dpllm.privacy import tradeoff
+    from mia.__main__ import main as mia
     from mia.audit import privacy_bounds
-    from tests.helpers import load_recipe
-    from tests.test_audit_pipeline import ROOT, common
+    from tests.helpers import in_process, load_recipe
+    from tests.test_audit_pipeline import common
 
     out = tmp_path / "banded"
     assert load_recipe("finetune_llm").cli([*common(300, 32), "--output_dir", str(out), "--target_epsilon", "2",
@@ -127,8 +126,9 @@ def test_a_banded_run_with_canaries_through_the_real_commands(tmp_path):
     rep = json.loads((out / "privacy_report.json").read_text())
     steps, q = rep["steps"], rep["sample_rate"]
     assert rep["correlated_noise"]["bands"] == 4 and rep["history"] == [[rep["noise_multiplier"], q, -(-steps // 4)]]
-    r = subprocess.run([sys.executable, "-m", "mia", "canaries", "--run", str(out), "--no-progress"], cwd=ROOT,
-                       capture_output=True, text=True, timeout=600)
+    # `python -m mia canaries` through its entry point in this process (`python -m mia` runs as a process of its own
+    # in tests/test_rough_edges.py; here a process would add only its start-up)
+    r = in_process(mia, ["canaries", "--run", str(out), "--no-progress"], capsys)
     assert r.returncode == 0, r.stderr[-2000:]
     canary = json.loads((out / "audit" / "canary_report.json").read_text())
     assert canary["m"] == 300 and not canary["privacy_bug"] and canary["verdict"] == "consistent"
