@@ -292,7 +292,7 @@ class BLTRecurrence:
         elif buf.device != z.device:  # restored from a checkpoint loaded on another device
             buf = self._buffers[key] = buf.to(z.device)
         x = z if self.reuse_draws and z.dtype == buf.dtype else z.to(buf.dtype, copy=True)
-        if x.is_contiguous():  # (always, for the optimizers' fresh draws) chunk by chunk, each chunk once
+        if x.is_contiguous() and buf.is_contiguous():  # (always, for the optimizers' fresh draws) chunk by chunk
             flat, bufs = x.view(-1), buf.view(buf.shape[0], -1)
             for start in range(0, flat.numel(), CHUNK):
                 self._update(flat[start: start + CHUNK], bufs[:, start: start + CHUNK])
