@@ -1,4 +1,6 @@
-"""One process of tests/test_fsdp_bk.py (run under torch.distributed.run with 2 gloo processes).
+"""One process of tests/test_fsdp_bk.py's launch (2 gloo processes): :func:`run_cases`, called by tests/ddp_runs.py
+before the recipe's runs, or alone: ``python -m torch.distributed.run --nproc_per_node 2 tests/fsdp_bk_worker.py
+FOUND.json SCRATCH_DIR``.
 
 Each case builds the same model twice from one seed: a reference that one process runs unsharded on *all* the
 step's records with bk, and a copy sharded with FSDP2 (:func:`dpllm.distributed.shard_model`) on which each
@@ -6,7 +8,8 @@ process runs its own share. Both take one SGD step (σ = 0 unless the case says 
 computes the reference itself (same seed, same records), so no reference value crosses the process group.
 The ghost_fsdp checks of tests/fsdp_worker.py and tests/fsdp_guards_worker.py run in the same launch (one launch
 costs ~15-20 s of CPU here).
-Rank 0 writes what it found as JSON to argv[1].
+Rank 0 writes what it found as JSON to FOUND.json (whole: written beside it and renamed, so that a reader polling for
+it never sees half of it).
 """
 
 import copy
@@ -20,7 +23,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-warnings.filterwarnings("ignore")
 faulthandler.enable(all_threads=True)  # an abort (SIGABRT) prints every thread's Python stack
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -355,8 +357,15 @@ def ghost_fsdp_guard() -> str:
     return "not refused"
 
 
-if __name__ == "__main__":
-    dist.init_process_group("gloo")
+def run_cases(out: str, scratch: str) -> None:
+    """Every case on this process (the process group started); rank 0 writes what was found to ``out``. Warnings are
+    silenced here only: the recipe's runs after this in the same process keep theirs."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _run_cases(Path(out), Path(scratch))
+
+
+def _run_cases(out: Path, scratch: Path) -> None:
     rank = dist.get_rank()
     found = {
         "llama_full": equivalence("tiny-llama", "full", rank=rank),
@@ -375,7 +384,7 @@ if __name__ == "__main__":
     }
     from tests.fsdp_worker import check  # the ghost_fsdp path, in the same launch
 
-    found["ghost_fsdp"] = {ft: check(ft, Path(sys.argv[2]) / ft) for ft in ("full", "lora")}
+    found["ghost_fsdp"] = {ft: check(ft, scratch / ft) for ft in ("full", "lora")}
     # refusals last: a backward pass that failed half-way leaves nothing the cases above need
     found["ghost_fsdp_guard"] = ghost_fsdp_guard()
     from tests.fsdp_guards_worker import check as hook_copy  # test_gradient_paths's hook copy under ghost_fsdp
@@ -384,5 +393,13 @@ if __name__ == "__main__":
     dist.all_gather_object(found["ghost_fsdp_hook_copy"], hook_copy())
     found["refusal"] = {f"mixed={m},reshard={r}": refusal(m, r) for m in (False, True) for r in (True, False)}
     if rank == 0:
-        Path(sys.argv[1]).write_text(json.dumps(found))
+        part = out.with_name(out.name + ".part")
+        part.write_text(json.dumps(found))
+        os.replace(part, out)
+    dist.barrier()  # both processes done before either goes on (the recipe's runs, or the exit)
+
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo")
+    run_cases(sys.argv[1], sys.argv[2])
     finish_process(0)

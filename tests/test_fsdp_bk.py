@@ -1,8 +1,10 @@
 """bk under FSDP2 on 2 gloo processes: one sharded step equals one single-process step; noise once per coordinate.
 
-One launch of tests/fsdp_bk_worker.py (module fixture) runs every case; the tests read what it found. The
-ghost_fsdp path (tests/fsdp_worker.py) and its guard against a hook copy (tests/fsdp_guards_worker.py) run in the
-same launch.
+One launch for the module (the ``launch`` fixture: `accelerate launch --config_file recipes/accelerate/fsdp.yaml
+--num_processes 2` of tests/ddp_runs.py) runs every case of tests/fsdp_bk_worker.py first, and the tests read what
+it found; the ghost_fsdp path (tests/fsdp_worker.py) and its guard against a hook copy (tests/fsdp_guards_worker.py)
+run there too. The same processes then run the recipe's sharded runs that the recipe test below checks (a launch's
+two processes cost ~20 CPU-s of imports and first FSDP2 calls: they are paid once).
 
 Tolerance of the equalities (σ = 0): the models are float64, but ``sequence_loss`` takes each record's loss in
 float32 and their mean over the physical batch in float32, and bk recovers a record's gradient by multiplying
@@ -16,7 +18,6 @@ by O(1) of its size.
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -34,13 +35,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def found(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("fsdp_bk")
-    out = tmp / "found.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(_free_port()),
-           os.path.join(ROOT, "tests", "fsdp_bk_worker.py"), str(out), str(tmp / "ghost_fsdp")]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stderr[-4000:]
+def found(launch):
+    """What tests/fsdp_bk_worker.py's cases found, the first thing the module's launch runs."""
+    import time
+
+    out, deadline = launch["tmp"] / "found.json", time.time() + 600
+    while not out.is_file():
+        assert launch["proc"].poll() is None, (launch["logs"] / "stderr.log").read_text()[-4000:]
+        assert time.time() < deadline
+        time.sleep(0.05)
     return json.loads(out.read_text())
 
 
@@ -171,19 +174,25 @@ def _recipe(out, *extra, resume=False, launch=FSDP_LAUNCH):
                             start_new_session=True)
 
 
-def _runs(runs, logs, launch=FSDP_LAUNCH):
-    """Several runs of the recipe (``(output_dir, extra options)``, each TINY plus its own) one after the other in ONE
-    launch of tests/ddp_runs.py (recipes/finetune_llm.py's ``main`` on each process: the processes' imports paid
-    once); stdout and stderr to ``logs``/stdout.log and stderr.log (a pipe nobody reads would stop the workers)."""
+def _runs(runs, logs):
+    """Runs one after the other in ONE launch of tests/ddp_runs.py under recipes/accelerate/fsdp.yaml (the
+    processes' imports paid once): each ``(output_dir, extra options[, environment])`` a run of the recipe (TINY plus
+    its options, its ``main`` on each process), a dict as tests/ddp_runs.py reads it; stdout and stderr to
+    ``logs``/stdout.log and stderr.log (a pipe nobody reads would stop the workers)."""
     from tests.test_distributed import ACCELERATE, TINY
 
+    def spec(run):
+        if isinstance(run, dict):
+            return run
+        out, extra, *env = run
+        return {"argv": [*TINY, "--output_dir", str(out), *extra], "env": env[0] if env else {}}
+
     logs.mkdir()
-    spec = logs / "runs.json"
-    spec.write_text(json.dumps([[*TINY, "--output_dir", str(out), *extra] for out, extra in runs]))
+    (logs / "runs.json").write_text(json.dumps([spec(r) for r in runs]))
     with open(logs / "stdout.log", "w") as out, open(logs / "stderr.log", "w") as err:
-        return subprocess.Popen([ACCELERATE, "launch", "--main_process_port", str(_free_port()), *launch,
-                                 os.path.join(ROOT, "tests", "ddp_runs.py"), str(spec)], stdout=out, stderr=err,
-                                cwd=ROOT, start_new_session=True)
+        return subprocess.Popen([ACCELERATE, "launch", "--main_process_port", str(_free_port()), *FSDP_LAUNCH,
+                                 os.path.join(ROOT, "tests", "ddp_runs.py"), str(logs / "runs.json")], stdout=out,
+                                stderr=err, cwd=ROOT, start_new_session=True)
 
 
 def _done(proc):
@@ -209,22 +218,50 @@ def _killed_after(proc, out, step: str, logs):
     return (logs / "stderr.log").read_text()
 
 
-def _base_and_each_reads(tmp_path):
-    """A tiny model saved as a model directory (TINY's shape), and the shipped launcher config with each process
-    reading the weights itself (fsdp_cpu_ram_efficient_loading off)."""
+def _base(tmp_path):
+    """A tiny model saved as a model directory (TINY's shape)."""
     from dpllm.config import ModelConfig
     from dpllm.models import load_base
 
     model, tok, _ = load_base(ModelConfig(tiny_hidden_size=32, tiny_num_heads=2), 48)
     model.save_pretrained(tmp_path / "base")
     tok.save_pretrained(tmp_path / "base")
-    everyone = tmp_path / "fsdp_each_reads.yaml"
-    everyone.write_text(open(FSDP_LAUNCH[1]).read().replace("fsdp_cpu_ram_efficient_loading: true",
-                                                            "fsdp_cpu_ram_efficient_loading: false"))
-    return tmp_path / "base", ["--config_file", str(everyone), "--num_processes", "2"]
+    return tmp_path / "base"
 
 
-def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """The module's ONE launch of tests/ddp_runs.py (recipes/accelerate/fsdp.yaml, 2 processes): the worker's cases
+    (``found``), then the recipe's runs, in this order: ``secret`` (full fine-tuning with secret noise, releasable),
+    ``whole`` (the seeded run uninterrupted, each process reading the weights itself:
+    ``FSDP_CPU_RAM_EFFICIENT_LOADING=false``, what a launcher config with fsdp_cpu_ram_efficient_loading off sets),
+    ``killed`` (the same run with the shipped config: rank 0 reads, rank 1 receives its shard; the recipe test kills
+    the launch once its step-2 checkpoint is written). Ended (SIGKILL) at the module's end if still running."""
+    import contextlib
+    import signal
+
+    tmp = tmp_path_factory.mktemp("fsdp_bk")
+    seeded = [*SEEDED, "--model_name_or_path", str(_base(tmp))]
+    dirs = {name: tmp / name for name in ("secret", "whole", "killed")}
+    runs = [{"fsdp_bk_cases": [str(tmp / "found.json"), str(tmp / "ghost_fsdp")]},
+            (dirs["secret"], ["--finetuning", "full", "--save_every", "3"]),
+            (dirs["whole"], seeded, {"FSDP_CPU_RAM_EFFICIENT_LOADING": "false"}),
+            (dirs["killed"], seeded)]
+    proc = _runs(runs, tmp / "logs")
+    yield {"proc": proc, "tmp": tmp, "logs": tmp / "logs", "seeded": seeded, **dirs}
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def _per_run(log: str) -> list[str]:
+    """A ddp_runs launch's stderr, one part per run (tests/ddp_runs.py marks where each begins)."""
+    import re
+
+    return re.split(r"^ddp_runs: run \d+ of \d+\n", log, flags=re.M)[1:]
+
+
+def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(launch, tmp_path, monkeypatch):
     """`accelerate launch --config_file recipes/accelerate/fsdp.yaml --num_processes 2` on CPU runs the recipe
     sharded with bk; its resumable checkpoints are per-process shards; killed with SIGKILL and resumed on 2
     processes it ends where the uninterrupted run ends; resumed on 1 process it restores the saved state exactly
@@ -234,11 +271,14 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(tmp_path, monk
     shard: test_quantile_clipping_counts_across_shards_once_and_moves_c_alike below; DDP, whose C equals one
     process's: tests/test_distributed.py::test_two_processes_adapt_c_as_one_process_does).
 
-    The same launches check fsdp_cpu_ram_efficient_loading (recipes/accelerate/fsdp.yaml sets it): from a model
+    The same runs check fsdp_cpu_ram_efficient_loading (recipes/accelerate/fsdp.yaml sets it): from a model
     directory, the killed run's rank 1 builds the model on the meta device and receives its shard (and the rotary
     buffers) from rank 0, while the uninterrupted run's processes each read the weights; the two end step for step
-    alike, which they cannot if rank 1's weights differ from what it would have read (one launch pair serves both
-    checks: a wrong shard or a lost noise stream each moves the adapters far past the comparison's 1e-6)."""
+    alike, which they cannot if rank 1's weights differ from what it would have read (one pair of runs serves both
+    checks: a wrong shard or a lost noise stream each moves the adapters far past the comparison's 1e-6).
+
+    The secret, uninterrupted and killed runs are the module's launch (the ``launch`` fixture, after the worker's
+    cases); the resume is the script's own launch (``accelerate launch ... recipes/finetune_llm.py``)."""
     import shutil
 
     from safetensors.torch import load_file
@@ -249,20 +289,13 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(tmp_path, monk
     from dpllm.train import train
     from tests.test_distributed import TINY
 
-    base, each_reads = _base_and_each_reads(tmp_path)
-    seeded = [*SEEDED, "--model_name_or_path", str(base)]
-    whole, killed, secret = tmp_path / "whole", tmp_path / "killed", tmp_path / "secret"
-    # the uninterrupted run alone (its launcher config differs); in one launch with the shipped config, the run with
-    # secret noise (releasable) and then the run that is killed (the script itself runs under FSDP2 in the other
-    # two launches)
-    runs = [_recipe(whole, *seeded, launch=each_reads),
-            _runs([(secret, ["--finetuning", "full", "--save_every", "3"]), (killed, seeded)], tmp_path / "logs")]
-    killed_log = _killed_after(runs[1], killed, "step-000002", tmp_path / "logs")
+    seeded, whole, killed, secret = launch["seeded"], launch["whole"], launch["killed"], launch["secret"]
+    stderr = _killed_after(launch["proc"], killed, "step-000002", launch["logs"])
     shutil.copytree(killed, tmp_path / "one")
     resumed = _recipe(killed, *seeded, resume=True)
-    assert (tmp_path / "logs" / "stdout.log").read_text().count("privacy: (ε = ") == 1  # the secret run's end
-    whole_log = runs[0].communicate(timeout=600)[1]
-    assert runs[0].returncode == 0, whole_log[-4000:]
+    # the secret and the uninterrupted runs ended (their privacy lines), the killed one did not
+    assert (launch["logs"] / "stdout.log").read_text().count("privacy: (ε = ") == 2
+    _, _, whole_log, killed_log = _per_run(stderr)
     _done(resumed)
 
     # the documented command: sharded, bk, every process's own noise state written owner-only beside its shard
