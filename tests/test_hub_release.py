@@ -17,7 +17,7 @@ from dpllm.train import train
 
 FAST = ["--max_steps", "2", "--logical_batch_size", "16", "--physical_batch_size", "16", "--max_length", "32",
         "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every", "0", "--eval_max_records", "8",
-        "--progress", "false", "--max_records", "120", "--accountant", "rdp"]
+        "--progress", "false", "--max_records", "120"]
 # The LoRA run's output directory and data file have names that say whose data it is (issue 46, item 7b).
 LORA, DATA = "patients_2024", "acme_patient_notes"
 
@@ -89,7 +89,7 @@ def test_model_card_metadata_round_trips(runs, tmp_path):
     assert "base_model" not in meta  # a tiny model built from a config has no public name
     dp = meta["differential_privacy"]
     assert dp["epsilon"] == released["epsilon"] and dp["delta"] == released["delta"] == 1e-5
-    assert (dp["unit"], dp["accountant"]) == ("record", "rdp")
+    assert (dp["unit"], dp["accountant"]) == ("record", "prv")
     # this run kept 120 records of the built-in pydoc corpus by rank (max_records): the relation says so (issue 46)
     assert dp["neighbouring_relation"].startswith("add or remove one record of the at most 120 that max_records kept")
     assert (dp["noise_multiplier"], dp["sampling_rate"], dp["steps"]) == (
@@ -240,7 +240,7 @@ CHATS = [[{"role": "user", "content": f"What is {i} times 3?"}, {"role": "assist
          for i in range(48)]
 SFT = ["--max_steps", "2", "--logical_batch_size", "8", "--physical_batch_size", "8", "--finetuning", "lora",
        "--max_length", "48", "--min_chars", "1", "--eval_every", "0", "--progress", "false", "--tiny_hidden_size",
-       "32", "--num_generations", "0", "--accountant", "rdp", "--eval_max_records", "8", "--target_epsilon", "8"]
+       "32", "--num_generations", "0", "--eval_max_records", "8", "--target_epsilon", "8"]
 GEN = dict(temperature=1.0, top_p=1.0, max_new_tokens=16, batch_size=8, seed=1, progress=False)
 
 

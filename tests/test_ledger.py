@@ -12,7 +12,7 @@ from dpllm.train import train
 
 RUN = ["--max_steps", "6", "--save_every", "2", "--logical_batch_size", "16", "--physical_batch_size", "8",
        "--max_length", "48", "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--max_records", "300",
-       "--eval_every", "0", "--eval_max_records", "16", "--log_every", "3", "--accountant", "rdp",
+       "--eval_every", "0", "--eval_max_records", "16", "--log_every", "3",
        "--progress", "false"]
 
 

@@ -213,7 +213,7 @@ def _run(tmp_path, name, dataset, *extra):
         "--logical_batch_size", "8", "--physical_batch_size", "4", "--noise_multiplier", "1.1",
         "--finetuning", "lora", "--max_length", "96", "--min_chars", "1",
         "--eval_every", "0", "--progress", "false", "--tiny_hidden_size", "32", "--reproducible_noise", "true",
-        "--num_generations", "2", "--accountant", "rdp", "--eval_max_records", "8", *extra]))
+        "--num_generations", "2", "--eval_max_records", "8", *extra]))
 
 
 def test_sft_run_has_the_epsilon_and_report_of_a_text_run(tmp_path, caplog):

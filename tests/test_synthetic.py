@@ -18,7 +18,7 @@ from dpllm.train import train
 TOPICS = ("assert", "if", "while", "for", "try")
 FAST = ["--max_steps", "2", "--logical_batch_size", "16", "--physical_batch_size", "16", "--max_length", "48",
         "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every", "0", "--eval_max_records", "8",
-        "--progress", "false", "--finetuning", "full", "--accountant", "rdp"]
+        "--progress", "false", "--finetuning", "full"]
 GEN = dict(temperature=1.0, top_p=0.9, max_new_tokens=12, batch_size=4, seed=3, progress=False)
 
 

@@ -15,7 +15,7 @@ from tests.helpers import load_recipe
 
 FAST = ["--max_steps", "1", "--logical_batch_size", "16", "--physical_batch_size", "16", "--max_length", "64",
         "--tiny_hidden_size", "32", "--tiny_num_heads", "2", "--eval_every", "0", "--eval_max_records", "8",
-        "--progress", "false", "--accountant", "rdp", "--min_chars", "0"]
+        "--progress", "false", "--min_chars", "0"]
 recipe = load_recipe("finetune_llm")
 
 
