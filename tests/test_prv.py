@@ -164,11 +164,13 @@ def test_given_noise_whose_prv_fails_is_reported_with_pld(monkeypatch):
                                                               delta=1e-5, accountant="pld", strict=True)
 
 
-def test_many_steps_switch_to_pld_for_float_precision_before_any_work(monkeypatch, capsys):
-    """N = 10⁸ (97,657 steps, δ = 1e-9): PRV's FFT rounding would reach δ (measured: ε no longer monotone in σ),
-    so the plan is PLD from the start; the cheap variant of the N = 10⁹ plan below."""
+def test_a_plan_beyond_prvs_float_precision_is_pld_before_any_work(monkeypatch, capsys):
+    """PRV's FFT rounding grows with the steps and the domain (steps · 2⁻⁵² · √points) and must stay far below δ:
+    at N = 10⁸ (97,657 steps, δ = 1e-9) ε was measured no longer monotone in σ. Such a plan is PLD from the start.
+    Here the same refusal at N = 10⁶ with δ = 1e-14 (977 steps, rounding ~1e-10: 2 CPU-s of PLD search instead of
+    9 at N = 10⁸); the N = 10⁹ plan under a memory limit is the slow test below."""
     calls = fail_after(monkeypatch, 10**9)  # counts PRV evaluations, never fails
-    assert main(["plan", "--num-records", "100000000", "--batch", "1024", "--epochs", "1", "--delta", "1e-9",
+    assert main(["plan", "--num-records", "1000000", "--batch", "1024", "--epochs", "1", "--delta", "1e-14",
                  "--target-epsilon", "8", "--epsilons", ""]) == 0
     captured = capsys.readouterr()
     assert calls[0] == 0  # refused from the domain's size alone: nothing allocated
