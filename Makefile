@@ -43,6 +43,10 @@ demo: $(VENV)/.installed
 # the 2-process recipe run into ddp_runs, the accelerate smoke into the --multi_gpu warning launch, the rough-edges
 # audit into its run's interpreter), the byte tokenizer's ids by arithmetic: 1077 -> 837 CPU-s; on this machine quiet
 # 9:58 -> 8:00 (1207 tests), clean-clone CI of 74daa84 9:09, beside a one-core busy loop 12:59.
+# Later on 2026-11-29 (this machine ran the same suite 8:16-8:46 that day): test_fsdp_bk's four launches -> two (its
+# worker's cases and three recipe runs in one), runs that do not test an accountant on PRV instead of Opacus's RDP,
+# the quick scaling sweep at 5-40 steps, the slowest files scheduled first, bytecode caching: system-wide CPU (from
+# /proc/stat) 997 -> 931 CPU-s, quiet 7:59; clean-clone CI of be208fe beside a one-core busy loop (`yes`) 11:07.
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.

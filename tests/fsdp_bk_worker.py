@@ -385,7 +385,8 @@ def _run_cases(out: Path, scratch: Path) -> None:
     from tests.fsdp_worker import check  # the ghost_fsdp path, in the same launch
 
     found["ghost_fsdp"] = {ft: check(ft, scratch / ft) for ft in ("full", "lora")}
-    # refusals last: a backward pass that failed half-way leaves nothing the cases above need
+    # refusals last: a backward pass that failed half-way leaves nothing the cases above need (the recipe's runs after
+    # them in tests/test_fsdp_bk.py's launch build, shard and wrap models of their own)
     found["ghost_fsdp_guard"] = ghost_fsdp_guard()
     from tests.fsdp_guards_worker import check as hook_copy  # test_gradient_paths's hook copy under ghost_fsdp
 
