@@ -16,32 +16,19 @@ transformers, opacus) once for all the runs instead of once per launch. Before e
 launch: no later run starts, and each finished run has its ``run_summary.json``.
 """
 
-import contextlib
 import json
 import logging
 import os
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dpllm.distributed import finish_process  # noqa: E402
+from dpllm.logs import main_process  # noqa: E402
 from tests.helpers import load_recipe  # noqa: E402
 
 MARKER = "ddp_runs: run {} of {}"
-
-
-@contextlib.contextmanager
-def _environment(env: dict):
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def main(path: str) -> int:
@@ -49,7 +36,7 @@ def main(path: str) -> int:
     with open(path) as fh:
         runs = json.load(fh)
     for i, run in enumerate(runs, 1):
-        if os.environ.get("RANK", "0") == "0":
+        if main_process():
             print(MARKER.format(i, len(runs)), file=sys.stderr, flush=True)
         if isinstance(run, dict) and "fsdp_bk_cases" in run:
             import torch.distributed as dist
@@ -66,7 +53,7 @@ def main(path: str) -> int:
             logging.root.setLevel(logging.WARNING)
             continue
         argv, env = (run, {}) if isinstance(run, list) else (run["argv"], run.get("env", {}))
-        with _environment(env):
+        with mock.patch.dict(os.environ, env):  # that run's variables, the launch's again after it
             recipe.main(argv)  # logging as the recipe sets it: only the first process logs below ERROR
         sys.stdout.flush()
     return 0

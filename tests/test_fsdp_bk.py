@@ -164,12 +164,13 @@ SEEDED = ["--reproducible_noise", "true", "--optimizer", "sgd", "--learning_rate
           "--eval_every", "0", "--clipping", "quantile", "--count_noise_multiplier", "2"]
 
 
-def _recipe(out, *extra, resume=False, launch=FSDP_LAUNCH):
+def _resume(out, *extra):
+    """The recipe itself under the shipped FSDP2 launch, resuming ``out`` from its latest checkpoint."""
     from tests.test_distributed import ACCELERATE, TINY
 
-    cmd = [ACCELERATE, "launch", "--main_process_port", str(_free_port()), *launch,
+    cmd = [ACCELERATE, "launch", "--main_process_port", str(_free_port()), *FSDP_LAUNCH,
            os.path.join(ROOT, "recipes", "finetune_llm.py"), *TINY, "--output_dir", str(out), *extra,
-           *(["--resume_from", "latest"] if resume else [])]
+           "--resume_from", "latest"]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             start_new_session=True)
 
@@ -292,7 +293,7 @@ def test_the_recipe_runs_sharded_and_a_killed_run_resumes_exactly(launch, tmp_pa
     seeded, whole, killed, secret = launch["seeded"], launch["whole"], launch["killed"], launch["secret"]
     stderr = _killed_after(launch["proc"], killed, "step-000002", launch["logs"])
     shutil.copytree(killed, tmp_path / "one")
-    resumed = _recipe(killed, *seeded, resume=True)
+    resumed = _resume(killed, *seeded)
     # the secret and the uninterrupted runs ended (their privacy lines), the killed one did not
     assert (launch["logs"] / "stdout.log").read_text().count("privacy: (ε = ") == 2
     _, _, whole_log, killed_log = _per_run(stderr)
