@@ -111,7 +111,10 @@ def test_one_step_equals_engine_step(tmp_path, finetuning):
     assert trainer.model is model and not hasattr(next(model.parameters()), "grad_sample")
     assert not any(h for m in model.modules() for h in m._forward_hooks.values() if "opacus" in repr(h))
     with torch.no_grad():
-        gen = trainer.model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False)
+        # min_new_tokens: the step's noise is fresh, and a greedy decode may pick </s> early (clean-clone CI of
+        # 6397eaa: 5 tokens, not 6); the three tokens are asked for, not left to the draw
+        gen = trainer.model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=3, min_new_tokens=3,
+                                     do_sample=False)
     assert gen.shape == (1, 6)
 
 
