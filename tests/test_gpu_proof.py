@@ -1,5 +1,5 @@
 """scripts/gpu_proof.py --smoke: every phase of the GPU proof runs on CPU with tiny shapes, so the script cannot rot
-between GPU windows (issue 47). One run of the real command (a subprocess, as on the GPU machine), then checks of
+between GPU windows (issue 47). One run of the real command (its ``main``, in this process), then checks of
 what each phase wrote: the keys and numbers the GPU run will be read for, and the scaling phase's pre-registration
 (its prediction for the largest size written, with a timestamp, before that size's first run started)."""
 
@@ -9,7 +9,6 @@ import datetime as dt
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,12 +19,43 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def proof(tmp_path_factory):
+    """``python scripts/gpu_proof.py --smoke --out OUT`` through the script's ``main``, in this process: a process of
+    its own would add only its imports (~8 CPU-s of torch, transformers, opacus and peft, which this process has).
+    What the script changes in the process it runs in is put back after it: the variables it sets where unset
+    (``LOCAL_RANK``, ``TOKENIZERS_PARALLELISM``), its ``sys.path`` entries, the SIGALRM handler of its time limits and
+    the working directory; its process group of one it ends itself. On the GPU machine it runs as a process of its
+    own (scripts/gpu_proof.sh)."""
+    import contextlib
+    import importlib.util
+    import io
+    import signal
+
     out = tmp_path_factory.mktemp("gpu_proof")
-    res = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_proof.py"), "--smoke", "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
-    assert res.returncode == 0, res.stderr[-3000:]
-    return out, res.stdout
+    stdout, alarm, path = io.StringIO(), signal.getsignal(signal.SIGALRM), list(sys.path)
+    env = {name: os.environ.get(name) for name in ("LOCAL_RANK", "TOKENIZERS_PARALLELISM")}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(ROOT)
+        try:
+            spec = importlib.util.spec_from_file_location("gpu_proof_smoke", ROOT / "scripts" / "gpu_proof.py")
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            with contextlib.redirect_stdout(stdout):
+                summary = module.main(["--smoke", "--out", str(out)])
+        finally:
+            signal.signal(signal.SIGALRM, alarm)
+            sys.path[:] = path
+            for name, value in env.items():  # LOCAL_RANK set here would make later runs look launched
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()  # its FSDP2 step's process group of one ended with it
+    phases = {name: _read(out, f"{name}.json") for name in ("1_engine", "2_recipe", "3_scaling", "4_extras")}
+    failed = {name: rec.get("traceback") or rec.get("why") for name, rec in phases.items() if rec["status"] != "ok"}
+    assert not failed, (summary, failed)
+    return out, stdout.getvalue()
 
 
 def _read(out: Path, name: str) -> dict:
@@ -113,7 +143,7 @@ def test_extras_fsdp_step(proof):
     fsdp = next(p for p in rec["parts"] if p["what"] == "fsdp2_world1")
     assert _number(fsdp["nodp"]["step_s"]) and _number(fsdp["bk"]["step_s"]) and _number(fsdp["time_ratio_bk_vs_nodp"])
     qlora = [p for p in rec["parts"] if p["what"] == "qlora_nf4"]
-    if qlora:  # bitsandbytes imported in the script's process (importing it here would cost seconds)
+    if qlora:  # bitsandbytes importable here
         assert [p["mode"] for p in qlora] == ["nodp", "bk"] and all(_number(p["step_s"]) for p in qlora), qlora
     else:
         assert any("bitsandbytes" in s["why"] for s in rec["skipped"]), rec["skipped"]
