@@ -1,6 +1,7 @@
 """Shared test fixtures. Tests never touch the network: the Hub is forced offline."""
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -43,3 +44,32 @@ def pytest_collection_modifyitems(config, items):
     # a stable sort: each file's tests stay together and in their order
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path.name]))
 
+
+
+# Files whose tests share something that lives in the test process, and so go to the same worker (as one file's tests
+# do): the fork server of tests.helpers.forked_recipe, which imports the training stack once (~13 CPU-s) for every
+# `python recipes/finetune_llm.py` process that these files start and then kill or signal. Apart, each worker that
+# ran one of them would import it again.
+SAME_WORKER = {"test_resume.py": "forked recipe processes", "test_stopping.py": "forked recipe processes"}
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` as xdist has it (a file's tests to one worker, files handed out in turn), with the files of
+    :data:`SAME_WORKER` handed out together."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return SAME_WORKER.get(os.path.basename(file), file)
+
+    return Scheduling(config, log)
+
+
+def pytest_sessionfinish(session):
+    helpers = sys.modules.get("tests.helpers")  # loaded by the tests that use it; this import would cost seconds
+    if helpers is not None:
+        helpers.stop_fork_server()  # ends the server of forked_recipe, if one was started

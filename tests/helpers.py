@@ -179,9 +179,10 @@ def _recipe_process(argv: list[str], stderr_path: str) -> None:
 def forked_recipe(argv: list[str], stderr_path):
     """``python recipes/finetune_llm.py ARGV`` as a process of its own, forked from a server process that imported
     the training stack once (multiprocessing's forkserver, shared by every call in this test process): a real
-    process to SIGKILL mid-run, without ~13 CPU-s of imports at each start. Returns the started
-    ``multiprocessing.Process`` (``kill()``, ``is_alive()``, ``exitcode``: -9 after a SIGKILL); its stderr goes to
-    ``stderr_path``. :func:`stop_fork_server` ends the server."""
+    process to SIGKILL or signal mid-run, without ~13 CPU-s of imports at each start. Returns the started
+    ``multiprocessing.Process`` (``kill()``, ``is_alive()``, ``exitcode``: -9 after a SIGKILL, the recipe's exit
+    status otherwise); its stderr goes to ``stderr_path``. The files that use it run on one worker
+    (tests/conftest.py's ``SAME_WORKER``), whose session end calls :func:`stop_fork_server`."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("forkserver")

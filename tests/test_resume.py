@@ -14,7 +14,7 @@ import torch
 from dpllm import ledger
 from dpllm.config import ConfigError, parse_config
 from dpllm.train import train
-from tests.helpers import forked_recipe, stop_fork_server
+from tests.helpers import forked_recipe
 
 RUN = ["--finetuning", "full", "--max_steps", "24", "--save_every", "2", "--logical_batch_size", "16",
        "--physical_batch_size", "8", "--max_length", "48", "--tiny_hidden_size", "32", "--tiny_num_heads", "2",
@@ -39,12 +39,6 @@ def rows(run_dir):
 
 def ledger_eps(run_dir):
     return {e["step"]: e["epsilon"] for e in ledger.read(run_dir) if e["kind"] == "checkpoint"}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _fork_server():
-    yield
-    stop_fork_server()
 
 
 def kill_mid_run(killed, *extra, after="step-000004"):

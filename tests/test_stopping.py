@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dpllm import ledger
-from tests.helpers import load_recipe
+from tests.helpers import forked_recipe, load_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The default accountant (PRV) calibrates these plans in ~0.1 CPU-s, Opacus's RDP in 2-3 s (in each process).
@@ -29,22 +29,23 @@ def _default_signals():
 
 def test_sigterm_checkpoints_at_the_step_boundary_and_the_printed_command_resumes(tmp_path):
     """A scheduler's SIGTERM, with no save_every: the step finishes, a resumable checkpoint is written there, one
-    line names it and the resume command, exit 143; the printed command finishes the run with the planned ε."""
-    out = tmp_path / "run"
+    line names it and the resume command, exit 143; the printed command finishes the run with the planned ε.
+    The process runs `python recipes/finetune_llm.py ARGV`'s code, forked from the fork server (tests.helpers):
+    what the signal meets is a real process of its own, without a second import of torch and the rest."""
+    out, stderr = tmp_path / "run", tmp_path / "stderr.log"
     # 50 steps: the signal goes out within ~10 ms of step 1's line, ~49 steps (≥ 3 CPU-s of the child's) before the
     # run could end; the printed command then trains the rest in this process, so each step more costs here
     steps = 50
     argv = [*FAST, "--max_steps", str(steps), "--log_every", "1", "--output_dir", str(out)]
-    cmd = [sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), *argv]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
-                            preexec_fn=_default_signals)
+    proc = forked_recipe(argv, stderr)
     metrics, deadline = out / "metrics.jsonl", time.time() + 180  # a liveness guard for a loaded machine
     while not (metrics.is_file() and '"split": "train"' in metrics.read_text()):
-        assert time.time() < deadline and proc.poll() is None, "training never started"
+        assert time.time() < deadline and proc.is_alive(), "training never started: " + stderr.read_text()[-3000:]
         time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 143 and "Traceback" not in err, err[-3000:]
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.join(120)
+    err = stderr.read_text()
+    assert proc.exitcode == 143 and "Traceback" not in err, err[-3000:]
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM at step "), err[-3000:]
     step = int(lines[0].split("at step ", 1)[1].split(" ", 1)[0])
@@ -60,6 +61,26 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_the_printed_command_resume
     assert report["steps"] == steps and sum(h[2] for h in report["history"]) == steps
     assert json.loads((out / "run_summary.json").read_text())["resumed_from_step"] == step
     assert ledger.verify(out).ok
+
+
+def test_sigint_mid_run_exits_130_with_one_line(tmp_path):
+    """The real signal, in a real process (forked as above): no traceback, exit 130, the checkpoint left intact. The
+    process has SIGINT at Python's default whatever this one inherited (a test run from a shell without job
+    control, a CI script's background job, inherits it *ignored*: a run started so rightly ignores Ctrl-C)."""
+    out, stderr = tmp_path / "run", tmp_path / "stderr.log"
+    proc = forked_recipe([*FAST, "--max_steps", "500", "--output_dir", str(out), "--save_every", "1"], stderr)
+    deadline = time.time() + 120
+    while not (out / "checkpoints" / "latest").is_file():
+        assert time.time() < deadline and proc.is_alive(), "no checkpoint appeared: " + stderr.read_text()[-3000:]
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGINT)
+    proc.join(60)
+    err = stderr.read_text()
+    assert proc.exitcode == 130 and "Traceback" not in err, err[-3000:]
+    line = next(x for x in err.splitlines() if x.startswith("error: interrupted at step"))
+    ckpt = line.split("the last resumable checkpoint is ", 1)[1].split(" (step", 1)[0]
+    assert (out / "checkpoints" / "latest").read_text().strip() == os.path.basename(ckpt)
+    assert (out / "checkpoints" / os.path.basename(ckpt) / "trainer_state.json").is_file()
 
 
 def test_a_lost_ctrl_c_still_stops_the_run_at_the_next_step(tmp_path, capsys, monkeypatch):
