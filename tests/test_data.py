@@ -16,6 +16,22 @@ def test_pydoc_corpus_ships_with_python():
     assert records == load_records(DataConfig())  # deterministic: splits.json ids index this list
 
 
+def test_a_builtin_corpus_is_read_once_and_each_caller_gets_its_own_lists():
+    """The built-in corpora come from this Python's installation: read once per process, the same records every
+    time, and a caller that changes what it got changes nobody else's."""
+    from dpllm.data import BUILTIN, BUILTIN_USERS, _builtin_corpus, _read_raw
+
+    cfg = DataConfig(dataset="pydoc")
+    first, users, _ = _read_raw(cfg)
+    hits = _builtin_corpus.cache_info().hits
+    first.append("changed by one caller")
+    again, _, _ = _read_raw(cfg)
+    assert _builtin_corpus.cache_info().hits == hits + 1  # not read again
+    assert users is None and again == BUILTIN["pydoc"]() and again[-1] != "changed by one caller"
+    texts, users, _ = _read_raw(DataConfig(dataset="pydoc", privacy_unit="user"))
+    assert (texts, users) == tuple(BUILTIN_USERS["pydoc"]())
+
+
 def test_local_formats(tmp_path):
     para = "A record long enough to pass the filter of thirty-two characters."
     (tmp_path / "a.jsonl").write_text(json.dumps({"body": para}) + "\n" + json.dumps({"body": para + " 2"}) + "\n")
