@@ -47,6 +47,10 @@ demo: $(VENV)/.installed
 # worker's cases and three recipe runs in one), runs that do not test an accountant on PRV instead of Opacus's RDP,
 # the quick scaling sweep at 5-40 steps, the slowest files scheduled first, bytecode caching: system-wide CPU (from
 # /proc/stat) 997 -> 931 CPU-s, quiet 7:59; clean-clone CI of be208fe beside a one-core busy loop (`yes`) 11:07.
+# Later still (the machine ran faster by then): the GPU proof smoke in the test process, one fork server per
+# worker for the recipe processes that tests signal or kill (tests/conftest.py's SAME_WORKER), the built-in
+# corpora read once per process: back to back, quiet, 795.5 -> 746.9 CPU-s, 6:47 -> 6:27; beside `yes` in a
+# clean clone, 12:04 -> 10:34 (runs 15 minutes apart, 2026-11-29 10:00-10:27 UTC).
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.

@@ -96,7 +96,7 @@ BUILTIN_USERS = {"pydoc": _pydoc_user_records, "pystdlib": _pystdlib_user_record
 def _builtin_corpus(name: str, by_user: bool) -> tuple[tuple[str, ...], Optional[tuple[str, ...]]]:
     """The texts (and users) of built-in corpus ``name``, read once per process: they come from this Python's own
     installation, which nothing a run does changes. A run, its held-out evaluation and its audits each read the
-    corpus again (the stdlib corpus: ~0.4 CPU-s each, to read ~1,800 files and chunk them)."""
+    corpus again (the stdlib corpus: ~0.4 CPU-s each, to read some 700 files and chunk them)."""
     if by_user:
         texts, users = BUILTIN_USERS[name]()
         return tuple(texts), tuple(users)

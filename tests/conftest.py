@@ -45,7 +45,6 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), -count[item.path.name]))
 
 
-
 # Files whose tests share something that lives in the test process, and so go to the same worker (as one file's tests
 # do): the fork server of tests.helpers.forked_recipe, which imports the training stack once (~13 CPU-s) for every
 # `python recipes/finetune_llm.py` process that these files start and then kill or signal. Apart, each worker that
