@@ -50,7 +50,8 @@ demo: $(VENV)/.installed
 # Later still (the machine ran faster by then): the GPU proof smoke in the test process, one fork server per
 # worker for the recipe processes that tests signal or kill (tests/conftest.py's SAME_WORKER), the built-in
 # corpora read once per process: back to back, quiet, 795.5 -> 746.9 CPU-s, 6:47 -> 6:27; beside `yes` in a
-# clean clone, 12:04 -> 10:34 (runs 15 minutes apart, 2026-11-29 10:00-10:27 UTC).
+# clean clone, 11:49 and 12:04 before, 10:34 and 11:51 after (2026-11-29 08:58-10:53 UTC): beside a busy loop the
+# spread between runs is as large as the change.
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.
