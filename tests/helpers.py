@@ -192,6 +192,24 @@ def forked_recipe(argv: list[str], stderr_path):
     return proc
 
 
+def signal_when(proc, stderr_path, ready, signum: int, *, within: float, what: str,
+                join: float | None = None) -> str:
+    """Send ``signum`` to :func:`forked_recipe`'s ``proc`` once ``ready()`` holds, wait for the process to end
+    (at most ``join`` seconds; None: however long) and return its stderr. ``within`` seconds is a liveness guard
+    for a loaded machine, not a timing; the process dying first fails the test with ``what`` and its stderr."""
+    import os
+    import time
+    from pathlib import Path
+
+    deadline = time.time() + within
+    while not ready():
+        assert time.time() < deadline and proc.is_alive(), f"{what}: " + Path(stderr_path).read_text()[-3000:]
+        time.sleep(0.01)
+    os.kill(proc.pid, signum)
+    proc.join(join)
+    return Path(stderr_path).read_text()
+
+
 def stop_fork_server() -> None:
     """End :func:`forked_recipe`'s server (and wait for it, so that its CPU time counts as this process's child's)."""
     from multiprocessing import forkserver

@@ -6,7 +6,6 @@ ledger's ε at every checkpoint, and its final weights equal those of a run that
 
 import json
 import signal
-import time
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ import torch
 from dpllm import ledger
 from dpllm.config import ConfigError, parse_config
 from dpllm.train import train
-from tests.helpers import forked_recipe
+from tests.helpers import forked_recipe, signal_when
 
 RUN = ["--finetuning", "full", "--max_steps", "24", "--save_every", "2", "--logical_batch_size", "16",
        "--physical_batch_size", "8", "--max_length", "48", "--tiny_hidden_size", "32", "--tiny_num_heads", "2",
@@ -48,15 +47,10 @@ def kill_mid_run(killed, *extra, after="step-000004"):
     (:func:`tests.helpers.forked_recipe`), not started afresh: the kill is what is tested, not the start-up."""
     stderr = killed.parent / f"{killed.name}.stderr"
     proc = forked_recipe(["--output_dir", str(killed), *RUN, *extra], stderr)
-    deadline = time.time() + 300
     latest = killed / "checkpoints" / "latest"
     # the pointer, not the directory: a kill between the rename and the pointer update resumes from step 2
-    while not (latest.is_file() and latest.read_text().strip() >= after):
-        assert proc.is_alive(), stderr.read_text()[-3000:]
-        assert time.time() < deadline
-        time.sleep(0.01)
-    proc.kill()  # SIGKILL
-    proc.join()
+    signal_when(proc, stderr, lambda: latest.is_file() and latest.read_text().strip() >= after, signal.SIGKILL,
+                within=300, what=f"no checkpoint {after}")
     assert proc.exitcode == -signal.SIGKILL
     assert not (killed / "privacy_report.json").exists()  # it really died mid-way
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from dpllm import ledger
-from tests.helpers import forked_recipe, load_recipe
+from tests.helpers import forked_recipe, load_recipe, signal_when
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The default accountant (PRV) calibrates these plans in ~0.1 CPU-s, Opacus's RDP in 2-3 s (in each process).
@@ -37,14 +37,9 @@ def test_sigterm_checkpoints_at_the_step_boundary_and_the_printed_command_resume
     # run could end; the printed command then trains the rest in this process, so each step more costs here
     steps = 50
     argv = [*FAST, "--max_steps", str(steps), "--log_every", "1", "--output_dir", str(out)]
-    proc = forked_recipe(argv, stderr)
-    metrics, deadline = out / "metrics.jsonl", time.time() + 180  # a liveness guard for a loaded machine
-    while not (metrics.is_file() and '"split": "train"' in metrics.read_text()):
-        assert time.time() < deadline and proc.is_alive(), "training never started: " + stderr.read_text()[-3000:]
-        time.sleep(0.01)
-    os.kill(proc.pid, signal.SIGTERM)
-    proc.join(120)
-    err = stderr.read_text()
+    proc, metrics = forked_recipe(argv, stderr), out / "metrics.jsonl"
+    err = signal_when(proc, stderr, lambda: metrics.is_file() and '"split": "train"' in metrics.read_text(),
+                      signal.SIGTERM, within=180, join=120, what="training never started")
     assert proc.exitcode == 143 and "Traceback" not in err, err[-3000:]
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM at step "), err[-3000:]
@@ -69,13 +64,8 @@ def test_sigint_mid_run_exits_130_with_one_line(tmp_path):
     control, a CI script's background job, inherits it *ignored*: a run started so rightly ignores Ctrl-C)."""
     out, stderr = tmp_path / "run", tmp_path / "stderr.log"
     proc = forked_recipe([*FAST, "--max_steps", "500", "--output_dir", str(out), "--save_every", "1"], stderr)
-    deadline = time.time() + 120
-    while not (out / "checkpoints" / "latest").is_file():
-        assert time.time() < deadline and proc.is_alive(), "no checkpoint appeared: " + stderr.read_text()[-3000:]
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGINT)
-    proc.join(60)
-    err = stderr.read_text()
+    err = signal_when(proc, stderr, (out / "checkpoints" / "latest").is_file, signal.SIGINT, within=120, join=60,
+                      what="no checkpoint appeared")
     assert proc.exitcode == 130 and "Traceback" not in err, err[-3000:]
     line = next(x for x in err.splitlines() if x.startswith("error: interrupted at step"))
     ckpt = line.split("the last resumable checkpoint is ", 1)[1].split(" (step", 1)[0]
