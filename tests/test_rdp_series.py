@@ -62,6 +62,25 @@ def test_calibration_returns_what_the_search_over_opacus_epsilon_returns(target,
     assert sigma == _grid_search(lambda s: prior + [(s, q, steps)], target, delta)
 
 
+@pytest.mark.parametrize("target, q, steps, prior", [(0.8, 0.02, 300, []), (3.0, 0.05, 40, [(1.2, 0.1, 20)])])
+def test_a_calibration_to_a_tolerance_searches_with_the_stand_in_and_meets_the_target_by_opacus(target, q, steps,
+                                                                                                  prior):
+    # the scaling planner's screen: σ within 0.05 of ε under the target, unrounded; before, every bisection step was
+    # an Opacus evaluation (~20 per (batch, steps) of the plan's grid)
+    accounting._rdp_of_one_step.cache_clear()
+    sigma = accounting.calibrate_noise(target_epsilon=target, delta=1e-5, sample_rate=q, steps=steps,
+                                       accountant="rdp", prior_history=prior, epsilon_tolerance=0.05)
+    assert accounting._rdp_of_one_step.cache_info().misses <= 1 + len(prior)  # the answer's check and the prior
+
+    def opacus(s):
+        return accounting.compute_epsilon_history(history=prior + [(s, q, steps)], delta=1e-5, accountant="rdp")
+
+    assert target - 0.05 <= opacus(sigma) <= target
+    reference = accounting.smallest_noise(opacus, target, epsilon_tolerance=0.05,
+                                          unreachable=lambda: accounting.PrivacyPlanError("unreachable"))
+    assert sigma == pytest.approx(reference, rel=1e-5)  # the same bisection, unless rounding flips a comparison
+
+
 def test_a_schedule_calibrates_as_the_search_over_opacus_epsilon_does():
     s = NoiseSchedule(kind="linear", end=0.5, pieces=3)
     sigma0 = calibrate(s, target_epsilon=1.0, delta=1e-5, sample_rate=0.05, steps=60, accountant="rdp")
