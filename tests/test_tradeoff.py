@@ -18,6 +18,25 @@ from dpllm.privacy.report import PrivacyReport
 N = NormalDist()
 
 
+@pytest.mark.parametrize("history", [[(1.1, 0.16, 30)], [(0.8, 0.05, 200), (2.0, 0.5, 10)]])
+def test_the_curve_reads_every_epsilon_at_once_and_never_below_one_at_a_time(history):
+    # the curve's δ come from dp-accounting's read-out of the whole ε grid in one pass, raised by its rounding bound;
+    # one read-out per ε (its direct sum of non-negative terms) is the reference
+    from dp_accounting.pld import privacy_loss_distribution
+
+    tradeoff._curve.cache_clear()
+    c = tradeoff.privacy_curve(history=history)
+    pld = None
+    for sigma, q, steps in history:
+        one = privacy_loss_distribution.from_gaussian_mechanism(
+            sigma, sampling_prob=q, value_discretization_interval=tradeoff.DISCRETIZATION).self_compose(steps)
+        pld = one if pld is None else pld.compose(one)
+    single = np.array([pld.get_delta_for_epsilon(float(e)) for e in c.epsilons])
+    single += tradeoff.ROUNDING * sum(t for _, _, t in history) * np.finfo(float).eps  # the composition's margin
+    assert len(c.epsilons) == tradeoff.EPSILON_POINTS and single[0] > 0.1 and single[-1] < 1e-11
+    assert np.all(c.deltas >= single) and np.all(c.deltas <= single + 1e-10)
+
+
 @pytest.mark.parametrize("sigma", [0.5, 1.0, 2.0, 4.0])
 def test_one_gaussian_step_matches_the_closed_form_from_above(sigma):
     # q = 1, one step: the trade-off is exactly β(α) = Φ(Φ⁻¹(1 − α) − 1/σ), so TPR(α) = Φ(Φ⁻¹(α) + 1/σ) and

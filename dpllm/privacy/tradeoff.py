@@ -191,10 +191,25 @@ def _curve(history: tuple, k: int, unit: str, grid: float) -> Curve:
     top = pld.get_epsilon_for_delta(1e-12)
     top = min(top if math.isfinite(top) else 40.0, 40.0)
     eps = np.linspace(0.0, max(top, 1e-3), EPSILON_POINTS)
-    deltas = np.array([pld.get_delta_for_epsilon(float(e)) for e in eps], dtype=np.float64)
+    deltas = _deltas(pld, eps)
     # plus what float64 rounding of the composition may have taken off δ (dpllm.privacy.accounting.PLD_ROUNDING)
     deltas += ROUNDING * sum(int(t) for _, q, t in history if int(t) > 0 and float(q) > 0) * sys.float_info.epsilon
     return _frozen(eps, np.clip(deltas, 0.0, 1.0), unit, k)
+
+
+def _deltas(pld, eps: np.ndarray) -> np.ndarray:
+    """δ(ε) of ``pld`` at every point of the ascending grid ``eps``, never below dp-accounting's single read-outs.
+
+    dp-accounting reads many ε in one pass over the losses (0.12-0.17 s for 1,500 ε of a 20,000-32,000-point PLD,
+    where one read-out per ε took 0.8-1.3 s): δ(ε) = m∞ + U(ε) − e^ε·L(ε), from running sums over the losses above
+    ε of the probabilities (U) and of probability·e^-loss (L), with e^ε·L ≤ U ≤ 1. A running sum of n non-negative
+    terms is off by at most n·u of itself (u = 2⁻⁵³), so that δ by at most (2n + 4)·u: added here (7e-12 at n =
+    32,000; seen, the two agree to 1e-14 relative). The single read-out sums non-negative terms directly.
+    """
+    out = np.asarray(pld.get_delta_for_epsilon(eps), dtype=np.float64)
+    pmfs = [pld._pmf_remove] + ([] if pld._symmetric else [pld._pmf_add])
+    n = max(p.to_dense_pmf()._probs.size for p in pmfs)
+    return out + (2 * n + 4) * (sys.float_info.epsilon / 2)
 
 
 def _frozen(epsilons: np.ndarray, deltas: np.ndarray, unit: str, k: int) -> Curve:
