@@ -81,6 +81,21 @@ def test_a_calibration_to_a_tolerance_searches_with_the_stand_in_and_meets_the_t
     assert sigma == pytest.approx(reference, rel=1e-5)  # the same bisection, unless rounding flips a comparison
 
 
+def test_a_stand_in_that_reads_low_cannot_make_a_calibration_miss_its_target(monkeypatch):
+    # a stand-in 2% under Opacus's ε (far beyond the float rounding it has): the answer it finds misses the target by
+    # Opacus's ε, and the calibration steps σ up until Opacus's ε meets it
+    def low(history_of, delta):
+        def eps(sigma):
+            return 0.98 * accounting.compute_epsilon_history(history=history_of(sigma), delta=delta, accountant="rdp")
+        return eps
+
+    monkeypatch.setattr(accounting, "rdp_stand_in", low)
+    sigma = accounting.calibrate_noise(target_epsilon=1.0, delta=1e-5, sample_rate=0.02, steps=300, accountant="rdp",
+                                       epsilon_tolerance=0.05)
+    reached = accounting.compute_epsilon_history(history=[(sigma, 0.02, 300)], delta=1e-5, accountant="rdp")
+    assert 0.95 <= reached <= 1.0  # met, and the doubling steps overshot by little
+
+
 def test_a_schedule_calibrates_as_the_search_over_opacus_epsilon_does():
     s = NoiseSchedule(kind="linear", end=0.5, pieces=3)
     sigma0 = calibrate(s, target_epsilon=1.0, delta=1e-5, sample_rate=0.05, steps=60, accountant="rdp")

@@ -435,8 +435,9 @@ def calibrate_noise(
         # Opacus's own ε at the answer: the σ returned meets the target by the reporting accountant
         stand_in = rdp_stand_in(lambda s: prior + [(s, sample_rate, steps)], delta)
         sigma = smallest_noise(stand_in, target_epsilon, epsilon_tolerance=epsilon_tolerance, unreachable=unreachable)
-        while eps(sigma) > target_epsilon:  # rounding put the answer a hair short: step up by 1e-6 relative
-            sigma *= 1 + 1e-6
+        step = 1e-6
+        while eps(sigma) > target_epsilon:  # rounding put the answer a hair short: step up, 1e-6 relative at first
+            sigma, step = sigma * (1 + step), 2 * step
             if sigma > MAX_NOISE_MULTIPLIER:
                 raise unreachable()
         return sigma
