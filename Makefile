@@ -52,6 +52,9 @@ demo: $(VENV)/.installed
 # corpora read once per process: back to back, quiet, 795.5 -> 746.9 CPU-s, 6:47 -> 6:27; beside `yes` in a
 # clean clone, 11:49 and 12:04 before, 10:34 and 11:51 after (2026-11-29 08:58-10:53 UTC): beside a busy loop the
 # spread between runs is as large as the change.
+# 2026-11-29 afternoon (the machine ~20% slower than that morning): the scaling planner's RDP screen searching with
+# the stand-in, the trade-off curve's δ(ε) read in one pass: back to back, quiet, 954.7 -> 912.4 CPU-s, 8:09 -> 7:52;
+# a clean clone beside `yes` 11:32.
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.

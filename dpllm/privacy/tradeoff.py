@@ -179,7 +179,7 @@ def privacy_curve(*, history, group_size: int = 1, unit: str = "record",
 
 @functools.lru_cache(maxsize=64)
 def _curve(history: tuple, k: int, unit: str, grid: float) -> Curve:
-    """:func:`privacy_curve` of a normalised history, computed once per process: a curve takes ~1 s (1,500 δ(ε)
+    """:func:`privacy_curve` of a normalised history, computed once per process: a curve takes ~0.2-0.5 s (1,500 δ(ε)
     read-outs of the composed PLD), and an export, its compliance check, a synthetic data card and an audit each ask
     for the same run's curve. Its arrays are read-only, so no caller can change what the next one gets."""
     pld = _composed(history, k, grid)
