@@ -423,35 +423,27 @@ def calibrate_noise(
                     float(delta))] = eps
         return sigma
 
+    def history_of(sigma: float) -> list:
+        return prior + [(sigma, sample_rate, steps)]
+
     def eps(sigma: float) -> float:  # strict: a PLD that cannot run switches the whole plan, never one σ
-        return compute_epsilon_history(history=prior + [(sigma, sample_rate, steps)], delta=delta,
-                                       accountant=accountant, strict=True)
+        return compute_epsilon_history(history=history_of(sigma), delta=delta, accountant=accountant, strict=True)
 
     def unreachable() -> PrivacyPlanError:
         return _unreachable(target_epsilon, delta, sample_rate, steps)
 
-    if epsilon_tolerance is not None and accountant == "rdp":
-        # the search on the stand-in (Opacus's ε to float rounding, milliseconds per σ instead of 0.1-1 s), then
-        # Opacus's own ε at the answer: the σ returned meets the target by the reporting accountant
-        stand_in = rdp_stand_in(lambda s: prior + [(s, sample_rate, steps)], delta)
-        sigma = smallest_noise(stand_in, target_epsilon, epsilon_tolerance=epsilon_tolerance, unreachable=unreachable)
-        step = 1e-6
-        while eps(sigma) > target_epsilon:  # rounding put the answer a hair short: step up, 1e-6 relative at first
-            sigma, step = sigma * (1 + step), 2 * step
-            if sigma > MAX_NOISE_MULTIPLIER:
-                raise unreachable()
-        return sigma
     if epsilon_tolerance is not None:
-        return smallest_noise(eps, target_epsilon, epsilon_tolerance=epsilon_tolerance, unreachable=unreachable)
+        return smallest_noise(eps, target_epsilon, epsilon_tolerance=epsilon_tolerance, unreachable=unreachable,
+                              stand_in=rdp_stand_in(history_of, delta) if accountant == "rdp" else None)
     if accountant == "rdp":
         return smallest_smooth_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable,
                                      start=_rdp_sigma(target_epsilon, delta, sample_rate, steps, prior),
-                                     stand_in=rdp_stand_in(lambda s: prior + [(s, sample_rate, steps)], delta))
+                                     stand_in=rdp_stand_in(history_of, delta))
     if accountant == "pld" and _certified(prior + [(1.0, sample_rate, steps)], delta):
         # each certified ε costs ~0.7 s and is smooth in σ: search on a 10× coarser grid (~8× cheaper) from RDP's σ,
         # then confirm on the full one (about three full evaluations instead of twenty)
         def coarse(sigma: float) -> float:
-            return certified_pld(history=prior + [(sigma, sample_rate, steps)], delta=delta,
+            return certified_pld(history=history_of(sigma), delta=delta,
                                  value_discretization_interval=10 * PLD_DISCRETIZATION)[0]
 
         start = _rdp_sigma(target_epsilon, delta, sample_rate, steps, prior)
@@ -599,27 +591,38 @@ def smallest_grid_noise(eps: Callable[[float], float], target_epsilon: float, *,
 
 def smallest_noise(eps: Callable[[float], float], target_epsilon: float, *, epsilon_tolerance: float,
                    unreachable: Callable[[], Exception], lo: float = 0.0, hi: float = 1.0,
-                   max_sigma: float = MAX_NOISE_MULTIPLIER) -> float:
+                   max_sigma: float = MAX_NOISE_MULTIPLIER,
+                   stand_in: Callable[[float], float] | None = None) -> float:
     """Smallest σ with ``eps(σ) <= target_epsilon``, to within ``epsilon_tolerance`` of the target (or a
     relative 1e-6 in σ), for ``eps`` decreasing in σ: double ``hi`` until it meets the target, then bisect
     keeping ``hi`` on the meeting side. The returned σ always meets the target.
 
+    With ``stand_in`` (a cheap ε that agrees with ``eps`` to float rounding, such as :func:`rdp_stand_in` for
+    Opacus's RDP: milliseconds per σ instead of 0.1-1 s) the search runs on it and ``eps`` at the answer confirms it:
+    where it misses the target, σ steps up (1e-6 relative at first, each step twice the last) until it meets it.
+
     Raises:
         the exception ``unreachable()`` builds, when σ above ``max_sigma`` would be needed.
     """
-    eps_hi = eps(hi)
+    search = stand_in or eps
+    eps_hi = search(hi)
     while eps_hi > target_epsilon:
         lo, hi = hi, 2 * hi
         if hi > max_sigma:
             raise unreachable()
-        eps_hi = eps(hi)
+        eps_hi = search(hi)
     while target_epsilon - eps_hi > epsilon_tolerance and hi - lo > 1e-6 * hi:
         mid = (lo + hi) / 2
-        e = eps(mid)
+        e = search(mid)
         if e <= target_epsilon:
             hi, eps_hi = mid, e
         else:
             lo = mid
+    step = 1e-6
+    while stand_in is not None and eps(hi) > target_epsilon:
+        hi, step = hi * (1 + step), 2 * step
+        if hi > max_sigma:
+            raise unreachable()
     return hi
 
 
