@@ -13,7 +13,7 @@ import platform
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from dpllm.io import atomic_directory, write_json_atomic
+from dpllm.io import atomic_directory, load_yaml, write_json_atomic
 
 if TYPE_CHECKING:  # torch loads only where a model is handled
     from torch import nn
@@ -127,10 +127,8 @@ def base_quantization(path: str | Path):
 def run_quantization(path: str | Path) -> tuple[str, str]:
     """``(quantization, torch_dtype)`` of the run that wrote checkpoint ``path`` (its ``dpllm_config.yaml``);
     ``("none", "float32")`` for a checkpoint without one (any HF model directory)."""
-    import yaml
-
     f = Path(path) / "dpllm_config.yaml"
-    model = ((yaml.safe_load(f.read_text()) or {}).get("model") or {}) if f.is_file() else {}
+    model = ((load_yaml(f.read_text()) or {}).get("model") or {}) if f.is_file() else {}
     return str(model.get("quantization") or "none"), str(model.get("torch_dtype") or "float32")
 
 

@@ -57,7 +57,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
+from dpllm.io import load_yaml
 
 MET, NOT_MET, NA, MANUAL = "met", "not met", "not applicable", "manual"
 AUDITED = "audited (result private)"  # the model card's status of an audit whose result is withheld
@@ -314,7 +314,7 @@ def check(run_dir: str | Path, *, verified=None) -> list[Item]:
     except ledger.LedgerError:
         entries = []
     config_path = run_dir / "config.yaml"
-    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
+    config = load_yaml(config_path.read_text()) if config_path.is_file() else {}
     if verified is None:
         verified = ledger.verify(run_dir)
     return [_dp(report), _epsilon_fixed(report, entries), _single_epoch(report),

@@ -323,8 +323,19 @@ def keyed_draw(content: str, *, key: int, purpose: str) -> float:
         >>> keyed_draw("a record", key=0, purpose="split") == keyed_draw("a record", key=0, purpose="split")
         True
     """
-    h = hashlib.blake2b(content.encode("utf-8"), digest_size=8, key=f"dpllm:{purpose}:{int(key)}".encode()[:64])
-    return int.from_bytes(h.digest(), "big") / 2.0 ** 64
+    return keyed_draws([content], key=key, purpose=purpose)[0]
+
+
+def keyed_draws(contents: Sequence[str], *, key: int, purpose: str) -> list[float]:
+    """:func:`keyed_draw` of each of ``contents`` (the keyed hash state built once: half the cost per record, and a
+    load draws for every record of the file)."""
+    keyed = hashlib.blake2b(digest_size=8, key=f"dpllm:{purpose}:{int(key)}".encode()[:64])
+    out = []
+    for content in contents:
+        h = keyed.copy()
+        h.update(content.encode("utf-8"))
+        out.append(int.from_bytes(h.digest(), "big") / 2.0 ** 64)
+    return out
 
 
 def _read_raw(cfg: DataConfig) -> tuple[list[str], Optional[list[str]], Optional[str]]:
@@ -411,15 +422,15 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
                  len(raw))
     fraction_out = 0
     if cfg.record_fraction is not None:  # each record by its own keyed draw: one record more moves no other
-        keep = [j for j, t in enumerate(records)
-                if keyed_draw(t, key=cfg.split_seed, purpose="fraction") < cfg.record_fraction]
+        draws = keyed_draws(records, key=cfg.split_seed, purpose="fraction")
+        keep = [j for j, u in enumerate(draws) if u < cfg.record_fraction]
         fraction_out = len(records) - len(keep)
         records = [records[j] for j in keep]
         users = [users[j] for j in keep] if users else users
     over = 0
     if cfg.max_records is not None and len(records) > cfg.max_records:
-        rank = sorted(range(len(records)), key=lambda j: (keyed_draw(records[j], key=cfg.split_seed, purpose="cap"),
-                                                          records[j]))
+        draws = keyed_draws(records, key=cfg.split_seed, purpose="cap")
+        rank = sorted(range(len(records)), key=lambda j: (draws[j], records[j]))
         keep = sorted(rank[: cfg.max_records])
         over = len(records) - len(keep)
         records = [records[j] for j in keep]
@@ -520,12 +531,12 @@ def make_splits(records: Sequence[str], cfg: DataConfig, users: Optional[Sequenc
     pf, hf = cfg.public_fraction, cfg.heldout_fraction
     ids: dict[str, list[int]] = {"public": [], "train": [], "heldout": []}
     names: dict[str, set] = {"public": set(), "train": set(), "heldout": set()}
-    for i, text in enumerate(records):
+    draws = keyed_draws(users if users is not None else records, key=cfg.split_seed,
+                        purpose="split-user" if users is not None else "split")
+    for i, u in enumerate(draws):
         if public is not None and public[i]:
             ids["public"].append(i)
             continue
-        u = keyed_draw(users[i] if users is not None else text, key=cfg.split_seed,
-                       purpose="split-user" if users is not None else "split")
         role = "public" if u < pf else "heldout" if u < pf + hf * (1 - pf) else "train"
         ids[role].append(i)
         if users is not None:

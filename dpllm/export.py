@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from dpllm.io import atomic_directory, looks_local, write_text_atomic
+from dpllm.io import atomic_directory, load_yaml, looks_local, write_text_atomic
 from dpllm.privacy.report import (
     NOT_RELEASABLE,
     PrivacyReport,
@@ -205,7 +205,7 @@ def declared_record_kind(run_dir: Path) -> str | None:
 
     path = Path(run_dir) / "config.yaml"
     try:
-        cfg = yaml.safe_load(path.read_text()) or {}
+        cfg = load_yaml(path.read_text()) or {}
     except (OSError, yaml.YAMLError):
         return None
     kind = (cfg.get("data") or {}).get("data_format")

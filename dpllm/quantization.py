@@ -25,6 +25,8 @@ def known_unquantized(where: str) -> bool:
 
     import yaml
 
+    from dpllm.io import load_yaml
+
     if where in ("tiny-llama", "tiny-gpt2"):  # dpllm.models.TINY_MODELS, built from a config (a layer above)
         return True
     path = Path(str(where)).expanduser()
@@ -36,7 +38,7 @@ def known_unquantized(where: str) -> bool:
             models = [d / "config.json" for d in dirs if (d / "config.json").is_file()]
             if not runs and not models:
                 return False
-            if any(((yaml.safe_load(f.read_text()) or {}).get("model") or {}).get("quantization") not in (None, "none")
+            if any(((load_yaml(f.read_text()) or {}).get("model") or {}).get("quantization") not in (None, "none")
                    for f in runs):
                 return False  # a QLoRA run: its base is loaded quantized again (dpllm.checkpoint.load_model)
             return not any("quantization_config" in json.loads(f.read_text()) for f in models)

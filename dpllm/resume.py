@@ -44,14 +44,13 @@ from typing import Optional
 
 import numpy as np
 import torch
-import yaml
 
 from dpllm import checksums, ledger
 from dpllm import sharded_checkpoint as sc
 from dpllm.checkpoint import CheckpointError, unwrap
 from dpllm.config import CLI_OPTIONS, ConfigError, OptionNames, RunConfig
 from dpllm.distributed import World, barrier, gather_objects, is_sharded, reshard
-from dpllm.io import atomic_directory, read_jsonl, write_json_atomic, write_text_atomic
+from dpllm.io import atomic_directory, load_yaml, read_jsonl, write_json_atomic, write_text_atomic
 from dpllm.stopping import program_of  # noqa: F401 (where it lived; the recipe reads it before torch is imported)
 
 log = logging.getLogger(__name__)
@@ -179,7 +178,7 @@ def check_config(ckpt: Path, cfg: RunConfig) -> None:
     Raises:
         ConfigError: naming every differing field with both values.
     """
-    saved = {**ADDED_LATER, **_flat(yaml.safe_load((ckpt / "dpllm_config.yaml").read_text()))}
+    saved = {**ADDED_LATER, **_flat(load_yaml((ckpt / "dpllm_config.yaml").read_text()))}
     now = _flat(cfg.to_dict())
     diff = [f"{k} ({saved.get(k)!r} → {now.get(k)!r})" for k in sorted(set(saved) | set(now))
             if k.split(".", 1)[1] not in NOT_COMPARED and saved.get(k) != now.get(k)]

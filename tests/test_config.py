@@ -124,6 +124,24 @@ def test_round_trip_through_saved_yaml():
     assert again == cfg
 
 
+def test_the_fast_yaml_reads_and_writes_what_pyyaml_does(tmp_path):
+    from dpllm.io import dump_yaml, load_yaml
+
+    # every shipped file, a saved config with unicode and odd strings: the same values as yaml.safe_load, and the
+    # same text as yaml.safe_dump
+    cfg = parse_config(["--max_steps", "5", "--text_column", "note: ünïcödé # not a comment", "--dataset", "yes"])
+    docs = [open(p).read() for p in sorted(glob.glob(os.path.join(ROOT, "recipes", "**", "*.yaml"), recursive=True))]
+    assert len(docs) > 10
+    for text in [*docs, cfg.to_yaml(), "a: 1e-5\nb: 0o17\nc: ~\nd: 2026-11-29\ne: [on, off]\n"]:
+        assert load_yaml(text) == yaml.safe_load(text)
+    assert cfg.to_yaml() == dump_yaml(cfg.to_dict()) == yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+    assert load_yaml(cfg.to_yaml())["data"]["text_column"] == "note: ünïcödé # not a comment"
+    # a file that does not parse: the pure-Python parser's message, which quotes the line and points at the column
+    with pytest.raises(yaml.YAMLError) as err:
+        load_yaml("model:\n  lora_r: [4, 8\n  lora_alpha: 16\n")
+    assert "line 2" in str(err.value) and "^" in str(err.value)
+
+
 def test_a_yaml_type_error_is_one_line_naming_the_key(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("data:\n  max_length: long\n")

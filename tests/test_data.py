@@ -201,6 +201,22 @@ def test_byte_ids_leave_other_tokenizers_and_settings_to_the_tokenizer():
     assert byte_ids(byte_tokenizer(), ["x"], truncation=True, max_length=1) is None
 
 
+def test_each_byte_tokenizer_is_a_fresh_byt5_tokenizer_of_its_own():
+    from transformers import ByT5Tokenizer
+
+    from dpllm.models import byte_tokenizer
+
+    built, copied = ByT5Tokenizer(), byte_tokenizer()
+    texts = _byte_cases()
+    assert type(copied) is ByT5Tokenizer and copied(texts)["input_ids"] == built(texts)["input_ids"]
+    assert copied.get_vocab() == built.get_vocab() and copied.special_tokens_map == built.special_tokens_map
+    assert copied.decode(copied("é <extra_id_3>")["input_ids"]) == built.decode(built("é <extra_id_3>")["input_ids"])
+    copied.add_tokens(["canary"])
+    copied.pad_token = "<unk>"
+    again = byte_tokenizer()  # what one caller changed is not the next caller's
+    assert len(copied) == len(built) + 1 and len(again) == len(built) and again.pad_token == built.pad_token
+
+
 def test_cut_with_the_arithmetic_equals_cut_through_the_tokenizer(monkeypatch):
     """TokenizedRecords' ids and token counts (truncation report) are the same with the byte tokenizer's arithmetic
     as through the tokenizer, on the pydoc corpus, one record long enough for the windowed count, and a few with

@@ -52,6 +52,9 @@ SLOW = {
 }
 # run as their own process: their workers are spawned by multiprocessing, which imports the script by its name
 OWN_PROCESS = {"scripts/bench_fsdp_loading.py"}
+# measure in processes of their own (`python script ... --mode M`, for each mode's peak memory): here those run in
+# this process too, through the same main(argv), which is all the smoke checks (each would add ~8 CPU-s of imports)
+CHILDREN_HERE = {"scripts/bench_overhead.py"}
 # cited, and already run by another test (not repeated here)
 COVERED = {
     "scripts/fft_rounding.py": "tests/test_pld_fallback.py (spread, prv_error)",
@@ -109,7 +112,38 @@ def _run(script: str, argv: str, tmp_path, monkeypatch) -> None:
     spec.loader.exec_module(module)
     # a script's own imports (bench_overhead from profile_bk) resolve from scripts/, fresh for each script
     monkeypatch.setattr(sys, "argv", [script, *args.split()])
+    here = _children_here(module, subprocess.run)
+    if script in CHILDREN_HERE:
+        monkeypatch.setattr(subprocess, "run", here)
     module.main(args.split())
+    assert (script in CHILDREN_HERE) == bool(here.ran), here.ran  # its measurements ran here, not as processes
+
+
+def _children_here(module, run):
+    """``subprocess.run`` that runs ``[python, <module's script>, ARGS]`` as ``module.main(ARGS)`` in this process
+    (its stdout and stderr captured, SystemExit and exceptions as a return code), and anything else as ``run``."""
+    import contextlib
+    import io
+    import traceback
+
+    def here(cmd, *args, **kwargs):
+        if list(cmd[:2]) != [sys.executable, module.__file__]:
+            return run(cmd, *args, **kwargs)
+        here.ran.append(list(cmd[2:]))
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                module.main(list(cmd[2:]))
+                code = 0
+            except SystemExit as exit_:
+                code = exit_.code if isinstance(exit_.code, int) else 1
+            except Exception:
+                traceback.print_exc()
+                code = 1
+        return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
+
+    here.ran = []
+    return here
 
 
 @pytest.mark.parametrize("script", sorted(s for s, a in SMOKE.items() if a))

@@ -37,6 +37,24 @@ def test_the_curve_reads_every_epsilon_at_once_and_never_below_one_at_a_time(his
     assert np.all(c.deltas >= single) and np.all(c.deltas <= single + 1e-10)
 
 
+@pytest.mark.parametrize("history,group_size", [([(0.8, 0.01, 1000)], 1), ([(1.0, 1.0, 1)], 1),
+                                                ([(0.5, 0.1, 100), (2.0, 0.5, 10)], 1), ([(20.0, 0.001, 10)], 1),
+                                                ([(1.0, 0.05, 200)], 3), ([(0.0, 0.1, 10)], 1)])
+def test_the_envelope_gives_the_minimum_over_every_line(history, group_size):
+    # U(α) from the lower envelope of the lines against the minimum over all 2 x 1,500 of them, at every α of the
+    # AUC grid, a log grid down to 1e-12 and the audits' points: never lower (a bound must not drop), and the same
+    # number up to rounding (it was not loosened either)
+    c = tradeoff.privacy_curve(history=history, group_size=group_size)
+    alphas = np.concatenate([np.linspace(0, 1, tradeoff.AUC_POINTS + 1), np.logspace(-12, 0, 500), tradeoff.FPRS])
+    e, d = np.exp(c.epsilons)[None, :], c.deltas[None, :]
+    every = np.concatenate([np.minimum(d + e * x, 1.0 - (1.0 - d - x) / e).min(axis=1)
+                            for x in np.array_split(alphas[:, None], 8)])
+    every = np.clip(every, alphas, 1.0)
+    got = c.max_tpr(alphas)
+    assert np.all(got >= every) and np.all(got <= every + 1e-12)
+    assert c.max_tpr(0.01) == got[-2]  # a scalar reads the same line as the array
+
+
 @pytest.mark.parametrize("sigma", [0.5, 1.0, 2.0, 4.0])
 def test_one_gaussian_step_matches_the_closed_form_from_above(sigma):
     # q = 1, one step: the trade-off is exactly β(α) = Φ(Φ⁻¹(1 − α) − 1/σ), so TPR(α) = Φ(Φ⁻¹(α) + 1/σ) and

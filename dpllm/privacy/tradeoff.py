@@ -94,16 +94,55 @@ class Curve:
     group_size: int = 1
 
     def max_tpr(self, fpr):
-        """U(α): the largest TPR any attack can have at false-positive rate ``fpr`` (scalar or array)."""
+        """U(α): the largest TPR any attack can have at false-positive rate ``fpr`` (scalar or array).
+
+        U is the minimum of 2·|ε grid| lines in α (the two per ε of the module docstring). Only the lines of their
+        lower envelope can be that minimum, and at a given α only the envelope's line over α: each α is scored by
+        that line and its two neighbours on the envelope (a breakpoint off by rounding cannot matter), in the same
+        expressions as the lines' own, instead of by all 3,000 lines (4,000 α: 60 ms -> 2 ms). A minimum over
+        fewer lines can only be higher, so U stays an upper bound; where the envelope is right (tests: everywhere
+        on the grids they try), it is the same number as the minimum over all lines.
+        """
         a = np.atleast_1d(np.asarray(fpr, dtype=np.float64))
-        out = np.empty_like(a)
-        e = np.exp(self.epsilons)[None, :]
-        d = self.deltas[None, :]
-        for s in range(0, a.size, 512):  # chunks keep the (α × ε) table small
-            x = a[s:s + 512, None]
-            line = np.minimum(d + e * x, 1.0 - (1.0 - d - x) / e)
-            out[s:s + 512] = np.clip(line.min(axis=1), x[:, 0], 1.0)
+        family, index, breaks = self._envelope
+        e, d = np.exp(self.epsilons), self.deltas
+        seg = np.searchsorted(breaks, a)
+        best = np.full(a.shape, np.inf)
+        for shift in (-1, 0, 1):
+            k = np.clip(seg + shift, 0, len(index) - 1)
+            i = index[k]
+            line = np.where(family[k] == 0, d[i] + e[i] * a, 1.0 - (1.0 - d[i] - a) / e[i])
+            best = np.minimum(best, line)
+        out = np.clip(best, a, 1.0)
         return float(out[0]) if np.ndim(fpr) == 0 else out
+
+    @functools.cached_property
+    def _envelope(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The lower envelope of U's lines (convex-hull trick): for each of its lines in order of α, the family (0:
+        ``δ + e^ε·α``, slope e^ε; 1: ``1 − e^-ε·(1 − α − δ)``, slope e^-ε) and index on the ε grid, and the α where
+        each line hands over to the next."""
+        e, d = np.exp(self.epsilons), self.deltas
+        slope = np.concatenate([e, 1.0 / e]).tolist()
+        icpt = np.concatenate([d, 1.0 - (1.0 - d) / e]).tolist()
+        # a minimum of lines: the steepest is lowest far left, so the envelope meets them by falling slope
+        order = sorted(range(len(slope)), key=lambda j: (-slope[j], icpt[j]))
+        hull: list[int] = []
+        for j in order:
+            m, b = slope[j], icpt[j]
+            if hull and slope[hull[-1]] == m:
+                continue  # the same slope, an intercept as high or higher: never below the one kept
+            while len(hull) >= 2:
+                m1, b1, m2, b2 = slope[hull[-2]], icpt[hull[-2]], slope[hull[-1]], icpt[hull[-1]]
+                # the middle line is lowest nowhere when it meets the first no left of where it meets the new one
+                if (b2 - b1) * (m2 - m) >= (b - b2) * (m1 - m2):
+                    hull.pop()
+                else:
+                    break
+            hull.append(j)
+        breaks = [(icpt[k] - icpt[j]) / (slope[j] - slope[k]) for j, k in zip(hull, hull[1:])]
+        n = len(self.epsilons)
+        idx = np.asarray(hull)
+        return (idx >= n).astype(np.int8), idx % n, np.asarray(breaks, dtype=np.float64)
 
     def max_auc(self) -> float:
         """∫₀¹ U(α) dα, over-estimated by right-hand sums (U is non-decreasing)."""
