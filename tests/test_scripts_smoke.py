@@ -52,9 +52,12 @@ SLOW = {
 }
 # run as their own process: their workers are spawned by multiprocessing, which imports the script by its name
 OWN_PROCESS = {"scripts/bench_fsdp_loading.py"}
-# measure in processes of their own (`python script ... --mode M`, for each mode's peak memory): here those run in
-# this process too, through the same main(argv), which is all the smoke checks (each would add ~8 CPU-s of imports)
-CHILDREN_HERE = {"scripts/bench_overhead.py"}
+# measure in processes of their own: `python script ... --mode M` (bench_overhead, for each mode's peak memory),
+# `python -m torch.distributed.run --nproc_per_node 1 ... script ...` (bench_fsdp's worker, with --processes 1). Here
+# those run in this process too, through the same main(argv), which is all the smoke checks (each process would add
+# ~8 CPU-s of imports; torch.distributed.run's worker would add a launcher too): the worker's process group of one
+# on the environment the launcher would give it
+CHILDREN_HERE = {"scripts/bench_overhead.py", "scripts/bench_fsdp.py"}
 # cited, and already run by another test (not repeated here)
 COVERED = {
     "scripts/fft_rounding.py": "tests/test_pld_fallback.py (spread, prv_error)",
@@ -120,26 +123,47 @@ def _run(script: str, argv: str, tmp_path, monkeypatch) -> None:
 
 
 def _children_here(module, run):
-    """``subprocess.run`` that runs ``[python, <module's script>, ARGS]`` as ``module.main(ARGS)`` in this process
-    (its stdout and stderr captured, SystemExit and exceptions as a return code), and anything else as ``run``."""
+    """``subprocess.run`` that runs ``[python, <module's script>, ARGS]``, and ``[python, -m, torch.distributed.run,
+    --nproc_per_node, 1, --master_port, P, <module's script>, ARGS]`` in a process group of one (the launcher's
+    environment: rank 0 of 1, at 127.0.0.1:P), as ``module.main(ARGS)`` in this process (its stdout and stderr
+    captured, SystemExit and exceptions as a return code, ``check=True`` honoured), and anything else as ``run``."""
     import contextlib
     import io
     import traceback
+    from unittest import mock
+
+    script = module.__file__
 
     def here(cmd, *args, **kwargs):
-        if list(cmd[:2]) != [sys.executable, module.__file__]:
+        cmd = [str(c) for c in cmd]
+        env = {}
+        if cmd[:2] == [sys.executable, script]:
+            argv = cmd[2:]
+        elif cmd[:6] == [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", "--master_port"] \
+                and cmd[7] == script:
+            argv = cmd[8:]
+            env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": cmd[6], "RANK": "0", "WORLD_SIZE": "1"}
+        else:
             return run(cmd, *args, **kwargs)
-        here.ran.append(list(cmd[2:]))
+        here.ran.append(argv)
         out, err = io.StringIO(), io.StringIO()
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), mock.patch.dict(os.environ, env):
+            os.environ.pop("LOCAL_RANK", None)  # set, dpllm's finish_process would end this process
             try:
-                module.main(list(cmd[2:]))
+                module.main(argv)
                 code = 0
             except SystemExit as exit_:
                 code = exit_.code if isinstance(exit_.code, int) else 1
             except Exception:
                 traceback.print_exc()
                 code = 1
+            finally:
+                import torch.distributed as dist
+
+                if dist.is_available() and dist.is_initialized():  # a worker that failed half-way: not the next test's
+                    dist.destroy_process_group()
+        if kwargs.get("check") and code:
+            raise subprocess.CalledProcessError(code, cmd, out.getvalue(), err.getvalue())
         return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
 
     here.ran = []
