@@ -35,6 +35,7 @@ def main(path: str) -> int:
     recipe = load_recipe("finetune_llm")
     with open(path) as fh:
         runs = json.load(fh)
+    _hide_unused_bitsandbytes(runs)
     for i, run in enumerate(runs, 1):
         if main_process():
             print(MARKER.format(i, len(runs)), file=sys.stderr, flush=True)
@@ -57,6 +58,19 @@ def main(path: str) -> int:
             recipe.main(argv)  # logging as the recipe sets it: only the first process logs below ERROR
         sys.stdout.flush()
     return 0
+
+
+def _hide_unused_bitsandbytes(runs: list) -> None:
+    """bitsandbytes unimportable in this process when no run quantizes, as ``python recipes/finetune_llm.py`` makes it
+    for its one run (:func:`dpllm.quantization.hide_unused_bitsandbytes`): the launch then imports what the recipe's
+    processes import, and peft does not import bitsandbytes (through torch.compile: ~2.7 CPU-s per process)."""
+    from dpllm.config import parse_config
+    from dpllm.quantization import hide_unused_bitsandbytes, known_unquantized
+
+    models = [parse_config(run if isinstance(run, list) else run["argv"]).model
+              for run in runs if not (isinstance(run, dict) and "fsdp_bk_cases" in run)]  # the cases never quantize
+    if all(m.quantization in (None, "none") and known_unquantized(m.model_name_or_path) for m in models):
+        hide_unused_bitsandbytes("none", "tiny-llama")
 
 
 if __name__ == "__main__":

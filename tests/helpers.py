@@ -148,10 +148,11 @@ def tiny_dptrainer(out, *, max_steps: int = 4, **privacy):
                      processing_class=tok)
 
 
-# Modules a training run imports, loaded once by the fork server of :func:`forked_recipe` (~13 CPU-s: torch,
-# transformers, opacus, peft, accelerate and what a run imports lazily).
-_FORK_PRELOAD = ["tests.helpers", "dpllm.train", "dpllm.privacy.bk", "opacus", "peft", "accelerate",
-                 "transformers.models.llama.modeling_llama", "transformers.models.byt5.tokenization_byt5",
+# Modules a training run imports, loaded once by the fork server of :func:`forked_recipe` (~10 CPU-s: torch,
+# transformers, opacus, peft, accelerate and what a run imports lazily), after bitsandbytes is hidden as the recipe's
+# own process hides it (tests/fork_preload.py).
+_FORK_PRELOAD = ["tests.fork_preload", "tests.helpers", "dpllm.train", "dpllm.privacy.bk", "opacus", "peft",
+                 "accelerate", "transformers.models.llama.modeling_llama", "transformers.models.byt5.tokenization_byt5",
                  "transformers.optimization", "transformers.hf_argparser"]
 
 
