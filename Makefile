@@ -55,6 +55,11 @@ demo: $(VENV)/.installed
 # 2026-11-29 afternoon (the machine ~20% slower than that morning): the scaling planner's RDP screen searching with
 # the stand-in, the trade-off curve's δ(ε) read in one pass: back to back, quiet, 954.7 -> 912.4 CPU-s, 8:09 -> 7:52;
 # a clean clone beside `yes` 11:32.
+# 2026-11-29 evening (found with a sampling profiler over every process of the suite): config types read once per
+# process, YAML through libyaml, the trade-off curve's bound from the lower envelope of its lines, the byte tokenizer
+# copied, the bench smoke runs' measurement processes in the test process, bitsandbytes hidden in the launches and the
+# fork server as the recipe hides it: back to back, quiet, 904.9 -> 837.2 CPU-s, 7:42 -> 7:09; a clean clone beside
+# `yes` 10:54 -> 10:26.
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.
