@@ -59,7 +59,7 @@ demo: $(VENV)/.installed
 # process, YAML through libyaml, the trade-off curve's bound from the lower envelope of its lines, the byte tokenizer
 # copied, the bench smoke runs' measurement processes in the test process, bitsandbytes hidden in the launches and the
 # fork server as the recipe hides it: back to back, quiet, 904.9 -> 837.2 CPU-s, 7:42 -> 7:09; a clean clone beside
-# `yes` 10:54 -> 10:26.
+# `yes` 10:54 with the first of these, 10:26 with all (11:32 in the afternoon, before them).
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.
