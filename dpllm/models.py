@@ -22,8 +22,10 @@ privacy report under ``model_adjustments``):
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Optional
 
@@ -81,10 +83,10 @@ def byte_ids(tokenizer, texts, *, truncation: bool = False, max_length: Optional
     ByT5 maps each UTF-8 byte b to id b + 3 (after ``<pad>``, ``</s>``, ``<unk>``) and appends ``</s>`` (id 1); with
     truncation the bytes are cut to ``max_length - 1`` before it. Its tokenizer gets there through a character trie
     over its 128 added tokens, ~2.6 µs per character (0.9 s per load of the pydoc corpus, every tiny run's data).
-    The arithmetic applies only where no added token can occur: each added token contains ``<``, so a text without
-    one is plain bytes; a text with one goes through the tokenizer, as does a tokenizer with an added token
-    without ``<`` (new-token canaries), a subclass, or left-side truncation. ``tests/test_data.py`` checks every
-    case against the tokenizer itself.
+    The arithmetic applies only where no added token occurs: a text in which none of them is found (one regular
+    expression over the added tokens, each of which must contain ``<``) is plain bytes; a text that holds one goes
+    through the tokenizer, as does any text for a tokenizer with an added token without ``<``, a subclass, or
+    left-side truncation. ``tests/test_data.py`` checks every case against the tokenizer itself.
     """
     from transformers import ByT5Tokenizer
 
@@ -95,20 +97,32 @@ def byte_ids(tokenizer, texts, *, truncation: bool = False, max_length: Optional
             or not all("<" in str(t) for t in tokenizer.added_tokens_encoder):
         return None
     texts = list(texts)
-    slow = [i for i, t in enumerate(texts) if "<" in t]
+    added = _added_tokens_pattern(tuple(sorted(str(t) for t in tokenizer.added_tokens_encoder)))
+    slow = [i for i, t in enumerate(texts) if "<" in t and added.search(t)]
     out: list = [None] * len(texts)
     if slow:
         for i, ids in zip(slow, tokenizer([texts[i] for i in slow], truncation=truncation, max_length=max_length,
                                           add_special_tokens=add_special_tokens)["input_ids"]):
             out[i] = ids
     keep = (max_length - 1 if add_special_tokens else max_length) if truncation else None
-    for i, text in enumerate(texts):
-        if out[i] is not None:
-            continue
-        raw = text.encode("utf-8")
-        ids = [b + 3 for b in (raw[:keep] if keep is not None else raw)]
-        out[i] = ids + [1] if add_special_tokens else ids
+    fast = [i for i, ids in enumerate(out) if ids is None]
+    if fast:  # all plain texts' bytes at once: one shift in numpy, then a slice per text (~4× a per-byte loop)
+        import numpy as np
+
+        raws = [texts[i].encode("utf-8")[:keep] for i in fast]
+        ids = (np.frombuffer(b"".join(raws), dtype=np.uint8).astype(np.int64) + 3).tolist()
+        end = [1] if add_special_tokens else []
+        at = 0
+        for i, raw in zip(fast, raws):
+            out[i] = ids[at: at + len(raw)] + end
+            at += len(raw)
     return out
+
+
+@functools.lru_cache(maxsize=16)
+def _added_tokens_pattern(tokens: tuple[str, ...]) -> re.Pattern:
+    """One regular expression that finds any of ``tokens`` in a text (compiled once per set of added tokens)."""
+    return re.compile("|".join(re.escape(t) for t in tokens))
 
 
 def resolve_checkpoint(path: str) -> Optional[Path]:

@@ -42,7 +42,7 @@ import sys
 # Only light modules at the top: --help, a mistyped option or path is answered before torch is imported.
 from dpllm.config import check_paths, parse_config
 from dpllm.logs import setup_logging
-from dpllm.stopping import EXIT_CODES, follow_launcher, program_of
+from dpllm.stopping import EXIT_CODES, finish_process, follow_launcher, program_of, release_process_group
 
 
 def main(argv: list[str] | None = None, *, command: bool = False) -> dict:
@@ -110,18 +110,10 @@ def cli(argv: list[str] | None = None, *, command: bool = False) -> int:
         print(f"error: {err}" if rank == 0 else f"error (process {rank}): {err}", file=sys.stderr)
         return 1
     finally:
-        if "dpllm.distributed" in sys.modules:  # a process group exists only once training code was imported
-            sys.modules["dpllm.distributed"].release_process_group()
+        release_process_group()  # a process group exists only once training code was imported
     return 0
-
-
-def finish(code: int) -> int:
-    """``dpllm.distributed.finish_process`` once torch is loaded (a launched worker leaves without teardown)."""
-    if "dpllm.distributed" in sys.modules:
-        return sys.modules["dpllm.distributed"].finish_process(code)
-    return code
 
 
 if __name__ == "__main__":
     follow_launcher()  # one process under `accelerate launch`: stop when the launcher ends (dpllm.stopping)
-    sys.exit(finish(cli(command=True)))
+    sys.exit(finish_process(cli(command=True)))  # a launched worker leaves without interpreter teardown

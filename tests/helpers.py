@@ -174,7 +174,7 @@ def _recipe_process(argv: list[str], stderr_path: str) -> None:
     sys.argv = [os.path.join(root, "recipes", "finetune_llm.py"), *argv]
     recipe = load_recipe("finetune_llm")
     recipe.follow_launcher()
-    sys.exit(recipe.finish(recipe.cli(command=True)))
+    sys.exit(recipe.finish_process(recipe.cli(command=True)))
 
 
 def forked_recipe(argv: list[str], stderr_path):

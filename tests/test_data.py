@@ -161,7 +161,9 @@ def _byte_cases():
     rng = random.Random(0)
     alphabet = "ab c\n\té€😀中\x00>/s"
     texts = ["", " ", "plain ascii", "héllo wörld 😀 中文", "a < b and c > d", "<pad> x </s>", "x<extra_id_3>y",
-             "ends with </s>", "<unk>", "tab\tand\nnewline  ", "\x00\x01 control"]
+             "ends with </s>", "<unk>", "tab\tand\nnewline  ", "\x00\x01 control",
+             # near misses: "<" and ">" around what is not an added token (plain bytes)
+             "<pad", "pad>", "<PAD>", "< /s>", "<extra_id_>", "<extra_id_999>", "<<unk>>", "<</s", "if a<b: <div>"]
     texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 90))) for _ in range(200)]
     texts += [t[:5] + "<" + t[5:] for t in texts[-20:]] + [t + " </s> " + t for t in texts[-10:]]
     return texts
@@ -171,16 +173,23 @@ def _byte_cases():
                                     {"truncation": True, "max_length": 64}, {"add_special_tokens": False},
                                     {"add_special_tokens": False, "truncation": True, "max_length": 5}],
                          ids=["whole", "cut2", "cut7", "cut64", "nospecial", "nospecial_cut5"])
-def test_byte_ids_are_the_byte_tokenizers_own(kwargs):
+def test_byte_ids_are_the_byte_tokenizers_own(kwargs, monkeypatch):
     """The byte tokenizer's ids by arithmetic equal what the tokenizer returns, for unicode, control characters,
     the empty text, and texts that hold (or nearly hold) its added tokens (those go through the tokenizer)."""
     from dpllm.models import byte_ids, byte_tokenizer
 
     tok = byte_tokenizer()
     texts = _byte_cases()
+    expected = tok(texts, **kwargs)["input_ids"]
+    asked, real_call = [], type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, batch, **kw: asked.extend(batch) or real_call(self, batch,
+                                                                                                          **kw))
     fast = byte_ids(tok, texts, **kwargs)
-    assert fast is not None and fast == tok(texts, **kwargs)["input_ids"]
-    assert sum("<" not in t for t in texts) > 150  # most took the arithmetic
+    assert fast is not None and fast == expected
+    # only the texts that hold an added token went through the tokenizer; the others (near misses too) by arithmetic
+    holding = [t for t in texts if any(a in t for a in tok.added_tokens_encoder)]
+    assert asked == holding and len(holding) >= 15 and len(texts) - len(holding) > 150
+    assert "<extra_id_999>" not in asked and "<extra_id_3>" in "".join(asked)
 
 
 def test_byte_ids_leave_other_tokenizers_and_settings_to_the_tokenizer():

@@ -189,13 +189,20 @@ def test_two_processes_without_privacy_use_ddp(ddp_runs):
 @pytest.mark.parametrize("launched", [True, False])
 def test_finish_process_ends_a_launched_worker_without_teardown(launched):
     """Under a launcher (LOCAL_RANK set) the worker leaves with os._exit: output flushed, exit code kept, no
-    interpreter teardown (no atexit handler runs); elsewhere the code is returned for sys.exit."""
+    interpreter teardown (no atexit handler runs); elsewhere the code is returned for sys.exit. The function is
+    light (``dpllm.stopping``, re-exported by ``dpllm.distributed``): the process imports no torch."""
+    import dpllm.distributed
+    import dpllm.stopping
+
+    assert dpllm.distributed.finish_process is dpllm.stopping.finish_process
     script = ("import atexit, logging, sys\n"
-              "from dpllm.distributed import finish_process\n"
+              "from dpllm.stopping import finish_process\n"
               "atexit.register(lambda: print('teardown ran'))\n"
               "logging.basicConfig(stream=sys.stderr)\n"
               "print('result written'); logging.getLogger('x').warning('logged')\n"
-              "sys.exit(finish_process(3))\n")
+              "code = finish_process(3)\n"
+              "print('torch imported:', 'torch' in sys.modules)\n"
+              "sys.exit(code)\n")
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
     if launched:
         env["LOCAL_RANK"] = "0"
@@ -204,6 +211,7 @@ def test_finish_process_ends_a_launched_worker_without_teardown(launched):
     assert res.returncode == 3
     assert "result written" in res.stdout and "logged" in res.stderr
     assert ("teardown ran" in res.stdout) is not launched
+    assert ("torch imported: False" in res.stdout) is not launched  # a launched worker is gone before the line
 
 
 @pytest.mark.parametrize("mode", ["ghost", "hooks"])

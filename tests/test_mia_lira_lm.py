@@ -1,7 +1,7 @@
 """``python -m mia lira`` end to end on a tiny memorising run, plus the shadow design and bad input.
 
-The target is a tiny Llama trained for 30 epochs on 20 records (20 more held out): it memorises, so
-LiRA with 4 shadows must separate members from non-members clearly.
+The target is a tiny Llama trained for 15 epochs on 20 records (20 more held out): it memorises, so
+LiRA with 4 shadows must separate members from non-members clearly (AUC 0.99 seen at 15 epochs, 1.00 at 30).
 """
 
 import json
@@ -15,7 +15,7 @@ from mia.shadows import FILLER, balanced_inclusion, check_n_shadows, write_shado
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = ["--max_records", "40", "--heldout_fraction", "0.5", "--max_length", "48", "--tiny_hidden_size", "32",
-          "--tiny_num_heads", "2", "--finetuning", "full", "--privacy.enabled", "false", "--epochs", "30",
+          "--tiny_num_heads", "2", "--finetuning", "full", "--privacy.enabled", "false", "--epochs", "15",
           "--logical_batch_size", "16", "--physical_batch_size", "16", "--eval_every", "0", "--progress", "false",
           "--learning_rate", "0.003"]
 
@@ -44,7 +44,7 @@ def test_lira_catches_memorising_run(lira_run):
     # each record held out by its own keyed hash at heldout_fraction 0.5: 40 records, members ≈ 20
     assert report["n_members"] == len(load_split_texts(target, "train")) and report["n_members"] + report[
         "n_nonmembers"] == 40 and report["n_nonmembers"] == len(load_split_texts(target, "heldout"))
-    assert report["attacks"]["lira"]["auc"] > 0.8  # seen: 0.99 (loss attack on the same run: 0.93)
+    assert report["attacks"]["lira"]["auc"] > 0.8  # seen: 0.99 (the loss attack on the same run: 0.72)
 
 
 def test_inclusion_mask_is_what_shadows_trained_on(lira_run):

@@ -15,7 +15,7 @@ from dpllm.config import ConfigError, parse_config
 from dpllm.train import train
 from tests.helpers import forked_recipe, signal_when
 
-RUN = ["--finetuning", "full", "--max_steps", "24", "--save_every", "2", "--logical_batch_size", "16",
+RUN = ["--finetuning", "full", "--max_steps", "16", "--save_every", "2", "--logical_batch_size", "16",
        "--physical_batch_size", "8", "--max_length", "48", "--tiny_hidden_size", "32", "--tiny_num_heads", "2",
        "--max_records", "300", "--eval_every", "8", "--eval_max_records", "16", "--log_every", "4",
        "--progress", "false",
@@ -72,9 +72,9 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, extra):
     assert resumed["resumed_from_step"] >= 4 and whole["resumed_from_step"] is None
 
     r1, r2 = (json.loads((d / "privacy_report.json").read_text()) for d in (killed, tmp_path / "whole"))
-    assert r1["steps"] == r2["steps"] == 24
+    assert r1["steps"] == r2["steps"] == 16
     pieces = (r1["noise_schedule"]["pieces_sigma_steps"] if "noise_schedule" in r1 else
-              [[r1["noise_multiplier"], 24 if "correlated_noise" not in r1 else 6]])  # banded: ⌈24/4⌉ accounted
+              [[r1["noise_multiplier"], 16 if "correlated_noise" not in r1 else 4]])  # banded: ⌈16/4⌉ accounted
     assert len(pieces) == (4 if "noise_schedule" in r1 else 1)
     assert r1["epsilon"] == r2["epsilon"] and r1["history"] == r2["history"] == [[s, r1["sample_rate"], n]
                                                                                  for s, n in pieces]
@@ -87,7 +87,7 @@ def test_sigkill_then_resume_equals_uninterrupted(tmp_path, extra):
     assert resumed["tokens_seen"] == whole["tokens_seen"]
     a = (killed / "checkpoint" / "model.safetensors").read_bytes()
     assert a == (tmp_path / "whole" / "checkpoint" / "model.safetensors").read_bytes()
-    assert sorted(p.name for p in (killed / "checkpoints").glob("step-*")) == ["step-000022", "step-000024"]
+    assert sorted(p.name for p in (killed / "checkpoints").glob("step-*")) == ["step-000014", "step-000016"]
 
 
 @pytest.mark.parametrize("private", [True, False])
