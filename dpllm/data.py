@@ -103,7 +103,23 @@ def _builtin_corpus(name: str, by_user: bool) -> tuple[tuple[str, ...], Optional
     return tuple(BUILTIN[name]()), None
 
 
-def _file_records(path: Path, cfg: DataConfig) -> tuple[list[str], Optional[list[str]]]:
+def _jsonl_rows(dataset: str) -> Optional[list[dict]]:
+    """The rows of a readable ``.jsonl`` file; None for anything else (a file with a bad line too: the reader that
+    needs its rows reads it again and says which line)."""
+    path = Path(dataset)
+    if dataset in BUILTIN or path.suffix.lower() != ".jsonl" or not path.is_file():
+        return None
+    from dpllm.io import JsonlError, read_jsonl
+
+    try:
+        return read_jsonl(path)
+    except JsonlError:
+        return None
+
+
+def _file_records(path: Path, cfg: DataConfig,
+                  rows: Optional[list[dict]] = None) -> tuple[list[str], Optional[list[str]]]:
+    """The texts (and users) of a .txt/.jsonl/.json/.csv file; ``rows``: a .jsonl file's rows, already parsed."""
     suffix = path.suffix.lower()
     if suffix == ".txt":
         if cfg.privacy_unit == "user":
@@ -114,7 +130,7 @@ def _file_records(path: Path, cfg: DataConfig) -> tuple[list[str], Optional[list
         from dpllm.io import JsonlError, read_jsonl
 
         try:
-            rows = read_jsonl(path)
+            rows = read_jsonl(path) if rows is None else rows
         except JsonlError as err:
             raise DataError(f"dataset={err}; fix or remove that line") from None
         if not rows:
@@ -347,7 +363,8 @@ def _read_raw(cfg: DataConfig) -> tuple[list[str], Optional[list[str]], Optional
     from dpllm import sft
 
     by_user = cfg.privacy_unit == "user"
-    table = sft.read_table(cfg)  # chat / instruction records, Parquet, save_to_disk folders
+    rows = _jsonl_rows(cfg.dataset)  # a .jsonl file is parsed once, for both readers below
+    table = sft.read_table(cfg, rows=rows)  # chat / instruction records, Parquet, save_to_disk folders
     if table is not None:
         texts, users, shape = table
         return texts, users, (shape if shape != "text" else None)
@@ -355,7 +372,7 @@ def _read_raw(cfg: DataConfig) -> tuple[list[str], Optional[list[str]], Optional
         texts, users = _builtin_corpus(cfg.dataset, by_user)
         return list(texts), (list(users) if users is not None else None), None
     if Path(cfg.dataset).is_file():
-        return (*_file_records(Path(cfg.dataset), cfg), None)
+        return (*_file_records(Path(cfg.dataset), cfg, rows=rows), None)
     if Path(cfg.dataset).is_dir():
         raise DataError(f"dataset={cfg.dataset} is a directory; give a .jsonl/.json/.csv/.txt file")
     return (*_hub_records(cfg), None)

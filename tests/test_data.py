@@ -43,6 +43,31 @@ def test_local_formats(tmp_path):
     assert load_records(DataConfig(dataset=str(tmp_path / "a.txt"))) == [para + " continues here", para + " 4"]
 
 
+def test_a_jsonl_file_is_parsed_once_whatever_its_records_hold(tmp_path, monkeypatch):
+    """The SFT reader (chat and instruction tables) and the plain-text reader share one parse of a .jsonl file:
+    a million-record file is not read twice to find that it holds plain text."""
+    import dpllm.io
+
+    para = "A record long enough to pass the filter of thirty-two characters."
+    plain, chat = tmp_path / "plain.jsonl", tmp_path / "chat.jsonl"
+    plain.write_text("".join(json.dumps({"text": f"{para} {i}", "user": f"u{i % 3}"}) + "\n" for i in range(5)))
+    chat.write_text("".join(json.dumps({"prompt": f"{para} {i}?", "completion": f"{para} {i}."}) + "\n"
+                            for i in range(5)))
+    parsed, real = [], dpllm.io.read_jsonl
+    monkeypatch.setattr(dpllm.io, "read_jsonl", lambda path, **kw: parsed.append(str(path)) or real(path, **kw))
+    assert load_records(DataConfig(dataset=str(plain))) == [f"{para} {i}" for i in range(5)]
+    assert parsed == [str(plain)]
+    from dpllm.data import load_records_and_users
+
+    texts, users = load_records_and_users(DataConfig(dataset=str(plain), privacy_unit="user"))
+    assert users == [f"u{i % 3}" for i in range(5)] and len(texts) == 5 and parsed == [str(plain)] * 2
+    assert len(load_records(DataConfig(dataset=str(chat)))) == 5 and parsed[2:] == [str(chat)]
+    # a bad line is still reported with its file and line (the readers parse the file again to say so)
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": para}) + "\n{oops\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        load_records(DataConfig(dataset=str(tmp_path / "bad.jsonl")))
+
+
 def test_duplicates_dropped_so_no_record_is_both_member_and_not(tmp_path):
     para = "The same paragraph, twice, is one person's text counted twice."
     (tmp_path / "d.jsonl").write_text((json.dumps({"text": para}) + "\n") * 3)

@@ -178,12 +178,14 @@ def rows_to_records(rows, cfg: DataConfig, source: str) -> tuple[list[str], Opti
     return texts, users, fmt
 
 
-def read_table(cfg: DataConfig) -> Optional[tuple[list[str], Optional[list[str]], str]]:
+def read_table(cfg: DataConfig,
+               rows: Optional[list[dict]] = None) -> Optional[tuple[list[str], Optional[list[str]], str]]:
     """The records of an SFT dataset, or of any table dpllm.data cannot read itself (Parquet, a folder).
 
     Returns ``(records, users, shape)``, the shape decided by the table's columns (or the declared
     ``data_format``, :func:`shape_of`), never by what the records hold; None for the plain-text datasets
     :mod:`dpllm.data` reads as before (its built-in corpora, .txt files, tables with only a text column).
+    ``rows``: a .jsonl dataset's rows, when the caller has parsed the file already.
 
     Raises:
         DataError: unreadable data, a missing column, a malformed record.
@@ -201,7 +203,7 @@ def read_table(cfg: DataConfig) -> Optional[tuple[list[str], Optional[list[str]]
         from dpllm.io import JsonlError, read_jsonl
 
         try:
-            rows = read_jsonl(path)
+            rows = read_jsonl(path) if rows is None else rows
         except JsonlError:
             return None  # dpllm.data reports the bad line
         if not rows or not all(isinstance(r, dict) for r in rows[:1]):
