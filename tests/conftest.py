@@ -11,11 +11,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-
-torch.set_num_threads(1)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_torch_thread():
+    """One intra-op thread in every process that runs tests, whatever OMP_NUM_THREADS the caller set (a fixture, not
+    an import here: xdist's controller process, which runs no test, would import torch for nothing, ~3 CPU-s)."""
+    import torch
+
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
