@@ -21,10 +21,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def common(m, max_length):
-    # one layer: the memorising run (40 epochs, ~1,300 steps) still guesses all of its top 500 canaries right
-    # (bound 4.39, as with two layers; 30 epochs gave 4.28), at 30 instead of 36 CPU-s
+    # one layer, MLP width 128: the memorising run (40 epochs, ~700 steps) still guesses all of its top 500 canaries
+    # right (bound 4.39, as with two layers or width 256; 30 epochs gave 4.28, width 128 at 32 epochs and lr 0.004
+    # 4.28, hidden size 32 3.18), at 21.8 instead of 23.9 CPU-s of training (width 256)
     return ["--max_records", "60", "--num_canaries", str(m), "--canary_design", "rare",
             "--max_length", str(max_length), "--tiny_hidden_size", "64", "--tiny_num_layers", "1",
+            "--tiny_intermediate_size", "128",
             "--logical_batch_size", "32",
             "--physical_batch_size", "32", "--eval_every", "0", "--progress", "false",
             "--finetuning", "full", "--learning_rate", "0.003"]
