@@ -200,7 +200,7 @@ def _byte_cases():
                          ids=["whole", "cut2", "cut7", "cut64", "nospecial", "nospecial_cut5"])
 def test_byte_ids_are_the_byte_tokenizers_own(kwargs, monkeypatch):
     """The byte tokenizer's ids by arithmetic equal what the tokenizer returns, for unicode, control characters,
-    the empty text, and texts that hold (or nearly hold) its added tokens (those go through the tokenizer)."""
+    the empty text, and texts that hold (or nearly hold) its added tokens (those that hold one go through it)."""
     from dpllm.models import byte_ids, byte_tokenizer
 
     tok = byte_tokenizer()
