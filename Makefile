@@ -60,6 +60,11 @@ demo: $(VENV)/.installed
 # copied, the bench smoke runs' measurement processes in the test process, bitsandbytes hidden in the launches and the
 # fork server as the recipe hides it: back to back, quiet, 904.9 -> 837.2 CPU-s, 7:42 -> 7:09; a clean clone beside
 # `yes` 10:54 with the first of these, 10:26 with all (11:32 in the afternoon, before them).
+# 2026-11-29 night: the byte tokenizer's arithmetic for every text without an added token, a .jsonl dataset parsed
+# once, finish_process without torch, the SIGKILL/resume and LiRA tests shorter (16 steps, 15 epochs): back to back,
+# quiet, 861.4 -> 823.5 CPU-s, 7:25 -> 7:01; then xdist's controller without torch (~2.6 CPU-s), young garbage
+# collections every 10,000 allocations (the workers' GC 20.3 -> 9.1 CPU-s) and the memorising audit model's MLP
+# halved: a clean clone beside `yes` 10:13 (72e6322).
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.
