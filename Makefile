@@ -64,7 +64,7 @@ demo: $(VENV)/.installed
 # once, finish_process without torch, the SIGKILL/resume and LiRA tests shorter (16 steps, 15 epochs): back to back,
 # quiet, 861.4 -> 823.5 CPU-s, 7:25 -> 7:01; then xdist's controller without torch (~2.6 CPU-s), young garbage
 # collections every 10,000 allocations (the workers' GC 20.3 -> 9.1 CPU-s) and the memorising audit model's MLP
-# halved: a clean clone beside `yes` 10:13 (72e6322).
+# halved: a clean clone beside `yes` 10:13 (72e6322, 18:07 UTC) and 10:45 (5cc66a8, 18:36 UTC); quiet 6:55.
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.
