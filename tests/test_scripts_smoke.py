@@ -158,10 +158,9 @@ def _children_here(module, run):
                 traceback.print_exc()
                 code = 1
             finally:
-                import torch.distributed as dist
+                from dpllm.stopping import release_process_group
 
-                if dist.is_available() and dist.is_initialized():  # a worker that failed half-way: not the next test's
-                    dist.destroy_process_group()
+                release_process_group()  # a worker that failed half-way leaves no group for the next test
         if kwargs.get("check") and code:
             raise subprocess.CalledProcessError(code, cmd, out.getvalue(), err.getvalue())
         return subprocess.CompletedProcess(cmd, code, out.getvalue(), err.getvalue())
