@@ -447,8 +447,10 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
     over = 0
     if cfg.max_records is not None and len(records) > cfg.max_records:
         draws = keyed_draws(records, key=cfg.split_seed, purpose="cap")
-        rank = sorted(range(len(records)), key=lambda j: (draws[j], records[j]))
-        keep = sorted(rank[: cfg.max_records])
+        # ranked by draw, ties (64-bit draws: about never) by text; the pairs only when a tie exists (a sort of
+        # tuples costs ~10x one of floats: 0.1-0.3 s for the 53,000 records of the stdlib corpus)
+        key = draws.__getitem__ if len(set(draws)) == len(draws) else (lambda j: (draws[j], records[j]))
+        keep = sorted(sorted(range(len(records)), key=key)[: cfg.max_records])
         over = len(records) - len(keep)
         records = [records[j] for j in keep]
         users = [users[j] for j in keep] if users else users

@@ -5,7 +5,6 @@ configs for the user's own data are planned over data sets of 2,000 and 200,000 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -48,19 +47,26 @@ def test_the_shipped_dp_configs_are_found():
             "gpt2/full_eps3.yaml"} <= names
 
 
+@pytest.fixture(scope="module")
+def own_data(tmp_path_factory):
+    """The user's data for the configs that read their own file: distinct records, as many as a real data set might
+    have, 2,000 and 200,000 of them (below 1/δ = 10⁶ of these configs; above it a plan is refused). Written once for
+    every config: nothing a plan does changes them."""
+    folder = tmp_path_factory.mktemp("own_data")
+    files = {}
+    for n in (2_000, 200_000):
+        files[n] = folder / f"records_{n}.jsonl"
+        files[n].write_text("".join(f'{{"text": "record {i} of a user\'s own data set"}}\n' for i in range(n)))
+    return files
+
+
 @pytest.mark.parametrize("path", SHIPPED_DP, ids=[p.relative_to(ROOT / "recipes" / "configs").as_posix()
                                                    for p in SHIPPED_DP])
-def test_a_shipped_config_meets_the_automatic_items(path, tmp_path):
+def test_a_shipped_config_meets_the_automatic_items(path, tmp_path, own_data):
     raw = yaml.safe_load(path.read_text())
     dataset = (raw.get("data") or {}).get("dataset", "pydoc")
-    own_data = str(dataset).endswith((".jsonl", ".csv", ".parquet", ".json"))
-    sizes = (2_000, 200_000) if own_data else (None,)  # below 1/δ = 10⁶ of these configs (above it: refused)
-    for n in sizes:
-        records = None
-        if n is not None:  # the user's data: distinct records, as many as a real data set might have
-            records = tmp_path / f"records_{n}.jsonl"
-            records.write_text("".join(json.dumps({"text": f"record {i} of a user's own data set"}) + "\n"
-                                       for i in range(n)))
+    reads_a_file = str(dataset).endswith((".jsonl", ".csv", ".parquet", ".json"))
+    for n, records in (own_data.items() if reads_a_file else [(None, None)]):
         trainer = _plan(path, tmp_path / f"run_{n}", records)
         plan = trainer.plan
         assert plan is not None, "a DP config must plan privacy"

@@ -189,6 +189,22 @@ def test_max_records_keeps_by_keyed_hash_not_file_order(tmp_path):
         assert len(after) == 100
 
 
+def test_max_records_keeps_the_smallest_draws_and_breaks_ties_by_text(tmp_path, monkeypatch):
+    """The cap keeps the records of the smallest keyed draws; two equal draws (one in ~10¹⁰ files) are ranked by text,
+    so which one stays never depends on the file's order."""
+    texts = [f"record number {i:02d} of the file, long enough to be kept" for i in range(12)]
+    cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", [{"text": t} for t in texts]), max_records=5)
+    draws = dict(zip(texts, data.keyed_draws(texts, key=cfg.split_seed, purpose="cap")))
+    assert data.load_records(cfg) == [t for t in texts if draws[t] in sorted(draws.values())[:5]]
+    # every record at one of three values: the cut falls inside a tie, which the texts decide
+    tied = {t: [0.5, 0.25, 0.75][i % 3] for i, t in enumerate(texts)}
+    monkeypatch.setattr(data, "keyed_draws", lambda contents, **_: [tied[t] for t in contents])
+    ranked = sorted(texts, key=lambda t: (tied[t], t))[:5]
+    assert data.load_records(cfg) == [t for t in texts if t in ranked]  # kept in file order
+    cfg_reversed = DataConfig(dataset=_write(tmp_path / "b.jsonl", [{"text": t} for t in texts[::-1]]), max_records=5)
+    assert sorted(data.load_records(cfg_reversed)) == sorted(ranked)
+
+
 def test_public_fraction_of_the_private_file_is_refused_unless_simulated():
     with pytest.raises(ConfigError, match="put public records in public_dataset: FILE, or .a study only. set "
                                           "simulate_public_from_private: true"):
