@@ -128,27 +128,3 @@ def test_chunked_batches_give_the_same_samples(monkeypatch):
     monkeypatch.setattr(fit_module, "BATCH_POINTS", 7 * 60)  # chunks of 7 resamples
     chunked, _, _ = _both("chinchilla", x, y, n_boot=40)
     np.testing.assert_allclose(chunked, whole, rtol=SAMPLE_RTOL)
-
-
-def test_a_resample_newton_leaves_is_refitted_from_where_newton_stopped():
-    # Newton gives up on a resample (an optimum on a bound, or a slow crawl along a flat valley, where E tends to 0
-    # and the exponents follow): L-BFGS-B refits it from Newton's last point, whose objective is no higher than the
-    # full-data optimum's (Newton accepts only steps that lower it), not from the optimum again. Here every row is
-    # left to the caller: each one-by-one refit starts where that row's Newton stopped and ends at that refit's answer.
-    x, y = _isoflop(40, seed=5)
-    f = get_form("chinchilla")
-    stopped = [{**CHIN, "E": 1.5 + 0.01 * i} for i in range(6)]
-    starts = []
-
-    def give_up(xc, ys, weight, start):
-        return np.array([[p[k] for k in f.param_names] for p in stopped[:len(ys)]]), np.zeros(len(ys), bool)
-
-    def fit(xs, ys, start=None):
-        starts.append(start)
-        return dict(start)
-
-    form = dataclasses.replace(f, refit_many=give_up, fit=fit)
-    xc, ymean, inverse, counts = fit_module._config_means(f, x, y)
-    samples, _ = fit_module._bootstrap(form, x, y, xc, inverse, counts, CHIN, 6, 0)
-    assert starts == stopped
-    np.testing.assert_array_equal(samples, [[p[k] for k in f.param_names] for p in stopped])
