@@ -447,8 +447,8 @@ def load_records_counted(cfg: DataConfig) -> Loaded:
     over = 0
     if cfg.max_records is not None and len(records) > cfg.max_records:
         draws = keyed_draws(records, key=cfg.split_seed, purpose="cap")
-        # ranked by draw, ties (64-bit draws: about never) by text; the pairs only when a tie exists (a sort of
-        # tuples costs ~10x one of floats: 0.1-0.3 s for the 53,000 records of the stdlib corpus)
+        # ranked by draw, ties (53-bit floats: about one load in 10⁷ of 50,000 records) by text; the pairs only when
+        # a tie exists (a sort of tuples costs ~10x one of floats: 0.1-0.3 s for the stdlib corpus's 53,000 records)
         key = draws.__getitem__ if len(set(draws)) == len(draws) else (lambda j: (draws[j], records[j]))
         keep = sorted(sorted(range(len(records)), key=key)[: cfg.max_records])
         over = len(records) - len(keep)

@@ -190,8 +190,8 @@ def test_max_records_keeps_by_keyed_hash_not_file_order(tmp_path):
 
 
 def test_max_records_keeps_the_smallest_draws_and_breaks_ties_by_text(tmp_path, monkeypatch):
-    """The cap keeps the records of the smallest keyed draws; two equal draws (one in ~10¹⁰ files) are ranked by text,
-    so which one stays never depends on the file's order."""
+    """The cap keeps the records of the smallest keyed draws; two equal draws (53-bit floats: about one capped load in
+    10⁷ of a 50,000-record file) are ranked by text, so which one stays never depends on the file's order."""
     texts = [f"record number {i:02d} of the file, long enough to be kept" for i in range(12)]
     cfg = DataConfig(dataset=_write(tmp_path / "a.jsonl", [{"text": t} for t in texts]), max_records=5)
     draws = dict(zip(texts, data.keyed_draws(texts, key=cfg.split_seed, purpose="cap")))
