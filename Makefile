@@ -67,10 +67,11 @@ demo: $(VENV)/.installed
 # halved: a clean clone beside `yes` 10:13 (72e6322, 18:07 UTC) and 10:45 (5cc66a8, 18:36 UTC); quiet 6:55.
 # 2026-11-29 late: the max_records cut ranked by draw alone (a tuple sort of 53,000 records was 0.1-0.3 s per capped
 # load of the stdlib corpus), the shipped-config compliance test's 200,000-record files written once, the bootstrap's
-# batched Newton up to 200 iterations (the scaling interval, extrapolation and bootstrap tests ~2-4 CPU-s less). Quiet, the
-# code before them measured 828.7 CPU-s (19:13 UTC) and 730.0 (20:04), then 760.3 with them right after: the
-# machine's speed moves more than they do; beside `yes` in a clean clone 10:35 (19:46 UTC) and 10:04 (20:21 UTC),
-# both with a bootstrap warm start since taken back (dpllm/scaling/fit.py says why); 793b9af 10:55 (21:09 UTC).
+# batched Newton up to 200 iterations (the scaling interval, extrapolation and bootstrap tests ~2-4 CPU-s less).
+# Quiet, the code before them measured 828.7 CPU-s (19:13 UTC) and 730.0 (20:04): the machine's speed moves more than
+# they do (the first two, with a bootstrap warm start since taken back as dpllm/scaling/fit.py says, 760.3 right
+# after 730.0). Beside `yes` in a clean clone: 10:35 (19:46 UTC) and 10:04 (20:21) with those, 10:55 (21:09) at
+# 793b9af.
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.

@@ -214,10 +214,11 @@ def _bootstrap(f: Form, x, y, xc, inverse, counts, params, n_boot: int, seed: in
         for rows in np.array_split(todo, -(-len(todo) * n_cfg // BATCH_POINTS)):
             got, ok = f.refit_many(xc, ymeans[rows], present[rows].astype(float), params)
             samples[rows[ok]], solved[rows[ok]] = got[ok], True
-    # From the full-data optimum, as every refit was before the batched one: starting where Newton stopped saved ~30%
-    # of these L-BFGS-B iterations on tests/test_scaling_intervals.py's sweeps, but in a flat valley (E towards 0, the
-    # other terms taking its place) it ended 22 of 360 resamples elsewhere along the valley (the same objective to
-    # 1e-12, parameters far apart): samples that depend on Newton's path, not the reference's. Not done (2026-11-29).
+    # From the full-data optimum, as every refit was before the batched one: starting where Newton stopped (after 60
+    # iterations) saved ~30% of these L-BFGS-B iterations on tests/test_scaling_intervals.py's sweeps, but in a flat
+    # valley (E towards 0, the other terms taking its place) it ended 22 of 360 resamples elsewhere along the valley
+    # (the same objective to 1e-12, parameters far apart): samples that depend on Newton's path, not the reference's.
+    # Not done (2026-11-29).
     for i in _progress(np.flatnonzero(identified & ~solved), f.name):
         p = _refit(f, {k: v[present[i]] for k, v in xc.items()}, ymeans[i, present[i]], params)
         if p is not None:
