@@ -103,18 +103,18 @@ def _builtin_corpus(name: str, by_user: bool) -> tuple[tuple[str, ...], Optional
     return tuple(BUILTIN[name]()), None
 
 
-def _jsonl_rows(dataset: str) -> Optional[list[dict]]:
-    """The rows of a readable ``.jsonl`` file; None for anything else (a file with a bad line too: the reader that
-    needs its rows reads it again and says which line)."""
-    path = Path(dataset)
-    if dataset in BUILTIN or path.suffix.lower() != ".jsonl" or not path.is_file():
-        return None
+def _jsonl_rows(path: Path) -> list[dict]:
+    """Every row of a ``.jsonl`` dataset (parsed once: :func:`_read_raw` hands them to both readers).
+
+    Raises:
+        DataError: a line that is not a JSON object, named by file and line.
+    """
     from dpllm.io import JsonlError, read_jsonl
 
     try:
         return read_jsonl(path)
-    except JsonlError:
-        return None
+    except JsonlError as err:
+        raise DataError(f"dataset={err}; fix or remove that line") from None
 
 
 def _file_records(path: Path, cfg: DataConfig,
@@ -127,12 +127,7 @@ def _file_records(path: Path, cfg: DataConfig,
                             f"file with a {cfg.user_column!r} column")
         return [" ".join(p.split()) for p in re.split(r"\n\s*\n", path.read_text(errors="replace"))], None
     if suffix == ".jsonl":
-        from dpllm.io import JsonlError, read_jsonl
-
-        try:
-            rows = read_jsonl(path) if rows is None else rows
-        except JsonlError as err:
-            raise DataError(f"dataset={err}; fix or remove that line") from None
+        rows = _jsonl_rows(path) if rows is None else rows
         if not rows:
             raise DataError(f"dataset={path} is empty (no JSON lines); give a file with one record per line")
         missing = next((i for i, r in enumerate(rows, 1) if cfg.text_column not in r), None)
@@ -363,7 +358,9 @@ def _read_raw(cfg: DataConfig) -> tuple[list[str], Optional[list[str]], Optional
     from dpllm import sft
 
     by_user = cfg.privacy_unit == "user"
-    rows = _jsonl_rows(cfg.dataset)  # a .jsonl file is parsed once, for both readers below
+    path = Path(cfg.dataset)
+    jsonl = cfg.dataset not in BUILTIN and path.suffix.lower() == ".jsonl" and path.is_file()
+    rows = _jsonl_rows(path) if jsonl else None  # parsed once, for both readers below (a bad line: said here)
     table = sft.read_table(cfg, rows=rows)  # chat / instruction records, Parquet, save_to_disk folders
     if table is not None:
         texts, users, shape = table
@@ -371,9 +368,9 @@ def _read_raw(cfg: DataConfig) -> tuple[list[str], Optional[list[str]], Optional
     if cfg.dataset in BUILTIN:
         texts, users = _builtin_corpus(cfg.dataset, by_user)
         return list(texts), (list(users) if users is not None else None), None
-    if Path(cfg.dataset).is_file():
-        return (*_file_records(Path(cfg.dataset), cfg, rows=rows), None)
-    if Path(cfg.dataset).is_dir():
+    if path.is_file():
+        return (*_file_records(path, cfg, rows=rows), None)
+    if path.is_dir():
         raise DataError(f"dataset={cfg.dataset} is a directory; give a .jsonl/.json/.csv/.txt file")
     return (*_hub_records(cfg), None)
 

@@ -62,10 +62,11 @@ def test_a_jsonl_file_is_parsed_once_whatever_its_records_hold(tmp_path, monkeyp
     texts, users = load_records_and_users(DataConfig(dataset=str(plain), privacy_unit="user"))
     assert users == [f"u{i % 3}" for i in range(5)] and len(texts) == 5 and parsed == [str(plain)] * 2
     assert len(load_records(DataConfig(dataset=str(chat)))) == 5 and parsed[2:] == [str(chat)]
-    # a bad line is still reported with its file and line (the readers parse the file again to say so)
+    # a bad line is still reported with its file and line, from the one parse
     (tmp_path / "bad.jsonl").write_text(json.dumps({"text": para}) + "\n{oops\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
         load_records(DataConfig(dataset=str(tmp_path / "bad.jsonl")))
+    assert parsed[3:] == [str(tmp_path / "bad.jsonl")]
 
 
 def test_duplicates_dropped_so_no_record_is_both_member_and_not(tmp_path):
