@@ -37,7 +37,7 @@ from torch import nn
 
 from dpllm.config import ConfigError, PrivacyConfig
 from dpllm.errors import TrainingError
-from dpllm.stopping import finish_process, release_process_group  # noqa: F401 (where callers have imported them)
+from dpllm.stopping import die_with_parent, finish_process, release_process_group  # noqa: F401 (callers import them)
 
 log = logging.getLogger(__name__)
 
@@ -57,26 +57,6 @@ class World:
     @property
     def distributed(self) -> bool:
         return self.size > 1
-
-
-def die_with_parent(sig: int = 15) -> bool:
-    """Ask the kernel to send this process ``sig`` (SIGTERM) when its parent dies (Linux ``PR_SET_PDEATHSIG``).
-
-    A worker started by ``accelerate launch`` otherwise outlives a launcher killed with SIGKILL and keeps
-    writing into the run directory. Returns False where the call is unavailable (not Linux).
-    """
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(1, sig, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG = 1
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() == 1:  # the parent died before the request: nobody will send the signal
-        os.kill(os.getpid(), sig or signal.SIGTERM)
-    return True
 
 
 def make_accelerator(mixed_precision: str):

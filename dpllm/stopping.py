@@ -117,6 +117,21 @@ def follow_launcher() -> bool:
     return _parent_is_accelerate_launch() and _parent_death_signal(signal.SIGTERM)
 
 
+def die_with_parent(sig: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send this process ``sig`` (SIGTERM) when its parent dies (Linux ``PR_SET_PDEATHSIG``).
+
+    A worker started by ``accelerate launch`` otherwise outlives a launcher killed with SIGKILL and keeps
+    writing into the run directory (:func:`dpllm.distributed.make_accelerator` calls it in every launched
+    process). Returns False where the call is unavailable (not Linux). Needs no torch: a process can ask before
+    its imports.
+    """
+    if not _parent_death_signal(sig):
+        return False
+    if os.getppid() == 1:  # the parent died before the request: nobody will send the signal
+        os.kill(os.getpid(), sig or signal.SIGTERM)
+    return True
+
+
 def _parent_death_signal(signum: int) -> bool:
     """Ask Linux to send ``signum`` (0: nothing) when the parent process ends; False where that is not possible."""
     if not sys.platform.startswith("linux"):

@@ -211,7 +211,7 @@ def test_workers_die_with_their_launcher(tmp_path):
     child = tmp_path / "child.pid"
     (tmp_path / "child.py").write_text(
         "import os, sys, time\n"
-        "from dpllm.distributed import die_with_parent\n"
+        "from dpllm.stopping import die_with_parent\n"
         "die_with_parent()\n"
         "open(sys.argv[1], 'w').write(str(os.getpid()))\n"
         "time.sleep(60)\n")
@@ -219,7 +219,7 @@ def test_workers_die_with_their_launcher(tmp_path):
                    f"subprocess.Popen([sys.executable, {str(tmp_path / 'child.py')!r}, {str(child)!r}])\n"
                    "time.sleep(60)\n")
     parent = subprocess.Popen([sys.executable, "-c", parent_code], cwd=ROOT)
-    deadline = time.time() + 180  # a liveness guard, not a timing: the child imports torch, slow under load
+    deadline = time.time() + 180  # a liveness guard, not a timing: slow under load
     while not child.exists() or not child.read_text():
         assert time.time() < deadline, "child never started"
         time.sleep(0.1)
