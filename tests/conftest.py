@@ -45,8 +45,8 @@ def root():
 SLOWEST_FIRST = ["test_fsdp_bk.py", "test_resume.py", "test_distributed.py", "test_scripts_smoke.py",
                  "test_audit_pipeline.py", "test_stopping.py", "test_scaling_sweep.py", "test_gpu_proof.py",
                  "test_prv.py", "test_bad_input.py", "test_train.py", "test_sft.py", "test_privacy_guarantees.py",
-                 "test_user_level.py", "test_shipped_configs_compliance.py", "test_paths_and_launch.py",
-                 "test_rough_edges.py", "test_pld_fallback.py"]
+                 "test_user_level.py", "test_shipped_configs_compliance.py", "test_rough_edges.py",
+                 "test_pld_fallback.py"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -129,7 +129,7 @@ def _finish(proc):
 
 def _one_process(out, extra=()):
     """The single-process run in this pytest process (``train``, what the recipe calls): the comparisons need one,
-    and the launcher's 1-process path has its own test (test_paths_and_launch.py, the launch without --multi_gpu)."""
+    and the launcher's 1-process path has its own test (test_stopping.py's SIGTERM to a launch without --multi_gpu)."""
     from dpllm.config import parse_config
     from dpllm.train import train
 

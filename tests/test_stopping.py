@@ -184,13 +184,20 @@ def test_only_a_worker_of_accelerates_single_process_launcher_follows_its_launch
 def test_sigterm_to_a_single_process_accelerate_launch_checkpoints_and_the_worker_exits_143(tmp_path):
     """The README's command, `accelerate launch recipes/finetune_llm.py ...` (one process, no torchrun agent),
     SIGTERM to the launcher only (as Kubernetes or `kill PID` sends it): the worker finishes its step, writes a
-    resumable checkpoint, prints one line and exits 143, instead of training on as an orphan."""
+    resumable checkpoint, prints one line and exits 143, instead of training on as an orphan.
+
+    The launch asks for two processes without --multi_gpu: accelerate then starts ONE, through the same
+    single-process launcher as the README's command, and the run says so (with the --multi_gpu fix) and trains as
+    one process (the checkpoint's world size); the resume command it prints keeps the launcher's options. This is
+    also the suite's run of that launcher (tests/test_paths_and_launch.py reads which count was asked for; the
+    2-process launches are tests/test_distributed.py's and tests/test_fsdp_bk.py's)."""
     import ctypes
 
     out = tmp_path / "run"
     accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-    cmd = [accelerate, "launch", os.path.join(ROOT, "recipes", "finetune_llm.py"), *FAST, "--max_steps", "200",
-           "--log_every", "1", "--output_dir", str(out)]
+    script = os.path.join(ROOT, "recipes", "finetune_llm.py")
+    cmd = [accelerate, "launch", "--num_processes", "2", script, *FAST, "--max_steps", "200", "--log_every", "1",
+           "--output_dir", str(out)]
     libc = ctypes.CDLL(None, use_errno=True)
     assert libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: the orphaned worker's exit status comes here
     launcher = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
@@ -211,13 +218,15 @@ def test_sigterm_to_a_single_process_accelerate_launch_checkpoints_and_the_worke
         except ProcessLookupError:
             pass
     assert launcher.returncode == -signal.SIGTERM and os.waitstatus_to_exitcode(status) == 143, err[-3000:]
+    assert "accelerate launch was asked for 2 processes but started 1" in err and "--multi_gpu" in err, err[-3000:]
     lines = [x for x in err.splitlines() if x.startswith("error:")]
     assert len(lines) == 1 and lines[0].startswith("error: stopped by SIGTERM at step "), err[-3000:]
     step = int(lines[0].split("at step ", 1)[1].split(" ", 1)[0])
     ckpt = out / "checkpoints" / f"step-{step:06d}"
     assert 0 < step < 200 and f"the last resumable checkpoint is {ckpt} (step {step})" in lines[0]
-    assert f"resume with: accelerate launch {cmd[2]} " in lines[0]  # read while the launcher was there
-    assert json.loads((ckpt / "trainer_state.json").read_text())["step"] == step
+    assert f"resume with: accelerate launch --num_processes 2 {script} " in lines[0]  # read while the launcher ran
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["step"] == step and state["world_size"] == 1
     assert ledger.read(out)[-1]["checkpoint"] == f"checkpoints/step-{step:06d}"
 
 
