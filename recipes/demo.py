@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     logging.getLogger("dpllm.privacy.plan").setLevel(logging.WARNING)
     out = Path(args.output_dir)
-    quick = ["--max_steps", "4", "--eval_every", "2", "--eval_max_records", "32"] if args.quick else []
+    quick = (["--max_steps", "4", "--eval_every", "2", "--eval_max_records", "32", "--logical_batch_size", "8",
+              "--physical_batch_size", "8"] if args.quick else [])
     finetune_quick = quick + (["--max_records", "400"] if args.quick else [])
     start = time.time()
 
