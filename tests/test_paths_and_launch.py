@@ -3,7 +3,9 @@ asked: each answered with one line, before any work.
 
 The launch itself (`accelerate launch --num_processes 2` without --multi_gpu starts one process, which says so and
 trains as one) runs in tests/test_stopping.py, whose single-process launch it is (its launcher is then signalled):
-one launcher and one worker's imports (~16 CPU-s) instead of two of each."""
+one launch fewer (its own cost 18.7 CPU-s, launcher and worker, most of it their imports). What only the separate
+launch showed, a one-process launch that ends by itself with exit 0, has no test of its own now: its exit path is the
+signalled one's (dpllm.stopping.finish_process), and the files a finished run writes are the in-process runs'."""
 
 from __future__ import annotations
 

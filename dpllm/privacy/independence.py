@@ -133,8 +133,9 @@ def _perturb(model: nn.Module, x: torch.Tensor, row: int, real: Optional[torch.T
 def _seed_dropout(device: torch.device) -> None:
     """Seed the generator the model's dropout draws from. On CPU that is the CPU generator alone:
     ``torch.manual_seed`` would also queue a seeding for every accelerator backend that is not started yet (CUDA,
-    XPU, MTIA), each with a formatted stack trace (~3 ms a call on CPU, six calls per check). Elsewhere all of them
-    (the check runs inside ``fork_rng``: the run's own state is put back)."""
+    XPU, MTIA), each with a formatted stack trace: ~1 ms a call 60 frames deep, six calls per check (a tiny LoRA
+    model's check 59.9 -> 54.2 ms). Elsewhere all of them, as before. The check runs inside ``fork_rng``: the run's
+    own CPU state (and its device's) is put back."""
     if device.type == "cpu":
         torch.default_generator.manual_seed(0)
     else:
