@@ -37,7 +37,8 @@ def overfit(tmp_path_factory):
     batch = tok(train, padding=True, return_tensors="pt")
     labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for _ in range(150):  # full batch; enough to memorise 28 short strings
+    for _ in range(80):  # full batch; memorises the 28 short strings: at step 80 the members' mean loss is 0.29 (the
+        # non-members' 11.2), every included canary's ≤ 0.78 and every other's ≥ 8.6 (at 150 steps: 0.06, 15.3)
         loss = model(**batch, labels=labels).loss
         opt.zero_grad()
         loss.backward()
