@@ -72,6 +72,12 @@ demo: $(VENV)/.installed
 # they do (the first two, with a bootstrap warm start since taken back as dpllm/scaling/fit.py says, 760.3 right
 # after 730.0). Beside `yes` in a clean clone: 10:35 (19:46 UTC) and 10:04 (20:21) with those, 10:55 (21:09) at
 # 793b9af.
+# 2026-11-29 night, later: the SFT study's and the demo's quick modes (tests only) at batch 16 and 8, test_prv's
+# fractional-order case at ε ≈ 116 (100 steps, not 500), the launcher-death test's child without torch, the
+# single-process launch test folded into the SIGTERM one (one launch fewer), the record-independence check seeding
+# a CPU model's dropout on the CPU generator alone, test_mia_cli's memorising model at 80 steps: ~40 CPU-s less by
+# single-test measurements, again below the machine's own swing (quiet back to back 798.6 -> 796.7 CPU-s without
+# the last two). Beside `yes` in a clean clone: 10:42 (de28402, 22:31 UTC), 10:38 (051e60e, 23:10 UTC).
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.
