@@ -5,6 +5,8 @@ the report equal those of a plain-text run with the same N, batch, steps and σ.
 import copy
 import json
 import logging
+import os
+import re
 
 import pytest
 import torch
@@ -88,6 +90,26 @@ def test_builtin_stdlib_qa():
     assert len(recs) > 500 and len(set(users)) > 50 and sft.format_of(recs) == "messages"
     msgs = {json.loads(r)["messages"][0]["content"]: json.loads(r)["messages"][1]["content"] for r in recs}
     assert msgs["What does textwrap.dedent(text) do?"].startswith("Remove any common leading whitespace")
+
+
+def test_stdlib_qa_is_the_same_records_in_every_process():
+    """A default's repr can name an address or live state (``<object object at 0x7f...>``, logging.shutdown's list
+    of handlers); in a record's text it changed the keyed hash, so max_records and the split chose other records
+    in another process (a resumed run, a CI worker). Another process, other imports, another hash seed: the same."""
+    import hashlib
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dpllm.sft.records import stdlib_qa_rows
+
+    digest = hashlib.sha256(json.dumps(stdlib_qa_rows()).encode()).hexdigest()
+    child = ("import hashlib, json\nfrom dpllm.sft.records import stdlib_qa_rows\n"
+             "print(hashlib.sha256(json.dumps(stdlib_qa_rows()).encode()).hexdigest())")
+    out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"}, cwd=Path(__file__).parents[1])
+    assert out.stdout.strip() == digest
+    assert not any(re.search(r"0x[0-9a-f]{6,}", r["messages"][0]["content"]) for r in stdlib_qa_rows())
 
 
 # ---- rendering and labels ---------------------------------------------------------------------------------

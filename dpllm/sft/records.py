@@ -43,6 +43,32 @@ STDLIB_QA_MODULES = (
 )
 
 
+class _Elided:
+    def __repr__(self) -> str:
+        return "..."
+
+
+def _stable(value) -> bool:
+    """A default whose repr is the same in every process: a literal, a type, or a tuple of those."""
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes, type)):
+        return True
+    return isinstance(value, tuple) and all(_stable(v) for v in value)
+
+
+def _signature(sig) -> str:
+    """The signature's text with every other default shown as ``...``.
+
+    An object's repr can name its address (``<object object at 0x7f...>``) or its current state
+    (``logging.shutdown``'s list of live handlers), which change from process to process: the record's text,
+    and so its keyed hash, its split and ``max_records``'s choice, would change with them.
+    """
+    import inspect
+
+    params = [p if p.default is inspect.Parameter.empty or _stable(p.default) else p.replace(default=_Elided())
+              for p in sig.parameters.values()]
+    return str(sig.replace(parameters=params))
+
+
 def stdlib_qa_rows() -> list[dict]:
     """``stdlib_qa``: see :func:`_stdlib_qa_rows` (built once per process: it imports ~90 modules)."""
     return [json.loads(r) for r in _stdlib_qa_cached()]
@@ -58,6 +84,7 @@ def _stdlib_qa_rows() -> list[dict]:
 
     One chat record per public function or class of :data:`STDLIB_QA_MODULES` with a signature and a
     docstring whose first paragraph has 24 to 400 characters; ``user`` is the module (privacy_unit=user).
+    The same Python builds the same records in every process (see :func:`_signature`).
     """
     import importlib
     import inspect
@@ -75,7 +102,7 @@ def _stdlib_qa_rows() -> list[dict]:
                 continue
             doc = inspect.getdoc(obj)
             try:
-                sig = str(inspect.signature(obj))
+                sig = _signature(inspect.signature(obj))
             except (TypeError, ValueError):
                 continue
             answer = " ".join(re.split(r"\n\s*\n", doc)[0].split()) if doc else ""
