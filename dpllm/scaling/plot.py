@@ -50,8 +50,11 @@ def plain_log_axis(ax, axis: str = "y") -> None:
     """Log scale with plain tick labels ("2.5", "3e4"; not "2.5×10⁰"), called after the data are drawn.
 
     An axis spanning under ~a decade (a loss axis) gets round linear steps; a wider one 1-2-5 steps per decade.
+    No minor ticks: the major steps already grid the axis, and a log axis's default minor ticks (every integer
+    multiple within each decade, each a Tick artist of its own) were ~40% of ``plot_fit``'s time (4.8 -> 3.0 CPU-s
+    for a three-group chinchilla fit's five figures).
     """
-    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullLocator
 
     getattr(ax, f"set_{axis}scale")("log")
     target = ax.yaxis if axis == "y" else ax.xaxis
@@ -59,7 +62,7 @@ def plain_log_axis(ax, axis: str = "y") -> None:
     wide = lo > 0 and hi / lo > 8
     target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)) if wide else MaxNLocator(nbins=6, min_n_ticks=3))
     target.set_major_formatter(FuncFormatter(_tick))
-    target.set_minor_formatter(NullFormatter())
+    target.set_minor_locator(NullLocator())
 
 
 def _colours(groups: list[str]) -> dict[str, Any]:
