@@ -122,14 +122,14 @@ def test_histories_and_schedules_through_the_fallback():
     assert plan.accountant == "pld" and plan.history == [prior[0], (0.5, Q, steps)]
     margin = accounting.pld_rounding_margin(plan.history, DELTA)  # 30,000 steps: 2.7e-11, 27% of δ
     assert plan.epsilon() == pytest.approx(pld_reference(plan.history, 1e-3, DELTA - margin), rel=1e-9)
-    assert pld_reference(plan.history, 1e-4) < plan.epsilon()  # seen: 1.352 at δ, 1.431 at δ - margin
+    assert pld_reference(plan.history, 2.5e-4) < plan.epsilon()  # a finer grid: 1.353 at δ; ours 1.431
     scheduled = plan_privacy(num_records=N, logical_batch_size=B, steps=steps, target_epsilon=None, delta=DELTA,
                              accountant="prv", noise_multiplier=0.9, schedule=NoiseSchedule(kind="linear", end=0.5,
                                                                                             pieces=3))
     assert scheduled.accountant == "pld" and len(scheduled.history) == 3
     margin = accounting.pld_rounding_margin(scheduled.history, DELTA)
     assert scheduled.epsilon() == pytest.approx(pld_reference(scheduled.history, 1e-3, DELTA - margin), rel=1e-9)
-    assert pld_reference(scheduled.history, 1e-4) < scheduled.epsilon()
+    assert pld_reference(scheduled.history, 2.5e-4) < scheduled.epsilon()
 
 
 def test_calibration_meets_the_target_although_pld_jitters():
