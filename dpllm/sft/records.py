@@ -85,7 +85,7 @@ def _stdlib_qa_rows() -> list[dict]:
     One chat record per public function or class of :data:`STDLIB_QA_MODULES` with a signature and a
     docstring whose first paragraph has 24 to 400 characters; ``user`` is the module (privacy_unit=user).
     The same Python builds the same records in every process (see :func:`_signature`; torch, which this
-    package imports first, replaces ``inspect.getfile`` with a function of its own, which is then not one).
+    package imports first, replaces ``inspect.getfile`` with its own function, so that name is never a record).
     """
     import importlib
     import inspect
