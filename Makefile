@@ -80,8 +80,9 @@ demo: $(VENV)/.installed
 # the last two). Beside `yes` in a clean clone: 10:42 (de28402, 22:31 UTC), 10:38 (051e60e, 23:10 UTC).
 # 2026-11-30: the scaling plots without minor log ticks (plot_fit 4.8 -> 3.0 CPU-s on three groups), a PLD
 # reference at interval 2.5e-4 (not 1e-4), one test more (stdlib_qa in a second process, 3.7 CPU-s). Quiet:
-# 770.0 CPU-s, 6:39 (00:27 UTC); a clean clone 6:34. Beside `yes` in clean clones: 9:00 (737cab3, 00:51 UTC),
-# 10:15 (737cab3, 01:10), 10:37 (37133b1, 01:47): the machine's speed swings by more than any trim left.
+# 770.0 CPU-s, 6:39 (3d0ad42, 00:27 UTC, under a per-test CPU plugin); a clean clone of 37133b1 6:34. Beside
+# `yes` in clean clones: 9:00 (737cab3, 00:51 UTC), 10:15 (737cab3, 01:10), 10:37 (37133b1, 01:47): the
+# machine's speed swings by more than any trim left.
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.
