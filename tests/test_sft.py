@@ -103,13 +103,14 @@ def test_stdlib_qa_is_the_same_records_in_every_process():
 
     from dpllm.sft.records import stdlib_qa_rows
 
-    digest = hashlib.sha256(json.dumps(stdlib_qa_rows()).encode()).hexdigest()
+    rows = stdlib_qa_rows()
+    digest = hashlib.sha256(json.dumps(rows).encode()).hexdigest()
     child = ("import hashlib, json\nfrom dpllm.sft.records import stdlib_qa_rows\n"
              "print(hashlib.sha256(json.dumps(stdlib_qa_rows()).encode()).hexdigest())")
     out = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONHASHSEED": "12345"}, cwd=Path(__file__).parents[1])
     assert out.stdout.strip() == digest
-    assert not any(re.search(r"0x[0-9a-f]{6,}", r["messages"][0]["content"]) for r in stdlib_qa_rows())
+    assert not any(re.search(r"0x[0-9a-f]{6,}", r["messages"][0]["content"]) for r in rows)
 
 
 # ---- rendering and labels ---------------------------------------------------------------------------------
