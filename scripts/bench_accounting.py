@@ -11,6 +11,10 @@ Two comparisons, each on the same inputs in this one process, cold caches before
   :func:`dpllm.privacy.accounting.smallest_grid_noise` with ``compute_rdp`` + ``get_privacy_spent`` per σ) against
   :func:`dpllm.privacy.accounting.calibrate_noise` (searches with :mod:`dpllm.privacy.rdp_series`, decides with
   Opacus's ε); both must return the same σ. Also one ε evaluation by each at the calibrated σ.
+* ``pld``: PLD calibration of σ (plans whose rounding margin PLD's plain FFT holds). The same grid bisection from
+  σ = 1 over dpllm's PLD ε against :func:`dpllm.privacy.accounting.calibrate_noise` (false position on the grid from
+  the RDP bound's σ, :func:`dpllm.privacy.accounting.smallest_smooth_noise`); both must return the same σ, and the
+  PLD evaluations each made are counted.
 
     OMP_NUM_THREADS=1 python scripts/bench_accounting.py --out runs/bench/accounting.json
     python scripts/bench_accounting.py --smoke            # one small case each (tests/test_scripts_smoke.py)
@@ -28,7 +32,9 @@ from datetime import datetime, timezone
 
 MIXTURE = [(1.0, 0.05, 2), (1.0, 0.05, 4), (1.0, 0.05, 8), (0.8, 0.01, 16)]  # (σ, q, k)
 RDP = [(8.0, 1e-5, 16 / 92, 2), (8.0, 1e-5, 0.01, 1000), (1.0, 1e-5, 0.004, 2500), (3.0, 1e-7, 1024 / 10 ** 6, 977)]
-SMOKE_MIXTURE, SMOKE_RDP = [(1.0, 0.05, 2)], [(1.0, 1e-5, 0.004, 2500)]
+PLD = [(8.0, 1e-5, 0.01, 1000), (2.0, 1e-5, 0.02, 500), (8.0, 1e-6, 256 / 50_000, 2000),
+       (4.0, 1e-9, 1 / 97_657, 97_657)]
+SMOKE_MIXTURE, SMOKE_RDP, SMOKE_PLD = [(1.0, 0.05, 2)], [(1.0, 1e-5, 0.004, 2500)], [(0.4, 1e-5, 0.05, 10)]
 
 
 def _cpu(fn, repeats: int):
@@ -115,6 +121,40 @@ def rdp_case(target: float, delta: float, q: float, steps: int, *, repeats: int)
             "epsilon_rel_diff": abs(e_series - e_opacus) / e_opacus}
 
 
+def pld_case(target: float, delta: float, q: float, steps: int, *, repeats: int) -> dict:
+    from dpllm.privacy import accounting
+
+    calls: list = []
+
+    def eps(sigma: float) -> float:
+        calls.append(sigma)
+        return accounting.pld_epsilon(history=[(sigma, q, steps)], delta=delta)
+
+    def before():
+        calls.clear()
+        return accounting.smallest_grid_noise(eps, target, digits=accounting.SIGMA_DIGITS,
+                                              unreachable=lambda: accounting.PrivacyPlanError("unreachable"))
+
+    def after():
+        calls.clear()
+        accounting._PLD_CACHE.clear()
+        pld = accounting.pld_epsilon
+        accounting.pld_epsilon = lambda **kw: calls.append(kw["history"][-1][0]) or pld(**kw)
+        try:
+            return accounting.calibrate_noise(target_epsilon=target, delta=delta, sample_rate=q, steps=steps,
+                                              accountant="pld")
+        finally:
+            accounting.pld_epsilon = pld
+
+    t_before, s_before = _cpu(before, repeats)
+    n_before = len(calls)
+    t_after, s_after = _cpu(after, repeats)
+    return {"target_epsilon": target, "delta": delta, "q": q, "steps": steps, "sigma_bisection": s_before,
+            "sigma_dpllm": s_after, "same_sigma": s_before == s_after, "pld_evaluations_bisection": n_before,
+            "pld_evaluations_dpllm": len(calls), "calibration_bisection_cpu_s": t_before,
+            "calibration_dpllm_cpu_s": t_after, "calibration_speedup": t_before / t_after}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--smoke", action="store_true", help="one small case of each (seconds)")
@@ -126,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"command": "python scripts/bench_accounting.py" + (" --smoke" if args.smoke else ""),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
               "cpus": os.cpu_count(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-              "mixture": [], "rdp": []}
+              "mixture": [], "rdp": [], "pld": []}
     print("mixture-of-Gaussians PLD (user-level ε): dp-accounting vs dpllm.privacy.mixture, CPU s")
     print(f"{'σ':>5} {'q':>6} {'k':>3} {'dp-accounting':>14} {'dpllm':>8} {'×':>6} {'ε rel. diff':>12}")
     for sigma, q, k in (SMOKE_MIXTURE if args.smoke else MIXTURE):
@@ -143,6 +183,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{target:>4g} {delta:>6g} {q:>8.4g} {steps:>5} {r['sigma_dpllm']:>7.4g} {str(r['same_sigma']):>6} "
               f"{r['calibration_opacus_bisection_cpu_s']:>9.3f} {r['calibration_dpllm_cpu_s']:>7.3f} "
               f"{r['calibration_speedup']:>6.1f} {r['epsilon_speedup']:>8.1f}")
+    print("\nPLD calibration: bisection from σ = 1 vs dpllm.privacy.accounting.calibrate_noise, CPU s "
+          "(PLD evaluations)")
+    print(f"{'ε':>4} {'δ':>6} {'q':>8} {'T':>6} {'σ':>7} {'same σ':>6} {'bisection':>14} {'dpllm':>12} {'×':>5}")
+    for target, delta, q, steps in (SMOKE_PLD if args.smoke else PLD):
+        r = pld_case(target, delta, q, steps, repeats=repeats)
+        result["pld"].append(r)
+        print(f"{target:>4g} {delta:>6g} {q:>8.4g} {steps:>6} {r['sigma_dpllm']:>7.4g} {str(r['same_sigma']):>6} "
+              f"{r['calibration_bisection_cpu_s']:>9.3f} ({r['pld_evaluations_bisection']:>2}) "
+              f"{r['calibration_dpllm_cpu_s']:>7.3f} ({r['pld_evaluations_dpllm']:>2}) "
+              f"{r['calibration_speedup']:>5.1f}")
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as fh:

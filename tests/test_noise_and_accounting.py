@@ -107,3 +107,51 @@ def test_plan_composes_with_prior_stage():
     assert total < plan.epsilon() <= 6.0
     alone = plan_privacy(**common)
     assert plan.noise_multiplier > alone.noise_multiplier  # the earlier stage spent part of the budget
+
+
+
+@pytest.mark.parametrize("jitter", [0.0, 2e-3])
+def test_the_false_position_search_finds_the_bisections_sigma_in_fewer_evaluations(jitter):
+    """accounting.smallest_smooth_noise (PLD's calibration: false position on the grid from RDP's σ) against
+    bisecting the grid from σ = 1 (accounting.smallest_grid_noise) on a smooth decreasing ε(σ), and on one that
+    jitters as PLD's does from one σ to the next (a few thousandths of ε): the same σ where ε is monotone; under
+    jitter a σ that meets the target while the grid point below does not; in under half the evaluations."""
+    import random
+
+    from dpllm.privacy import accounting
+
+    def curve(c, k):
+        def eps(sigma):
+            calls.append(sigma)
+            return c / sigma**k * (1 + jitter * random.Random(round(sigma, 9)).uniform(-1, 1))
+        return eps
+
+    for c, k, target, start in [(1.0, 2.0, 4.0, 0.55), (0.3, 1.5, 1.0, 0.5), (40.0, 1.0, 100.0, 0.5),
+                                (2.0, 2.5, 0.5, 2.0), (5.0, 2.0, 8.0, 0.9)]:
+        calls: list = []
+        eps = curve(c, k)
+        found = accounting.smallest_smooth_noise(eps, target, digits=4, unreachable=ValueError, start=start)
+        searched = len(set(calls))
+        calls.clear()
+        bisected = accounting.smallest_grid_noise(eps, target, digits=4, unreachable=ValueError)
+        below = round(found - accounting.prv.grid_step(found * (1 - 1e-12), 4), 12)
+        assert eps(found) <= target < eps(below), (c, k, target)
+        if not jitter:
+            assert found == bisected, (c, k, target)
+        assert searched <= 10 and 2 * searched <= len(calls), (c, k, target, searched, len(calls))  # seen: 4-8, 17-20
+
+
+def test_pld_calibration_meets_the_target_and_the_point_below_does_not(monkeypatch):
+    """calibrate_noise with PLD searches as above (seen: 4 PLD evaluations; bisecting took 16)."""
+    from dpllm.privacy import accounting
+
+    calls = []
+    pld = accounting.pld_epsilon
+    monkeypatch.setattr(accounting, "pld_epsilon", lambda **kw: calls.append(kw["history"]) or pld(**kw))
+    q, steps, delta, target = 0.05, 40, 1e-5, 3.0
+    sigma = accounting.calibrate_noise(target_epsilon=target, delta=delta, sample_rate=q, steps=steps,
+                                       accountant="pld")
+    assert len(calls) <= 8, calls
+    below = round(sigma - accounting.prv.grid_step(sigma * (1 - 1e-12), 4), 12)
+    assert compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=steps, delta=delta, accountant="pld") <= target
+    assert compute_epsilon(noise_multiplier=below, sample_rate=q, steps=steps, delta=delta, accountant="pld") > target

@@ -160,11 +160,18 @@ def calibrate(schedule: NoiseSchedule, *, target_epsilon: float, delta: float, s
 
     # The same grid as a constant σ's calibration: the smallest σ₀ of SIGMA_DIGITS significant figures that meets it
     # (RDP: searched with the fast series, each grid point decided by Opacus's ε, as accounting.calibrate_noise does).
+    rdp = accounting.rdp_stand_in(lambda s0: prior + schedule.history(s0, sample_rate, steps), delta)
     if accountant == "rdp":
-        return accounting.smallest_smooth_noise(
-            eps, target_epsilon, digits=accounting.SIGMA_DIGITS, unreachable=unreachable, start=1.0,
-            stand_in=accounting.rdp_stand_in(lambda s0: prior + schedule.history(s0, sample_rate, steps), delta))
-    return accounting.smallest_grid_noise(eps, target_epsilon, digits=accounting.SIGMA_DIGITS, unreachable=unreachable)
+        return accounting.smallest_smooth_noise(eps, target_epsilon, digits=accounting.SIGMA_DIGITS,
+                                                unreachable=unreachable, start=1.0, stand_in=rdp)
+    # PRV, PLD (0.05-0.5 s per σ₀): false position from where the RDP bound meets the target (milliseconds a σ₀)
+    try:
+        start = accounting.smallest_noise(rdp, target_epsilon, epsilon_tolerance=1e-3 * target_epsilon,
+                                          unreachable=unreachable)
+    except accounting.PrivacyPlanError:  # the looser bound needs σ₀ above the limit: the search decides from there
+        start = accounting.MAX_NOISE_MULTIPLIER
+    return accounting.smallest_smooth_noise(eps, target_epsilon, digits=accounting.SIGMA_DIGITS,
+                                            unreachable=unreachable, start=start)
 
 
 def noise_schedule(p) -> NoiseSchedule:
