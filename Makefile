@@ -83,6 +83,10 @@ demo: $(VENV)/.installed
 # 770.0 CPU-s, 6:39 (3d0ad42, 00:27 UTC, under a per-test CPU plugin); a clean clone of 37133b1 6:34. Beside
 # `yes` in clean clones: 9:00 (737cab3, 00:51 UTC), 10:15 (737cab3, 01:10), 10:37 (37133b1, 01:47): the
 # machine's speed swings by more than any trim left.
+# Later on 2026-11-30: PLD calibration by false position on the grid (5-8 PLD evaluations, not 18-19; four accounting
+# files 61.9/66.4 -> 54.7/56.4 CPU-s back to back). The same code measured quiet 688.8 and 735.5 CPU-s (02:18, 02:28
+# UTC) and 768.5 (03:20, with the change): the machine slowed by ~10-50% within the hour (bench_accounting's
+# figures ~1.5x the day before's). Beside `yes` in clean clones: 10:17 (df28165, 02:42 UTC), 9:56 (3da4bf4, 03:28).
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
 # processes (two workers, launches, signal tests) otherwise each compile dpllm, the recipes and the rewritten test
 # modules again (a worker's collection: 24 -> 18 CPU-s); the caches go to the git-ignored __pycache__ folders.

@@ -109,7 +109,6 @@ def test_plan_composes_with_prior_stage():
     assert plan.noise_multiplier > alone.noise_multiplier  # the earlier stage spent part of the budget
 
 
-
 @pytest.mark.parametrize("jitter", [0.0, 2e-3])
 def test_the_false_position_search_finds_the_bisections_sigma_in_fewer_evaluations(jitter):
     """accounting.smallest_smooth_noise (PLD's calibration: false position on the grid from RDP's σ) against
@@ -148,6 +147,7 @@ def test_pld_calibration_meets_the_target_and_the_point_below_does_not(monkeypat
     calls = []
     pld = accounting.pld_epsilon
     monkeypatch.setattr(accounting, "pld_epsilon", lambda **kw: calls.append(kw["history"]) or pld(**kw))
+    monkeypatch.setattr(accounting, "_PLD_CACHE", {})  # nothing remembered from other tests
     q, steps, delta, target = 0.05, 40, 1e-5, 3.0
     sigma = accounting.calibrate_noise(target_epsilon=target, delta=delta, sample_rate=q, steps=steps,
                                        accountant="pld")

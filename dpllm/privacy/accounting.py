@@ -451,8 +451,9 @@ def calibrate_noise(
         return smallest_smooth_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable, start=start,
                                      stand_in=coarse)
     if accountant == "pld":
-        # 0.05-0.5 s per σ: false position from RDP's σ finds the grid point in ~9 evaluations where bisecting from
-        # σ = 1 took ~18 (the same σ on every plan compared; N = 10⁸ at δ = 1e-9: 5.4 -> 1.9 CPU-s)
+        # 0.05-0.5 s per σ: false position from RDP's σ finds the grid point in 5-8 evaluations where bisecting from
+        # σ = 1 took 18-19, the same σ on every plan compared (scripts/bench_accounting.py; N = 10⁸ at δ = 1e-9:
+        # 4.9 -> 2.1 CPU-s)
         return smallest_smooth_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable,
                                      start=_rdp_sigma(target_epsilon, delta, sample_rate, steps, prior))
     return smallest_grid_noise(eps, target_epsilon, digits=SIGMA_DIGITS, unreachable=unreachable)
