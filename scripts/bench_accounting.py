@@ -1,7 +1,8 @@
 """CPU time of dpllm's vectorised accountant paths against the library constructions they stand in for (figures, not
-a test; the equalities are tested in tests/test_mixture_pld.py and tests/test_rdp_series.py).
+a test; the equalities are tested in tests/test_mixture_pld.py, tests/test_rdp_series.py and, for the PLD search,
+tests/test_noise_and_accounting.py).
 
-Two comparisons, each on the same inputs in this one process, cold caches before every timed call:
+Three comparisons, each on the same inputs in this one process, cold caches before every timed call:
 
 * ``mixture``: the user-level (ELS / ``user_sampling: record``) PLD of one DP-SGD step for a group of k records.
   dp-accounting's ``from_mixture_gaussian_mechanism`` (its recursive grid inversion, one scalar privacy loss per
