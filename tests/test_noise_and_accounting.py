@@ -133,7 +133,7 @@ def test_the_false_position_search_finds_the_bisections_sigma_in_fewer_evaluatio
         searched = len(set(calls))
         calls.clear()
         bisected = accounting.smallest_grid_noise(eps, target, digits=4, unreachable=ValueError)
-        below = round(found - accounting.prv.grid_step(found * (1 - 1e-12), 4), 12)
+        below = accounting.prv.grid_below(found, 4)
         assert eps(found) <= target < eps(below), (c, k, target)
         if not jitter:
             assert found == bisected, (c, k, target)
@@ -152,6 +152,6 @@ def test_pld_calibration_meets_the_target_and_the_point_below_does_not(monkeypat
     sigma = accounting.calibrate_noise(target_epsilon=target, delta=delta, sample_rate=q, steps=steps,
                                        accountant="pld")
     assert len(calls) <= 8, calls
-    below = round(sigma - accounting.prv.grid_step(sigma * (1 - 1e-12), 4), 12)
+    below = accounting.prv.grid_below(sigma, 4)
     assert compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=steps, delta=delta, accountant="pld") <= target
     assert compute_epsilon(noise_multiplier=below, sample_rate=q, steps=steps, delta=delta, accountant="pld") > target

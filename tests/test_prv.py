@@ -86,7 +86,7 @@ def test_ordinary_plan_matches_the_old_numbers_within_their_tolerance_and_is_min
         assert old_sigma - 0.0005 <= sigma <= old_sigma  # never more noise than before, ≤ 5 in the last digit less
         assert target - 0.01 <= eps <= target and eps >= old_eps
         assert eps == prv.prv_epsilon(history=[(sigma, q, 977)], delta=1e-7)
-        below = round(sigma - prv.grid_step(sigma * (1 - 1e-12), 4), 12)
+        below = prv.grid_below(sigma, 4)
         assert prv.prv_epsilon(history=[(below, q, 977)], delta=1e-7) > target  # the smallest printed σ
     assert plan["target"] == plan["table"][3]
     # Spot-check the reported ε against Opacus's own PRV run at the printed σ.
@@ -106,7 +106,7 @@ def test_calibrated_sigma_meets_the_target_and_the_next_one_down_does_not(target
     sigma = calibrate_noise(target_epsilon=target, delta=delta, sample_rate=q, steps=steps, accountant="prv")
     eps = compute_epsilon(noise_multiplier=sigma, sample_rate=q, steps=steps, delta=delta, accountant="prv")
     assert eps <= target
-    below = round(sigma - prv.grid_step(sigma * (1 - 1e-12), 4), 12)
+    below = prv.grid_below(sigma, 4)
     assert compute_epsilon(noise_multiplier=below, sample_rate=q, steps=steps, delta=delta, accountant="prv") > target
     assert sigma == prv.round_up(sigma, 4)
 

@@ -517,9 +517,6 @@ def smallest_smooth_noise(eps: Callable[[float], float], target_epsilon: float, 
     Raises:
         the exception ``unreachable()`` builds, when σ above ``max_sigma`` would be needed.
     """
-    def below(sigma: float) -> float:  # the grid point under ``sigma``
-        return round(sigma - prv.grid_step(sigma * (1 - 1e-12), digits), 12)
-
     def root(f: Callable[[float], float], x0: float, *, on_grid: bool) -> float:
         # 1. a bracket (lo, hi] with f(lo) > target >= f(hi), from x0 by steps of 10% that square while they miss
         snap = (lambda sigma: prv.round_up(sigma, digits)) if on_grid else (lambda sigma: sigma)
@@ -553,16 +550,16 @@ def smallest_smooth_noise(eps: Callable[[float], float], target_epsilon: float, 
         for _ in range(60):
             xa, xb = math.log(lo), math.log(hi)
             ga, gb = prv.round_up(lo, digits), prv.round_up(hi, digits)
-            if ga == gb or (on_grid and below(gb) <= ga) or xb - xa < 1e-12:
+            if ga == gb or (on_grid and prv.grid_below(gb, digits) <= ga) or xb - xa < 1e-12:
                 break
             x = xb - fb * (xb - xa) / (fb - fa) if fb != fa else (xa + xb) / 2
             if on_grid:  # a grid point strictly inside (there is one): the guess rounded up, or next to the end it
                 # reached (f(hi) = target exactly puts the guess at hi, where bisecting would take ~log2(points) steps)
                 sigma = prv.round_up(math.exp(min(max(x, xa), xb)), digits)
                 if sigma >= hi:
-                    sigma = below(hi)
+                    sigma = prv.grid_below(hi, digits)
                 elif sigma <= lo:
-                    sigma = prv.round_up(lo + prv.grid_step(lo, digits), digits)
+                    sigma = prv.grid_above(lo, digits)
             else:
                 sigma = math.exp(x if xa < x < xb else (xa + xb) / 2)
             fx = math.log(max(f(sigma), 1e-300) / target_epsilon)
@@ -581,11 +578,11 @@ def smallest_smooth_noise(eps: Callable[[float], float], target_epsilon: float, 
         sigma = root(lambda s: stand_in(s) + offset, at, on_grid=False)
     sigma = prv.round_up(sigma, digits)
     while eps(sigma) > target_epsilon:
-        sigma = prv.round_up(sigma + prv.grid_step(sigma, digits), digits)
+        sigma = prv.grid_above(sigma, digits)
         if sigma > max_sigma:
             raise unreachable()
     while True:
-        under = below(sigma)
+        under = prv.grid_below(sigma, digits)
         if under <= 0 or eps(under) > target_epsilon:
             return sigma
         sigma = under
@@ -622,7 +619,7 @@ def smallest_grid_noise(eps: Callable[[float], float], target_epsilon: float, *,
     # PLD's pessimistic grid makes ε jitter from one σ to the next (each value an upper bound): whatever the
     # bisection assumed, the σ returned meets the target.
     while eps(sigma) > target_epsilon:
-        sigma = prv.round_up(sigma + prv.grid_step(sigma, digits), digits)
+        sigma = prv.grid_above(sigma, digits)
         if sigma > max_sigma:
             raise unreachable()
     return sigma

@@ -358,6 +358,25 @@ def round_up(x: float, digits: int = 4) -> float:
     return round(math.ceil(x / scale - 1e-9) * scale, 12)
 
 
+def grid_above(x: float, digits: int = 4) -> float:
+    """The ``digits``-significant-figure number just above the grid point ``x``.
+
+    >>> grid_above(0.4338), grid_above(0.9999)
+    (0.4339, 1.0)
+    """
+    return round_up(x + grid_step(x, digits), digits)
+
+
+def grid_below(x: float, digits: int = 4) -> float:
+    """The ``digits``-significant-figure number just below ``x``, itself such a number (at a power of ten, the
+    finer spacing below it).
+
+    >>> grid_below(0.4339), grid_below(1.0)
+    (0.4338, 0.9999)
+    """
+    return round(x - grid_step(x * (1 - 1e-12), digits), 12)
+
+
 class _Curve:
     """ε(σ) of one plan shape (prior stages, q, steps, δ): the coarse stand-in and the full-precision PRV, each
     remembered, so a plan's table rows share their work."""
@@ -485,11 +504,11 @@ def calibrate(*, target_epsilon: float, delta: float, sample_rate: float, steps:
     if progress:
         progress(f"σ ≈ {sigma:.{digits}g}; confirming with the full-precision PRV")
     while curve.fine(sigma) > target_epsilon:
-        sigma = round(sigma + grid_step(sigma, digits), 12)
+        sigma = grid_above(sigma, digits)
         if sigma > max_sigma:
             raise ValueError("unreachable")
     while True:
-        below = round(sigma - grid_step(sigma * (1 - 1e-12), digits), 12)
+        below = grid_below(sigma, digits)
         if below <= 0:
             break
         predicted = curve.coarse(below) + curve.fine(sigma) - curve.coarse(sigma)
