@@ -23,7 +23,14 @@ COMMANDS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+# The commands that load a model: as the ``dpllm`` command (a process of their own) they hide an unused
+# bitsandbytes once they know which models they load (dpllm.quantization.quiet_command).
+LOADS_MODELS = ("export", "synthesize")
+
+
+def main(argv: list[str] | None = None, *, command: bool = False) -> int:
+    """``dpllm NAME ...``; returns the exit code. ``command``: run as the ``dpllm`` command, a process of its own
+    (never a caller's process: what a command sets for its process lasts as long as the process)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__.strip())
@@ -36,8 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dpllm: unknown command {name!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.cli_main(rest) or 0)
+    return int(module.cli_main(rest, **({"command": True} if command and name in LOADS_MODELS else {})) or 0)
+
+
+def command() -> int:
+    """The installed ``dpllm`` command (``[project.scripts]``): :func:`main` in a process of its own."""
+    return main(command=True)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(command())

@@ -616,8 +616,9 @@ def export(run_dir: str | Path, out: str | Path, *, allow_non_private: bool = Fa
     return out
 
 
-def cli_main(argv: list[str]) -> int:
-    """``dpllm export RUN_DIR --out DIR [--allow-non-private] [--declare-public FACT ...]``; 0, or 1 when refused."""
+def cli_main(argv: list[str], *, command: bool = False) -> int:
+    """``dpllm export RUN_DIR --out DIR [--allow-non-private] [--declare-public FACT ...]``; 0, or 1 when refused.
+    ``command``: the ``dpllm`` command's own process (:func:`dpllm.quantization.quiet_command` for the run)."""
     from dpllm import compliance
 
     ap = argparse.ArgumentParser(prog="dpllm export", description=__doc__.split("\n\n")[0])
@@ -647,6 +648,10 @@ def cli_main(argv: list[str]) -> int:
         args = ap.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    if command:  # before anything imports peft: bitsandbytes stays unimported unless the run's model needs it
+        from dpllm.quantization import quiet_command
+
+        quiet_command(args.run_dir)
     from dpllm import hub
 
     if args.private and not args.push_to_hub:

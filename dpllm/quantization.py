@@ -50,7 +50,7 @@ def known_unquantized(where: str) -> bool:
         return False
 
 
-def hide_unused_bitsandbytes(quantization: str, model_name_or_path: str) -> bool:
+def hide_unused_bitsandbytes(quantization: str, *models: str) -> bool:
     """Make bitsandbytes unimportable in this process when the run will not use it; True when hidden.
 
     peft and transformers import bitsandbytes whenever it is installed, and it logs about its optional GPU kernels
@@ -60,17 +60,29 @@ def hide_unused_bitsandbytes(quantization: str, model_name_or_path: str) -> bool
 
     Args:
         quantization: the run's ``model.quantization``.
-        model_name_or_path: the run's model; hidden only when it is known to load without bitsandbytes
-            (:func:`known_unquantized`: not a QLoRA run's checkpoint, not a pre-quantized model).
+        models: every model the process will load (``model_name_or_path``, a run or checkpoint directory); hidden
+            only when each is known to load without bitsandbytes (:func:`known_unquantized`: not a QLoRA run's
+            checkpoint, not a pre-quantized model), and never when none is named.
     """
     import sys
 
-    if quantization not in (None, "none") or "bitsandbytes" in sys.modules:
+    if quantization not in (None, "none") or "bitsandbytes" in sys.modules or not models:
         return False
-    if not known_unquantized(str(model_name_or_path)):
+    if not all(known_unquantized(str(m)) for m in models):
         return False
     sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
     return True
+
+
+def quiet_command(*models: str, quantization: str = "none") -> bool:
+    """What a command's entry point sets for its own process before it imports the training stack: bitsandbytes
+    hidden when every model it will load is known to load without it (:func:`hide_unused_bitsandbytes`), and the
+    third-party deprecations a user cannot act on silenced (:func:`dpllm.logs.silence_known_deprecations`). Never
+    a library call: both last as long as the process. True when bitsandbytes was hidden."""
+    from dpllm.logs import silence_known_deprecations
+
+    silence_known_deprecations()
+    return hide_unused_bitsandbytes(quantization, *models)
 
 
 def _dtype(name: str):

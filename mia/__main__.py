@@ -332,6 +332,10 @@ def main(argv: list[str] | None = None, *, command: bool = False) -> int:
         import warnings
 
         _hide_unused_bitsandbytes(args)
+        if getattr(args, "no_progress", False):  # nor transformers' bars (loading weights) in this process
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
         # transformers 5 renamed the property peft reads on every load (dpllm.logs.KNOWN_DEPRECATIONS, which the
         # audits' layer does not import): nothing a user can act on
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)

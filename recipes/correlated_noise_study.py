@@ -552,7 +552,7 @@ def plot(res: dict, path: Path) -> str:
     return save_figure(fig, path)
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: Optional[list[str]] = None, *, command: bool = False) -> dict:
     parser = recipe_parser(__doc__, default_output="runs/correlated_noise", dataset=None)
     parser.add_argument("--parts", nargs="+", choices=["mlp", "llama", "llama_checks"], default=["mlp", "llama"],
                         help="which settings to run (llama_checks: the side checks of why BandMF loses on the Llama)")
@@ -562,6 +562,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
                         help="no training: replace the rows of the parts RESULTS_JSON holds (another run's "
                              "results.json) in --output_dir's results.json, keep the rest, rebuild tables and plot")
     args = parser.parse_args(argv)
+    if command:  # a process of its own, and every model it trains or loads is a tiny one built from a config
+        from dpllm.quantization import quiet_command
+
+        quiet_command("tiny-llama")
     out = Path(args.output_dir)
     if args.merge:
         target, source = out / "results.json", Path(args.merge)
@@ -616,4 +620,4 @@ def main(argv: Optional[list[str]] = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    main(command=True)  # quiet_command: for this process only, never a caller's

@@ -48,16 +48,14 @@ from dpllm.stopping import EXIT_CODES, finish_process, follow_launcher, program_
 def main(argv: list[str] | None = None, *, command: bool = False) -> dict:
     """Train as configured; print the privacy report and where the (private) held-out loss is. Returns the run
     summary. ``command``: run as ``python recipes/finetune_llm.py`` (a process of its own, so process-wide settings
-    such as :func:`dpllm.quantization.hide_unused_bitsandbytes` are safe; never in a caller's process)."""
+    such as :func:`dpllm.quantization.quiet_command` are safe; never in a caller's process)."""
     setup_logging()
     cfg = parse_config(argv)  # options and config file checked ...
     check_paths(cfg)  # ... and data / model paths and output_dir: all before torch is imported
     if command:  # this process runs one configuration: bitsandbytes' import-time log is noise when it is unused
-        from dpllm.logs import silence_known_deprecations
-        from dpllm.quantization import hide_unused_bitsandbytes
+        from dpllm.quantization import quiet_command
 
-        hide_unused_bitsandbytes(cfg.model.quantization, cfg.model.model_name_or_path)
-        silence_known_deprecations()
+        quiet_command(cfg.model.model_name_or_path, quantization=cfg.model.quantization)
     from dpllm.privacy.report import PrivacyReport
     from dpllm.train import train
 

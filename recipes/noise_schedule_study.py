@@ -72,12 +72,16 @@ def plot(results: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> dict:
+def main(argv=None, *, command: bool = False) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output_dir", default="runs/noise_schedule")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="a few steps per run (tests)")
     args = ap.parse_args(argv)
+    if command:  # a process of its own, and every model it trains or loads is a tiny one built from a config
+        from dpllm.quantization import quiet_command
+
+        quiet_command("tiny-llama")
     setup_logging()
     from dpllm.train import train
 
@@ -127,4 +131,4 @@ def main(argv=None) -> dict:
 SCHEDULES_KEYS = {name: i for i, name in enumerate(SCHEDULES)}
 
 if __name__ == "__main__":
-    main()
+    main(command=True)  # quiet_command: for this process only, never a caller's

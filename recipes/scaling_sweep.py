@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, command: bool = False) -> dict:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     doc = yaml.safe_load(Path(args.config).read_text()) or {}
@@ -268,8 +268,13 @@ def main(argv: list[str] | None = None) -> dict:
 
         manifest = build_corpora(out / "corpora", **doc["corpora"])
         print(json.dumps({k: {f: v[f] for f in ("records", "utf8_bytes")} for k, v in manifest["corpora"].items()}))
-    for _, cfg in expand(doc, quick=args.quick):  # the main grid too, though its LRs come later
-        config_from_dict(cfg)
+    models = [config_from_dict(cfg).model for _, cfg in expand(doc, quick=args.quick)]  # the main grid too, though
+    # its LRs come later; the pretraining and LR-grid runs are the same sizes of the same base model
+    if command:  # a process of its own: bitsandbytes stays unimported when no run needs it
+        from dpllm.quantization import quiet_command
+
+        quantized = sorted({m.quantization for m in models} - {"none"})
+        quiet_command(*{m.model_name_or_path for m in models}, quantization=quantized[0] if quantized else "none")
     n_run, checked = 0, False
     while True:  # an LR grid that finishes unlocks its size's main grid: plan again until nothing is left
         lr_rows = _rows(lr_file) if lr_file.is_file() else []
@@ -331,4 +336,4 @@ def _fit_and_report(doc: dict, out: Path, runs_file: Path, args, wall: float) ->
 
 
 if __name__ == "__main__":
-    main()
+    main(command=True)  # quiet_command: for this process only, never a caller's

@@ -44,12 +44,16 @@ def answer_auc(run_dir: Path, *, max_records: int, n_bootstrap: int) -> dict:
             "n_nonmembers": report["n_nonmembers"], "mean_answer_loss": report["mean_loss"]}
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, command: bool = False) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output_dir", default="runs/sft_study")
     ap.add_argument("--results", default=None, help="write result.json and README.md here")
     ap.add_argument("--quick", action="store_true", help="a few steps per stage (tests)")
     args = ap.parse_args(argv)
+    if command:  # a process of its own, and every model it trains or loads is a tiny one built from a config
+        from dpllm.quantization import quiet_command
+
+        quiet_command("tiny-llama")
     setup_logging()
     from dpllm.privacy.report import PrivacyReport
     from dpllm.train import train
@@ -174,4 +178,4 @@ def _ppl(loss):
 
 
 if __name__ == "__main__":
-    main()
+    main(command=True)  # quiet_command: for this process only, never a caller's

@@ -84,12 +84,16 @@ def planted_in_splits(run_dir: Path, planted: list[dict]) -> list[dict]:
     return [{**c, "included": where.get(c["text"]) == "train"} for c in planted if c["text"] in where]
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, command: bool = False) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="runs/synthetic_study/results", help="results.json, table.md, tradeoff.png")
     ap.add_argument("--work", default=None, help="runs and synthetic sets (default: runs/synthetic_study)")
     ap.add_argument("--quick", action="store_true", help="a few steps and samples per stage (tests)")
     args = ap.parse_args(argv)
+    if command:  # a process of its own, and every model it trains or loads is a tiny one built from a config
+        from dpllm.quantization import quiet_command
+
+        quiet_command("tiny-llama")
     out = Path(args.out)
     work = Path(args.work or ("runs/synthetic_study_quick" if args.quick else "runs/synthetic_study"))
     out.mkdir(parents=True, exist_ok=True)
@@ -229,4 +233,4 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(command=True)  # quiet_command: for this process only, never a caller's

@@ -195,7 +195,7 @@ def resummarize(out: Path) -> None:
     (out / "summary.md").write_text(summarize(res))
 
 
-def main(argv: list[str] | None = None) -> dict:
+def main(argv: list[str] | None = None, *, command: bool = False) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/user_level")
     ap.add_argument("--quick", action="store_true", help="few steps: a smoke test of the recipe")
@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--bench-only", action="store_true",
                     help="rerun only the step-time benchmark and replace it in an existing results.json")
     args = ap.parse_args(argv)
+    if command:  # a process of its own, and every model it trains or loads is a tiny one built from a config
+        from dpllm.quantization import quiet_command
+
+        quiet_command("tiny-llama")
     if args.summary_only:
         resummarize(Path(args.out))
         return {}
@@ -235,4 +239,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    main(command=True)  # quiet_command: for this process only, never a caller's

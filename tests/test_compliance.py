@@ -126,7 +126,7 @@ def test_a_tampered_ledger_fails_logging_and_fixing(runs, tmp_path):
 
 
 def test_cli_exit_code_and_json(runs, capsys):
-    """`dpllm report` through its entry point (``dpllm.cli.main``, what the console script calls and exits with)."""
+    """`dpllm report` through its entry point (``dpllm.cli.main``, which the console script calls and exits with)."""
     from dpllm.cli import main as dpllm
     from tests.helpers import in_process
 

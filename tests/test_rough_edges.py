@@ -22,8 +22,17 @@ def test_an_unterminated_string_reads_once_at(tmp_path):
 # the second answer covers both commands; a warning is printed once per place, so the part of stderr before the
 # marker holds the run's and the part after it what only the audit printed (each part is checked for warnings).
 MARKER = "=== mia audit ==="
+# Imported first (without running them): the modules of every command that hides bitsandbytes once its arguments
+# are parsed (recipes, `dpllm export`, `dpllm synthesize`) must not import peft, which imports bitsandbytes, before.
+ENTRY_MODULES = ("demo", "sft_study", "noise_schedule_study", "synthetic_study", "user_level_study",
+                 "correlated_noise_study", "scaling_sweep", "finetune_llm", "dpllm.cli", "dpllm.export",
+                 "dpllm.synthetic.cli")  # mia's: the audit below runs it
 _RUN = f"""
-import json, runpy, sys
+import importlib, json, runpy, sys
+sys.path.insert(0, "recipes")
+for name in {ENTRY_MODULES!r}:
+    importlib.import_module(name)
+print("entry modules imported:", sorted(m for m in ("peft", "bitsandbytes") if m in sys.modules), flush=True)
 audit = json.loads(sys.argv[1])
 sys.argv = ["recipes/finetune_llm.py", *sys.argv[2:]]
 try:
@@ -63,6 +72,10 @@ def tiny_run(tmp_path_factory):
     r.run_dir = out
     r.stderr, r.audit_stderr = r.stderr.split(MARKER + "\n", 1)
     return r
+
+
+def test_entry_modules_import_neither_peft_nor_bitsandbytes(tiny_run):
+    assert "\nentry modules imported: []\n" in "\n" + tiny_run.stdout, tiny_run.stdout[:2000]
 
 
 def test_a_non_quantized_run_never_imports_bitsandbytes(tiny_run):
@@ -131,3 +144,79 @@ def test_an_audit_of_a_non_quantized_run_never_imports_bitsandbytes(tiny_run):
     assert "audit exit 0 bitsandbytes imported: False" in tiny_run.stdout, tiny_run.audit_stderr[-3000:]
     assert "Warning" not in tiny_run.audit_stderr, tiny_run.audit_stderr[-3000:]  # transformers' FutureWarning
     # (is_gradient_checkpointing) was one
+    assert "Loading weights" not in tiny_run.audit_stderr  # --no-progress: transformers' loading bar too
+
+
+class _Hidden(Exception):
+    """Raised by the spy below right after the real ``quiet_command``: the command stops before any work."""
+
+
+@pytest.mark.parametrize("entry", ["demo", "sft_study", "noise_schedule_study", "synthetic_study", "user_level_study",
+                                   "correlated_noise_study", "scaling_sweep", "export", "synthesize",
+                                   "synthesize_hub_embedder"])
+def test_every_command_that_trains_or_loads_hides_an_unused_bitsandbytes(entry, tmp_path, monkeypatch):
+    """Issue 49, item 7: `make demo` printed bitsandbytes' missing-`kernels` line although nothing quantizes. Each
+    command's own process (``command=True``) hides bitsandbytes as soon as its arguments are parsed, and only when
+    every model it loads needs none; a synthesize with an embedder model that is not known keeps it. (That the recipes'
+    and commands' modules import neither peft nor bitsandbytes before that point is checked where a fresh process is:
+    ``test_entry_modules_import_neither_peft_nor_bitsandbytes``.)"""
+    import os
+    import sys
+    import warnings
+
+    import dpllm.quantization as quantization
+    from dpllm.cli import main as dpllm_main
+    from tests.helpers import load_recipe
+
+    real, answers = quantization.quiet_command, []
+
+    def spy(*models, quantization="none"):
+        answers.append(real(*models, quantization=quantization))
+        raise _Hidden
+
+    monkeypatch.setattr(quantization, "quiet_command", spy)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as in a fresh process: not imported yet (the real
+    del sys.modules["bitsandbytes"]  # module, if this process imported it, comes back afterwards)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text('{"model_type": "llama"}')  # a run whose model loads without bitsandbytes
+    out = str(tmp_path / "out")
+    argv = {"demo": ["--output_dir", out], "sft_study": ["--output_dir", out],
+            "noise_schedule_study": ["--output_dir", out], "synthetic_study": ["--out", out, "--work", out + "_w"],
+            "user_level_study": ["--out", out], "correlated_noise_study": ["--output_dir", out],
+            "scaling_sweep": ["--config", os.path.join("recipes", "configs", "tiny", "scaling_sweep_cpu.yaml"),
+                              "--output_dir", out, "--quick"],
+            "export": ["export", str(run), "--out", out],
+            "synthesize": ["synthesize", str(run), "--num", "2", "--out", out + ".jsonl"],
+            "synthesize_hub_embedder": ["synthesize", str(run), "--num", "2", "--out", out + ".jsonl", "--embedder",
+                                        "org/not-in-the-cache"]}[entry]
+    monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with warnings.catch_warnings(), pytest.raises(_Hidden):  # the deprecation filters it adds stay in the block
+        if entry in ("export", "synthesize", "synthesize_hub_embedder"):
+            dpllm_main(argv, command=True)
+        else:
+            load_recipe(entry).main(argv, command=True)
+    hidden = entry != "synthesize_hub_embedder"
+    assert answers == [hidden] and (sys.modules.get("bitsandbytes", "absent") is None) == hidden
+    if entry == "export":  # called from Python (a caller's process), the command changes nothing process-wide
+        del sys.modules["bitsandbytes"]
+        assert dpllm_main(argv) == 1 and answers == [True] and "bitsandbytes" not in sys.modules
+
+
+def test_synthesize_no_progress_turns_off_the_loading_bars_of_its_own_process_only(tmp_path, monkeypatch):
+    from transformers.utils import logging as hf_logging
+
+    import dpllm.quantization as quantization
+    from dpllm.cli import main as dpllm_main
+
+    monkeypatch.setattr(quantization, "quiet_command", lambda *models, quantization="none": False)
+    run = tmp_path / "not_a_run"
+    run.mkdir()
+    argv = ["synthesize", str(run), "--num", "2", "--out", str(tmp_path / "s.jsonl"), "--no-progress"]
+    hf_logging.enable_progress_bar()  # as a fresh process starts
+    try:
+        assert dpllm_main(argv) == 1 and hf_logging.is_progress_bar_enabled()  # a caller's process: unchanged
+        assert dpllm_main(argv, command=True) == 1  # refused (not a run) after the command set up its process
+        assert not hf_logging.is_progress_bar_enabled()
+    finally:
+        hf_logging.enable_progress_bar()

@@ -51,13 +51,23 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def cli_main(argv: list[str]) -> int:
-    from dpllm.synthetic.generate import SynthesisError, synthesize
-
+def cli_main(argv: list[str], *, command: bool = False) -> int:
+    """``dpllm synthesize RUN --num N --out FILE ...``; the exit code. ``command``: the ``dpllm`` command's own
+    process (:func:`dpllm.quantization.quiet_command` for the run and a named embedder model)."""
     try:
         args = parser().parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    if command:  # before anything imports peft: bitsandbytes stays unimported unless a model it loads needs it
+        from dpllm.quantization import quiet_command
+
+        quiet_command(args.run_dir, *([] if args.no_report or args.embedder in ("auto", "lsa") else [args.embedder]))
+        if args.no_progress:  # nor transformers' bars (loading weights) in this process
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+    from dpllm.synthetic.generate import SynthesisError, synthesize
+
     prompts = list(args.prompt)
     if args.prompts_file:
         if not Path(args.prompts_file).is_file():
