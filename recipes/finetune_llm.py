@@ -3,8 +3,8 @@
 Launch commands (copy-paste):
 
     # tiny model on CPU, the embedded corpus (Python's own docs), LoRA at ε = 8
-    accelerate launch recipes/finetune_llm.py --config recipes/configs/tiny/llama_lora_cpu.yaml \\
-        --output_dir runs/x --max_steps 20
+    accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/finetune_llm.py \\
+        --config recipes/configs/tiny/llama_lora_cpu.yaml --output_dir runs/x --max_steps 20
 
     # Llama-3-8B LoRA at ε = 8 on one 80 GB GPU
     accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/finetune_llm.py \\
@@ -12,18 +12,20 @@ Launch commands (copy-paste):
 
     # instruction / chat data (messages or prompt/completion columns; loss on the answers): the built-in set,
     # or your own chats.jsonl of {"messages": [{"role": ..., "content": ...}, ...]} (dpllm.sft)
-    accelerate launch recipes/finetune_llm.py --config recipes/configs/tiny/sft_stdlib_qa_dp.yaml --output_dir runs/sft
+    accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/finetune_llm.py \\
+        --config recipes/configs/tiny/sft_stdlib_qa_dp.yaml --output_dir runs/sft
 
     # GPT-2 full fine-tuning at ε = 3
-    accelerate launch recipes/finetune_llm.py --config recipes/configs/gpt2/full_eps3.yaml --output_dir runs/gpt2
+    accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/finetune_llm.py \\
+        --config recipes/configs/gpt2/full_eps3.yaml --output_dir runs/gpt2
 
     # two processes (DDP; on a machine without GPUs they run on CPU): same batches, σ, q, steps and ε
-    accelerate launch --multi_gpu --num_processes 2 recipes/finetune_llm.py \
+    accelerate launch --config_file recipes/accelerate/multi_gpu.yaml --num_processes 2 recipes/finetune_llm.py \\
         --config recipes/configs/tiny/llama_lora_cpu.yaml --output_dir runs/x2 --max_steps 20 --save_every 5
 
     # continue a killed run from its newest checkpoint (same command plus --resume_from latest)
-    accelerate launch --multi_gpu --num_processes 2 recipes/finetune_llm.py \
-        --config recipes/configs/tiny/llama_lora_cpu.yaml --output_dir runs/x2 --max_steps 20 --save_every 5 \
+    accelerate launch --config_file recipes/accelerate/multi_gpu.yaml --num_processes 2 recipes/finetune_llm.py \\
+        --config recipes/configs/tiny/llama_lora_cpu.yaml --output_dir runs/x2 --max_steps 20 --save_every 5 \\
         --resume_from latest
 
     # check the run's ε ledger (hash chain, final ε against privacy_report.json, checkpoint hashes)

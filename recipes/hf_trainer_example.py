@@ -12,7 +12,8 @@ Launch commands (copy-paste):
         --per_device_train_batch_size 16 --logical_batch_size 64 --learning_rate 5e-3 --target_epsilon 8
 
     # your own model and files (one record per row; the "text" column is kept for audits)
-    accelerate launch recipes/hf_trainer_example.py --model_name_or_path Qwen/Qwen2.5-0.5B \\
+    accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/hf_trainer_example.py \\
+        --model_name_or_path Qwen/Qwen2.5-0.5B \\
         --train_file train.jsonl --validation_file heldout.jsonl --output_dir runs/qwen --num_train_epochs 2 \\
         --per_device_train_batch_size 8 --logical_batch_size 256 --target_epsilon 8 --bf16
 

@@ -3,8 +3,8 @@
 Every run is an ordinary dpllm run (its own run directory, privacy report and checkpoint) that appends
 one line to ``OUTPUT_DIR/runs.jsonl``; the sweep then fits the chosen scaling-law form to that table.
 
-    accelerate launch recipes/scaling_sweep.py --config recipes/configs/tiny/scaling_sweep_cpu.yaml \\
-        --output_dir runs/sweep
+    accelerate launch --config_file recipes/accelerate/single_gpu.yaml recipes/scaling_sweep.py \\
+        --config recipes/configs/tiny/scaling_sweep_cpu.yaml --output_dir runs/sweep
     dpllm scaling fit --runs runs/sweep/runs.jsonl --form chinchilla --out runs/sweep/fit
     dpllm scaling plan --fit runs/sweep/fit/fit.json --epsilon 8 --target-ppl 20
 

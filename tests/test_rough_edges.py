@@ -220,3 +220,40 @@ def test_synthesize_no_progress_turns_off_the_loading_bars_of_its_own_process_on
         assert not hf_logging.is_progress_bar_enabled()
     finally:
         hf_logging.enable_progress_bar()
+
+
+def _launch_commands(text: str, *, fenced: bool):
+    """``accelerate launch ...`` commands of a text, continuation lines joined: in a Markdown file those inside code
+    fences, in a recipe's source the indented copy-paste lines of its docstring."""
+    out, inside, cur = [], not fenced, ""
+    for line in text.splitlines():
+        if fenced and line.lstrip().startswith("```"):
+            inside, cur = not inside, ""
+            continue
+        if not inside:
+            continue
+        cur += line.strip()
+        if cur.endswith("\\"):
+            cur = cur.rstrip("\\") + " "
+            continue
+        if cur.startswith("accelerate launch"):
+            out.append(cur)
+        cur = ""
+    return out
+
+
+def test_every_launch_command_in_the_docs_names_an_accelerate_config():
+    """Issue 49, item 7: `accelerate launch` without a config file prints a block of "values were not passed"
+    before every run. Every launch command the README, the docs and the recipes give names one of the shipped
+    configs (recipes/accelerate/*.yaml; on a machine without GPUs they run on CPU, one or two gloo processes)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = [root / "README.md", *sorted((root / "docs").glob("*.md")), *sorted((root / "recipes").glob("*.py"))]
+    commands = {f"{f.relative_to(root)}: {c}" for f in files
+                for c in _launch_commands(f.read_text(), fenced=f.suffix == ".md")}
+    assert len(commands) >= 15, commands  # the shipped docs hold more than that: the scan reads them
+    configs = {c: re.search(r"--config_file (\S+)", c) for c in commands}
+    assert [c for c, m in configs.items() if m is None] == []
+    assert all((root / m.group(1)).is_file() for m in configs.values()), configs
