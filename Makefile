@@ -21,7 +21,7 @@ demo: $(VENV)/.installed
 
 # Lint and the layers first (ruff and import-linter, configured in pyproject.toml; a few seconds), then the
 # suite: two workers, one test file each (module fixtures stay in one process; tests/conftest.py hands out the
-# slowest files first). On the 2-core CI machine (2026-11-30): 4-7 min quiet, 6-10 min beside another job, with the
+# slowest files first). On the 2-core CI machine (2026-11-30): 4-7 min quiet, 5-10 min beside another job, with the
 # machine's speed. How it is measured, where its time goes and what was trimmed: docs/benchmarks.md, "Test suite
 # time" (each earlier day's figures: `git log -p Makefile`).
 # Bytecode caching on for the suite (PYTHONDONTWRITEBYTECODE emptied, should the environment set it): its ~40
