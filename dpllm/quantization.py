@@ -74,14 +74,19 @@ def hide_unused_bitsandbytes(quantization: str, *models: str) -> bool:
     return True
 
 
-def quiet_command(*models: str, quantization: str = "none") -> bool:
+def quiet_command(*models: str, quantization: str = "none", progress: bool = True) -> bool:
     """What a command's entry point sets for its own process before it imports the training stack: bitsandbytes
-    hidden when every model it will load is known to load without it (:func:`hide_unused_bitsandbytes`), and the
-    third-party deprecations a user cannot act on silenced (:func:`dpllm.logs.silence_known_deprecations`). Never
-    a library call: both last as long as the process. True when bitsandbytes was hidden."""
+    hidden when every model it will load is known to load without it (:func:`hide_unused_bitsandbytes`), the
+    third-party deprecations a user cannot act on silenced (:func:`dpllm.logs.silence_known_deprecations`), and,
+    with ``progress=False`` (a command's ``--no-progress``), transformers' bars (loading weights) turned off. Never a
+    library call: all of it lasts as long as the process. True when bitsandbytes was hidden."""
     from dpllm.logs import silence_known_deprecations
 
     silence_known_deprecations()
+    if not progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     return hide_unused_bitsandbytes(quantization, *models)
 
 

@@ -312,33 +312,22 @@ def cmd_lira(args) -> int:
     return 0
 
 
-def _hide_unused_bitsandbytes(args) -> None:
-    """No bitsandbytes import (peft's, and the log bitsandbytes prints on it) when every model the command loads
-    is known to load without it (:func:`dpllm.quantization.known_unquantized`; whitebox trains a tiny model)."""
-    from dpllm.quantization import hide_unused_bitsandbytes, known_unquantized
-
+def _models(args) -> list[str]:
+    """Every model the command loads: the checkpoint or run (whitebox trains a tiny model), and a reference model."""
     models = [getattr(args, "checkpoint", None) or getattr(args, "run", None) or "tiny-llama"]
     if getattr(args, "reference", None) not in (None, "base"):
         models.append(args.reference)
-    if all(known_unquantized(str(m)) for m in models):
-        hide_unused_bitsandbytes("none", "tiny-llama")
+    return models
 
 
 def main(argv: list[str] | None = None, *, command: bool = False) -> int:
     """Entry point; returns the exit code. ``command``: run as ``python -m mia`` (a process of its own, where a
     process-wide setting such as hiding an unused bitsandbytes is safe)."""
     args = build_parser().parse_args(argv)
-    if command:
-        import warnings
+    if command:  # no bitsandbytes import (peft's, and its log) unless a model needs it; no known deprecations
+        from dpllm.quantization import quiet_command
 
-        _hide_unused_bitsandbytes(args)
-        if getattr(args, "no_progress", False):  # nor transformers' bars (loading weights) in this process
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
-        # transformers 5 renamed the property peft reads on every load (dpllm.logs.KNOWN_DEPRECATIONS, which the
-        # audits' layer does not import): nothing a user can act on
-        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*is deprecated", category=FutureWarning)
+        quiet_command(*_models(args), progress=not getattr(args, "no_progress", False))
     try:
         return {"audit": cmd_audit, "canaries": cmd_canaries, "whitebox": cmd_whitebox,
                 "lira": cmd_lira}[args.command](args)

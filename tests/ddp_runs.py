@@ -65,12 +65,12 @@ def _hide_unused_bitsandbytes(runs: list) -> None:
     for its one run (:func:`dpllm.quantization.hide_unused_bitsandbytes`): the launch then imports what the recipe's
     processes import, and peft does not import bitsandbytes (through torch.compile: ~2.7 CPU-s per process)."""
     from dpllm.config import parse_config
-    from dpllm.quantization import hide_unused_bitsandbytes, known_unquantized
+    from dpllm.quantization import hide_unused_bitsandbytes
 
     models = [parse_config(run if isinstance(run, list) else run["argv"]).model
-              for run in runs if not (isinstance(run, dict) and "fsdp_bk_cases" in run)]  # the cases never quantize
-    if all(m.quantization in (None, "none") and known_unquantized(m.model_name_or_path) for m in models):
-        hide_unused_bitsandbytes("none", "tiny-llama")
+              for run in runs if not (isinstance(run, dict) and "fsdp_bk_cases" in run)]
+    if all(m.quantization in (None, "none") for m in models):  # the cases never quantize: tiny models
+        hide_unused_bitsandbytes("none", *([m.model_name_or_path for m in models] or ["tiny-llama"]))
 
 
 if __name__ == "__main__":

@@ -170,8 +170,8 @@ def test_every_command_that_trains_or_loads_hides_an_unused_bitsandbytes(entry, 
 
     real, answers = quantization.quiet_command, []
 
-    def spy(*models, quantization="none"):
-        answers.append(real(*models, quantization=quantization))
+    def spy(*models, **options):
+        answers.append(real(*models, **options))
         raise _Hidden
 
     monkeypatch.setattr(quantization, "quiet_command", spy)
@@ -204,20 +204,24 @@ def test_every_command_that_trains_or_loads_hides_an_unused_bitsandbytes(entry, 
 
 
 def test_synthesize_no_progress_turns_off_the_loading_bars_of_its_own_process_only(tmp_path, monkeypatch):
+    import warnings
+
     from transformers.utils import logging as hf_logging
 
     import dpllm.quantization as quantization
     from dpllm.cli import main as dpllm_main
 
-    monkeypatch.setattr(quantization, "quiet_command", lambda *models, quantization="none": False)
+    monkeypatch.setattr(quantization, "hide_unused_bitsandbytes", lambda quantization, *models: False)  # this process
+    # keeps its modules; quiet_command's deprecation filters stay in the catch_warnings block below
     run = tmp_path / "not_a_run"
     run.mkdir()
     argv = ["synthesize", str(run), "--num", "2", "--out", str(tmp_path / "s.jsonl"), "--no-progress"]
     hf_logging.enable_progress_bar()  # as a fresh process starts
     try:
-        assert dpllm_main(argv) == 1 and hf_logging.is_progress_bar_enabled()  # a caller's process: unchanged
-        assert dpllm_main(argv, command=True) == 1  # refused (not a run) after the command set up its process
-        assert not hf_logging.is_progress_bar_enabled()
+        with warnings.catch_warnings():
+            assert dpllm_main(argv) == 1 and hf_logging.is_progress_bar_enabled()  # a caller's process: unchanged
+            assert dpllm_main(argv, command=True) == 1  # refused (not a run) after the command set up its process
+            assert not hf_logging.is_progress_bar_enabled()
     finally:
         hf_logging.enable_progress_bar()
 

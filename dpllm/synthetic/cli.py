@@ -61,11 +61,8 @@ def cli_main(argv: list[str], *, command: bool = False) -> int:
     if command:  # before anything imports peft: bitsandbytes stays unimported unless a model it loads needs it
         from dpllm.quantization import quiet_command
 
-        quiet_command(args.run_dir, *([] if args.no_report or args.embedder in ("auto", "lsa") else [args.embedder]))
-        if args.no_progress:  # nor transformers' bars (loading weights) in this process
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
+        quiet_command(args.run_dir, *([] if args.no_report or args.embedder in ("auto", "lsa") else [args.embedder]),
+                      progress=not args.no_progress)
     from dpllm.synthetic.generate import SynthesisError, synthesize
 
     prompts = list(args.prompt)
